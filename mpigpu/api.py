@@ -1,0 +1,184 @@
+"""``allreduce``: the one call every path goes through."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mpigpu._cuda import StreamRef, resolve_stream
+from mpigpu.arrays import ArrayView, as_view, check_out
+from mpigpu.backends import backend_class
+from mpigpu.check import Signature, check_signature
+from mpigpu.context import Context
+from mpigpu.errors import DeviceError, InvalidArgument, MismatchError, MpigpuError
+from mpigpu.ops import Op, parse_op
+from mpigpu.plan import Choice, choose
+
+__all__ = ["Prepared", "allreduce", "explain", "prepare"]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated call: views, the chosen backend and the stream, ready to run."""
+
+    ctx: Context
+    x: ArrayView
+    out: ArrayView
+    op: Op
+    choice: Choice
+    stream: StreamRef | None
+    result: Any  # what allreduce returns (out, x, or a new array for immutable inputs)
+    finish: Any = None  # callable(out_view) -> result object, for immutable inputs (JAX)
+
+
+def _output_for(x: ArrayView) -> tuple[ArrayView, Any, Any]:
+    """A fresh output array for an input that cannot be written (JAX): (view, holder, finish)."""
+    if x.on_device:
+        from mpigpu._cuda import cupy, set_device
+
+        set_device(x.device)  # type: ignore[arg-type]
+        holder = cupy().empty(x.shape, dtype=x.dtype.np)
+    else:
+        holder = np.empty(x.shape, dtype=x.dtype.np)
+    finish = None
+    if x.framework == "jax":
+        import jax.dlpack
+        import jax.numpy as jnp
+
+        def finish(arr: Any) -> Any:
+            return jax.dlpack.from_dlpack(arr) if x.on_device else jnp.asarray(arr)
+
+    return as_view(holder, name="out"), holder, finish
+
+
+def _validate(ctx: Context, x: Any, op: Any, out: Any, backend: str, stream: Any) -> Prepared:
+    op_ = parse_op(op)
+    if not isinstance(backend, str):
+        raise InvalidArgument(f"backend must be a string such as 'auto' or 'nccl', not {type(backend).__name__}")
+    xv = as_view(x, name="x")
+    finish = None
+    if out is None:
+        if xv.readonly and xv.framework != "jax":
+            raise InvalidArgument("x is read-only, so it cannot be reduced in place: pass out=<writable array>")
+        if xv.framework == "jax":
+            outv, result, finish = _output_for(xv)
+        else:
+            outv, result = xv, x
+    else:
+        outv, result = as_view(out, name="out"), out
+        check_out(xv, outv)
+    if xv.on_device:
+        if ctx.gpu is None:
+            raise DeviceError("x is a GPU array, but this rank has no GPU bound (no GPU was visible at start-up)")
+        if xv.device != ctx.gpu.index:
+            raise DeviceError(
+                f"x is on GPU {xv.device}, but rank {ctx.rank} is bound to {ctx.gpu.describe()}. Allocate on the "
+                f"rank's GPU: `torch.cuda.set_device(mpigpu.select_device().index)` or "
+                f"`cupy.cuda.Device(mpigpu.select_device().index).use()`."
+            )
+    choice = choose(ctx, xv, op_, backend)
+    ref = resolve_stream(stream, xv.framework, xv.device) if xv.on_device else None
+    return Prepared(ctx, xv, outv, op_, choice, ref, result, finish)
+
+
+def prepare(
+    x: Any,
+    op: str | Op = "avg",
+    *,
+    out: Any = None,
+    comm: Any = None,
+    backend: str = "auto",
+    stream: Any = None,
+) -> Prepared:
+    """Validate a call on every rank and check that all ranks agree (collective).
+
+    A rank whose own arguments are wrong raises its error; the other ranks raise MismatchError
+    naming that rank, so no rank is left waiting."""
+    ctx = Context.get(comm)
+    try:
+        prepared = _validate(ctx, x, op, out, backend, stream)
+    except MpigpuError as exc:
+        if ctx.settings.check:
+            # Every rank learns of the failure; this rank raises its own error.
+            with contextlib.suppress(MismatchError):
+                check_signature(ctx.comm, Signature(0, 0, 0, 0, 0, error=f"{type(exc).__name__}: {exc}"))
+        raise
+    if ctx.settings.check:
+        xv = prepared.x
+        check_signature(
+            ctx.comm,
+            Signature(
+                count=xv.size,
+                dtype=xv.dtype.code,
+                op=prepared.op.code,
+                backend=backend_class(prepared.choice.backend).code,
+                placement=int(xv.on_device),
+            ),
+        )
+    return prepared
+
+
+def run(prepared: Prepared) -> Any:
+    """Execute a prepared call on its backend; return the result object."""
+    if prepared.x.size:
+        ctx, x = prepared.ctx, prepared.x
+        backend = ctx.backend(prepared.choice.backend)
+        if x.on_device:
+            ctx.activate_gpu()
+        label = f"allreduce({prepared.choice.backend}, {x.dtype.name} x {x.size}, op={prepared.op.value})"
+        with ctx.watchdog.watch(label):
+            backend.allreduce(x, prepared.out, prepared.op, prepared.stream)
+        if ctx.settings.log:
+            _log_choice(ctx, prepared)
+    if prepared.finish is not None:
+        return prepared.finish(prepared.result)
+    return prepared.result
+
+
+_logged: set[tuple[str, str]] = set()
+
+
+def _log_choice(ctx: Context, prepared: Prepared) -> None:
+    key = (prepared.choice.backend, prepared.choice.reason)
+    if ctx.rank == 0 and key not in _logged:
+        _logged.add(key)
+        import sys
+
+        sys.stderr.write(
+            f"mpigpu: {prepared.x.nbytes} B {prepared.x.dtype.name} on {prepared.x.where} -> "
+            f"{prepared.choice.backend} ({prepared.choice.reason})\n"
+        )
+
+
+def allreduce(
+    x: Any,
+    op: str | Op = "avg",
+    *,
+    out: Any = None,
+    comm: Any = None,
+    backend: str = "auto",
+    stream: Any = None,
+) -> Any:
+    """Reduce ``x`` across all ranks of ``comm`` (default: the world) and return the result.
+
+    op:      "avg" (default), "sum", "min", "max" or "prod".
+    out:     None reduces in place and returns ``x``; an array receives the result, ``x`` untouched.
+             (JAX arrays are immutable: a new JAX array is returned.)
+    backend: "auto" (default) or one of "nccl", "cuda-aware", "host", "ipc", "cpu".
+    stream:  for GPU arrays, the stream the call is ordered on (cuda.core, CuPy or PyTorch stream,
+             anything with ``__cuda_stream__``, or an int handle). Default: the array framework's
+             current stream. The result is ready in that stream's order when this returns.
+
+    Collective: every rank must call it with the same size, dtype, op and backend; a mismatch
+    raises MismatchError on every rank. Bad arguments leave the caller's arrays unchanged.
+    """
+    return run(prepare(x, op, out=out, comm=comm, backend=backend, stream=stream))
+
+
+def explain(x: Any, op: str | Op = "avg", *, comm: Any = None, backend: str = "auto") -> Choice:
+    """Which backend ``allreduce`` would use for ``x``, and why (local; moves no data)."""
+    ctx = Context.get(comm)
+    return choose(ctx, as_view(x), parse_op(op), backend)

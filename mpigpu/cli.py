@@ -1,0 +1,138 @@
+"""Pieces shared by the commands (average, bench, info): argument types that explain bad values,
+the ``#`` header (library versions, one line per rank), and version collection."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import os
+import platform
+import sys
+from typing import Any
+
+from mpigpu.backends import BACKEND_NAMES
+from mpigpu.config import parse_count
+from mpigpu.dtypes import DTYPES, parse_dtype
+from mpigpu.errors import InvalidArgument
+
+__all__ = [
+    "Parser",
+    "backend_arg",
+    "count_arg",
+    "dtype_arg",
+    "header_lines",
+    "nonneg_int",
+    "positive_int",
+    "prog",
+    "versions",
+]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a bad option once per job: ranks other than 0 exit quietly."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        if launcher_rank() > 0:
+            self.exit(2)
+        super().error(message)
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher announced it (-1 outside a launcher); starts no MPI."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return -1
+
+
+def prog(module: str) -> str:
+    """argparse's prog, as the user typed it: ``python3 -m mpigpu.average``."""
+    return f"{os.path.basename(sys.executable) or 'python'} -m {module}"
+
+
+def _wrap(func: Any, what: str) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            return func(text)
+        except InvalidArgument as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = what
+    return parse
+
+
+count_arg = _wrap(lambda t: parse_count(t, what="size"), "size")
+dtype_arg = _wrap(lambda t: parse_dtype(t).name, "dtype")
+
+
+def _int(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{value} is too small: it must be >= {minimum}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _int(text, 1)
+
+
+def nonneg_int(text: str) -> int:
+    return _int(text, 0)
+
+
+def backend_arg(text: str) -> str:
+    if text == "auto" or text in BACKEND_NAMES:
+        return text
+    raise argparse.ArgumentTypeError(f"unknown backend {text!r}: use auto, {', '.join(BACKEND_NAMES)}")
+
+
+DTYPE_HELP = f"element type: {', '.join(DTYPES)}"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, Any]:
+    """Versions of Python and of every package that matters to a result."""
+    found = {"python": platform.python_version()}
+    for dist in (
+        "mpigpu", "numpy", "mpi4py", "mpich", "ml_dtypes", "cuda-core", "cuda-bindings",
+        "cupy-cuda12x", "cupy-cuda13x", "nvidia-nccl-cu12", "nvidia-nccl-cu13", "torch", "jax",
+    ):  # fmt: skip
+        version = _version(dist)
+        if version:
+            found[dist] = version
+    return found
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def header_lines(ctx: Any) -> list[str]:
+    """The ``#`` header (collective; meaningful on rank 0): library, ranks, one line per rank."""
+    from mpigpu import __version__
+
+    layout, lib = ctx.layout, ctx.mpi_lib
+    gpu = ctx.gpu.describe() if ctx.gpu else "cpu"
+    mine = f"host {layout.hostnames[ctx.rank]:<16} node {layout.node_index} local {layout.local_rank}  {gpu}"
+    lines = ctx.comm.gather(mine, root=0) or []
+    nodes = f"{layout.num_nodes} node{'s' if layout.num_nodes != 1 else ''}"
+    if layout.virtual:
+        nodes += f" (virtual, MPIGPU_NODE_SIZE={ctx.settings.node_size})"
+    head = [
+        f"# mpigpu {__version__} | {lib.version} (MPI {lib.standard}) | {ctx.size} rank"
+        f"{'s' if ctx.size != 1 else ''} on {nodes} | Python {platform.python_version()}",
+        f"# CUDA-aware MPI: {ctx.cuda_aware.describe()} | NCCL: "
+        + (ctx.nccl.version if ctx.nccl.available else f"no ({ctx.nccl.reason})"),
+    ]
+    return head + [f"#  Rank {r:3d} {line}" for r, line in enumerate(lines)]

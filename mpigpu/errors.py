@@ -1,0 +1,59 @@
+"""One error hierarchy: every error mpigpu raises says what was wrong and what to do."""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailable",
+    "CollectiveTimeout",
+    "ConfigError",
+    "DeviceError",
+    "InvalidArgument",
+    "KernelCompileError",
+    "MismatchError",
+    "MissingDependency",
+    "MpigpuError",
+]
+
+
+class MpigpuError(Exception):
+    """Base class of every error raised by mpigpu."""
+
+
+class InvalidArgument(MpigpuError, ValueError):
+    """A call's argument cannot work: wrong dtype, layout, shape, size or option value.
+
+    Raised before any data is touched, so the caller's arrays are unchanged."""
+
+
+class ConfigError(MpigpuError, ValueError):
+    """An MPIGPU_* environment variable holds a value that cannot be used."""
+
+
+class MissingDependency(MpigpuError, ImportError):
+    """An optional package (or the MPI library) is needed for this and is not installed."""
+
+
+class BackendUnavailable(MpigpuError):
+    """The requested backend cannot run here (library missing, no GPU, MPI not CUDA-aware, ...)."""
+
+
+class DeviceError(MpigpuError):
+    """Rank-to-GPU mapping problems: no GPU for a rank, an array on another GPU, shared GPUs."""
+
+
+class KernelCompileError(MpigpuError):
+    """NVRTC rejected a kernel; ``log`` holds the compiler's output."""
+
+    def __init__(self, message: str, log: str = "") -> None:
+        super().__init__(f"{message}\n--- NVRTC log ---\n{log}" if log else message)
+        self.log = log
+
+
+class MismatchError(MpigpuError):
+    """Ranks called the same collective with different arguments.
+
+    Raised on every rank with the same message, naming what differed and where."""
+
+
+class CollectiveTimeout(MpigpuError):
+    """A collective did not complete within MPIGPU_TIMEOUT seconds."""

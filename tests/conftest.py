@@ -1,0 +1,98 @@
+"""Shared test fixtures.
+
+Layout: tests without an ``mpi`` marker run serially (``python -m pytest``); tests marked
+``@pytest.mark.mpi`` run under ``mpiexec -n 1/2/4 python -m pytest --with-mpi --only-mpi``
+(scripts/test.sh runs all four). Tests marked ``gpu`` are skipped, with the reason, where no GPU
+is visible; MPIGPU_REQUIRE_GPU=1 (set by scripts/gpu-check.sh) turns that skip into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _under_mpi() -> bool:
+    return any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Under mpiexec every rank runs pytest; only rank 0 writes to the terminal, the others to a
+    # log file that scripts/test.sh prints if their run fails.
+    if _under_mpi():
+        from mpigpu.cli import launcher_rank
+
+        rank = launcher_rank()
+        if rank > 0:
+            log = ROOT / f".pytest-rank{rank}.log"
+            sys.stdout = open(log, "w", buffering=1)  # noqa: SIM115 - lives for the session
+
+
+def gpu_available() -> bool:
+    from mpigpu._cuda import visible_device_count
+
+    return visible_device_count() > 0
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is None or gpu_available():
+        return
+    if os.environ.get("MPIGPU_REQUIRE_GPU") == "1":
+        pytest.fail("MPIGPU_REQUIRE_GPU=1, but no CUDA GPU is visible to this process")
+    pytest.skip("needs a CUDA GPU (none visible here); scripts/gpu-check.sh runs these on a GPU machine")
+
+
+@pytest.fixture(scope="session")
+def comm():
+    from mpigpu._mpi import world
+
+    return world()
+
+
+def mpiexec() -> str:
+    """The launcher that belongs to the MPI mpi4py loads (the venv's mpich wheel first)."""
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.exists():
+        return str(local)
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if not found:
+        pytest.fail("no mpiexec found: install the mpi extra (pip install 'mpigpu[mpi]') or a system MPI")
+    return found
+
+
+def run_mpi(
+    n: int,
+    args: list[str],
+    *,
+    timeout: float = 60,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``mpiexec -n n python <args>`` as a subprocess; fails the test on timeout (a hang)."""
+    full_env = dict(os.environ)
+    for var in list(full_env):  # a clean launch: no inherited rank variables from an outer mpiexec
+        if var.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_")):
+            del full_env[var]
+    full_env["PYTHONUNBUFFERED"] = "1"
+    if env:
+        full_env.update(env)
+    command = [mpiexec(), "-n", str(n), sys.executable, *args]
+    try:
+        return subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=full_env,
+            cwd=cwd or ROOT,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{' '.join(command)} did not finish within {timeout} s (hang?)\n{exc.stdout}\n{exc.stderr}")
