@@ -86,7 +86,7 @@ def libmpi_path() -> str:
 def library_info() -> LibraryInfo:
     """Describe the loaded MPI library (cached)."""
     mod = MPI()
-    text = mod.Get_library_version().strip()
+    text = mod.Get_library_version().replace("\0", "").strip()
     first = text.splitlines()[0].strip() if text else "unknown"
     major, minor = mod.Get_version()
     path = libmpi_path()

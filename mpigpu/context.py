@@ -55,6 +55,7 @@ class Context:
 
         self.watchdog = Watchdog(self.settings.timeout)
         self._backends: dict[str, Backend] = {}
+        self.plan_cache: dict[tuple[Any, ...], Any] = {}  # mpigpu.plan.choose_cached
         self._closed = False
         self.availability: dict[str, Availability] = {}
         for name in BACKEND_NAMES:  # collective on every rank, in the same order

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,8 +84,22 @@ _ALIASES = {
 _BY_NUMPY = {d.np: d for d in DTYPES.values()}
 
 
+_SEEN: dict[Any, DType] = {}  # dtype objects already parsed (hot path: one dict lookup)
+
+
 def parse_dtype(value: Any) -> DType:
     """Map a name ("bf16", "float32"), a NumPy dtype, or a torch/CuPy dtype to a DType."""
+    try:
+        return _SEEN[value]
+    except (KeyError, TypeError):
+        pass
+    found = _parse_dtype(value)
+    with contextlib.suppress(TypeError):  # unhashable: fine, just not cached
+        _SEEN[value] = found
+    return found
+
+
+def _parse_dtype(value: Any) -> DType:
     if isinstance(value, DType):
         return value
     if isinstance(value, str):

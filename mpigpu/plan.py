@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from mpigpu.context import Context
     from mpigpu.ops import Op
 
-__all__ = ["Choice", "TuningTable", "choose", "load_tuning", "machine_signature"]
+__all__ = ["Choice", "TuningTable", "choose", "choose_cached", "load_tuning", "machine_signature"]
 
 IPC_MAX_BYTES = 256 << 10
 HOST_SHM_MIN_BYTES = 256 << 10
@@ -115,6 +115,23 @@ def _usable(ctx: Context, name: str, view: ArrayView, op: Op) -> str | None:
     if not view.on_device and not cls.host_arrays:
         return "takes GPU arrays only"
     return cls.supports(view.dtype, op)
+
+
+_CACHE_LIMIT = 4096
+
+
+def choose_cached(ctx: Context, view: ArrayView, op: Op, requested: str) -> Choice:
+    """``choose``, remembered per (placement, bytes, dtype, op, request) on the context: the
+    decision depends on nothing else, and repeated calls (a training loop) then cost a lookup."""
+    key = (view.device is not None, view.nbytes, view.dtype.name, op, requested)
+    cache = ctx.plan_cache
+    choice = cache.get(key)
+    if choice is None:
+        choice = choose(ctx, view, op, requested)
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        cache[key] = choice
+    return choice
 
 
 def choose(ctx: Context, view: ArrayView, op: Op, requested: str) -> Choice:

@@ -16,7 +16,7 @@ from mpigpu.ops import Op
 from mpigpu.patterns import check_pattern, fill, pattern_code
 from mpigpu.verify import count_wrong_host
 
-__all__ = ["Workload"]
+__all__ = ["Workload", "count_wrong_device", "fill_device"]
 
 POISON_BYTE = 0x7F  # NaN or a huge value in every dtype; never an expected result
 
@@ -57,42 +57,15 @@ class Workload:
         self._holders.append(raw)
         return ArrayView(raw, int(raw.data.ptr), (self.count,), self.dtype, self.gpu.index, False, "cupy")
 
-    def host_copy(self, view: ArrayView) -> np.ndarray:
-        """A host copy of a buffer (synchronises the stream)."""
-        if view.host is not None:
-            return view.host
-        raw = view.obj
-        return raw.get(stream=self._cupy_stream())[: self.count * self.dtype.itemsize].view(self.dtype.np)
-
-    def _cupy_stream(self) -> Any:
-        from mpigpu._cuda import cupy
-
-        return cupy().cuda.ExternalStream(self.stream.handle) if self.stream else None
-
     # -- patterns -----------------------------------------------------------------------------------
-    def _kernels(self) -> Any:
-        from mpigpu.kernels.compile import load_module
-
-        cc = self.gpu.compute_capability
-        return load_module("patterns.cu", f"{cc[0]}{cc[1]}")
-
     def fill(self) -> None:
         """Write this rank's input into ``x`` (records the kernel time on the GPU)."""
         if self.gpu is None:
             fill(self.x.host, self.pattern, self.op, self.rank, self.nranks)
             return
-        from mpigpu._cuda import timing_event
-        from mpigpu.kernels.compile import i32, i64, launch
-
-        kernel = self._kernels().kernel(f"fill_{self.dtype.name}")
-        start = timing_event(self.stream)
-        launch(
-            self.stream, kernel, self.count, self.x.ptr, i64(self.count), i64(0),
-            i32(pattern_code(self.pattern)), i32(self.op.index), i32(self.rank), i32(self.nranks),
-        )  # fmt: skip
-        end = timing_event(self.stream)
-        end.sync()
-        self.kernel_ms = float(end - start)
+        self.kernel_ms = fill_device(
+            self.x.ptr, self.count, self.dtype, self.pattern, self.op, self.rank, self.nranks, self.gpu, self.stream
+        )
 
     def poison(self) -> None:
         """Overwrite ``out`` (when separate) so that an element the backend never writes is caught."""
@@ -121,19 +94,59 @@ class Workload:
         """Wrong elements in ``out`` on this rank."""
         if self.gpu is None:
             return count_wrong_host(self.out.host, self.pattern, self.op, self.dtype, self.nranks)
-        from mpigpu._cuda import cupy
-        from mpigpu.kernels.compile import i32, i64, launch
-
-        cp = cupy()
-        counter = cp.empty(1, dtype=np.uint64)
-        cp.cuda.runtime.memsetAsync(int(counter.data.ptr), 0, 8, self.stream.handle)
-        kernel = self._kernels().kernel(f"count_wrong_{self.dtype.name}")
-        launch(
-            self.stream, kernel, self.count, self.out.ptr, i64(self.count), i64(0),
-            i32(pattern_code(self.pattern)), i32(self.op.index), i32(self.nranks),
-            np.float64(self.dtype.eps), int(counter.data.ptr),
-        )  # fmt: skip
-        return int(counter.get(stream=self._cupy_stream())[0])
+        return count_wrong_device(
+            self.out.ptr, self.count, self.dtype, self.pattern, self.op, self.nranks, self.gpu, self.stream
+        )
 
     def free(self) -> None:
         self._holders.clear()
+
+
+def _patterns_module(gpu: Any) -> Any:
+    from mpigpu.kernels.compile import load_module
+
+    major, minor = gpu.compute_capability
+    return load_module("patterns.cu", f"{major}{minor}")
+
+
+def fill_device(
+    ptr: int, count: int, dtype: DType, pattern: str, op: Op, rank: int, nranks: int, gpu: Any, stream: Any
+) -> float:
+    """Fill ``count`` elements at device pointer ``ptr`` with rank ``rank``'s input, on ``stream``.
+
+    Returns the kernel's time in milliseconds (CUDA events; waits for the kernel)."""
+    from mpigpu._cuda import timing_event
+    from mpigpu.kernels.compile import i32, i64, launch
+
+    check_pattern(pattern, dtype)
+    kernel = _patterns_module(gpu).kernel(f"fill_{dtype.name}")
+    start = timing_event(stream)
+    launch(
+        stream, kernel, count, ptr, i64(count), i64(0),
+        i32(pattern_code(pattern)), i32(op.index), i32(rank), i32(nranks),
+    )  # fmt: skip
+    end = timing_event(stream)
+    end.sync()
+    return float(end - start)
+
+
+def count_wrong_device(
+    ptr: int, count: int, dtype: DType, pattern: str, op: Op, nranks: int, gpu: Any, stream: Any
+) -> int:
+    """Wrong elements among ``count`` results at device pointer ``ptr`` (verified on the GPU)."""
+    from mpigpu._cuda import cupy
+    from mpigpu.kernels.compile import i32, i64, launch
+
+    cp = cupy()
+    counter = cp.empty(1, dtype=np.uint64)
+    cp.cuda.runtime.memsetAsync(int(counter.data.ptr), 0, 8, stream.handle)
+    kernel = _patterns_module(gpu).kernel(f"count_wrong_{dtype.name}")
+    launch(
+        stream, kernel, count, ptr, i64(count), i64(0),
+        i32(pattern_code(pattern)), i32(op.index), i32(nranks), np.float64(dtype.eps), int(counter.data.ptr),
+    )  # fmt: skip
+    host = np.empty(1, dtype=np.uint64)
+    cp.cuda.runtime.memcpyAsync(host.ctypes.data, int(counter.data.ptr), 8, cp.cuda.runtime.memcpyDeviceToHost,
+                                stream.handle)  # fmt: skip
+    cp.cuda.runtime.streamSynchronize(stream.handle)
+    return int(host[0])
