@@ -21,9 +21,13 @@ ENV_VARS: dict[str, str] = {
     "MPIGPU_NODE_SIZE": "N: split each node into virtual nodes of N ranks (runs the multi-node code on one machine)",
     "MPIGPU_TIMEOUT": "seconds: abort the job if a collective has not completed in time (0 = off, the default)",
     "MPIGPU_CHECK": "1 (default) or 0: check on every call that all ranks pass the same count, dtype, op and backend",
+    "MPIGPU_ABORT_ON_EXCEPTION": "1 (default) or 0: an uncaught exception on one rank aborts the whole job "
+    "(from mpigpu's first call on) instead of leaving the other ranks waiting",
     "MPIGPU_ALLOW_SHARED_GPU": "1: allow more ranks on a node than visible GPUs (ranks then share GPUs)",
     "MPIGPU_HOST_POOL_MB": "MiB: cap on the host path's pinned staging memory per rank (default 1024)",
     "MPIGPU_HOST_CHUNK": "bytes (e.g. 4M): chunk size of the host path's pipeline (default: the measured best)",
+    "MPIGPU_HOST_DEPTH": "N: chunks the host path's pipeline stages ahead of the reduction (default 2)",
+    "MPIGPU_HOST_SMALL": "bytes: messages up to this size take the host path's latency route (default 64K)",
     "MPIGPU_TUNE_FILE": "path: crossover table written by `mpigpu.bench --tune` and read by backend='auto'",
     "MPIGPU_CACHE_DIR": "directory: compiled-kernel cache (default ~/.cache/mpigpu)",
     "MPIGPU_LOG": "1: print to stderr (rank 0) which backend 'auto' picked and why, once per choice",
@@ -108,9 +112,12 @@ class Settings:
     node_size: int | None = None
     timeout: float = 0.0
     check: bool = True
+    abort_on_exception: bool = True
     allow_shared_gpu: bool = False
     host_pool_bytes: int = 1024 << 20
     host_chunk: int | None = None
+    host_depth: int = 2
+    host_small: int = 64 << 10
     cache_dir: Path = field(default_factory=_cache_dir)
     tune_file: Path | None = None
     log: bool = False
@@ -123,15 +130,20 @@ class Settings:
     def from_env(cls) -> Settings:
         tune = _raw("MPIGPU_TUNE_FILE")
         pool_mb = _count("MPIGPU_HOST_POOL_MB", 1024)
-        assert pool_mb is not None
+        depth = _count("MPIGPU_HOST_DEPTH", 2)
+        small = _count("MPIGPU_HOST_SMALL", 64 << 10, allow_zero=True)
+        assert pool_mb is not None and depth is not None and small is not None
         return cls(
             cuda_aware=_opt_bool("MPIGPU_CUDA_AWARE"),
             node_size=_count("MPIGPU_NODE_SIZE", None),
             timeout=_seconds("MPIGPU_TIMEOUT"),
             check=_bool("MPIGPU_CHECK", True),
+            abort_on_exception=_bool("MPIGPU_ABORT_ON_EXCEPTION", True),
             allow_shared_gpu=_bool("MPIGPU_ALLOW_SHARED_GPU", False),
             host_pool_bytes=pool_mb << 20,
             host_chunk=_count("MPIGPU_HOST_CHUNK", None),
+            host_depth=depth,
+            host_small=small,
             cache_dir=_cache_dir(),
             tune_file=Path(tune).expanduser() if tune else None,
             log=_bool("MPIGPU_LOG", False),

@@ -2,7 +2,7 @@
 that ``python -m mpigpu.bench --tune`` measured on a matching machine, or these rules:
 
 GPU arrays:  ipc (one node, peer access) up to 256 KiB -> nccl -> cuda-aware MPI -> host staging.
-Host arrays: cpu (MPI_Allreduce) below 256 KiB -> host (shared-memory reduce) from there on, where
+Host arrays: cpu (MPI_Allreduce) below 32 MiB -> host (shared-memory reduce) from there on, where
              the host backend is available; cpu otherwise.
 
 Every input to the choice (sizes, dtypes, capabilities agreed at start-up, the table broadcast from
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["Choice", "TuningTable", "choose", "choose_cached", "load_tuning", "machine_signature"]
 
 IPC_MAX_BYTES = 256 << 10
-HOST_SHM_MIN_BYTES = 256 << 10
+HOST_SHM_MIN_BYTES = 32 << 20  # measured crossover with MPICH's MPI_Allreduce, 2 and 4 ranks (docs/host.md)
 _DEVICE_ORDER = ("ipc", "nccl", "cuda-aware", "host")
 _HOST_ORDER = ("host", "cpu")
 

@@ -1,21 +1,951 @@
-"""Placeholder while the real backend is written (not committed)."""
+"""Host staging: reduce through node-shared host memory; MPI only between nodes.
+
+The ranks of a node share one pinned segment (``mpigpu.shm``). Each rank copies its data into its
+own slot; each rank then reduces its own slice of the message across every slot (fixed rank order
+0..n-1) into a shared result area; every rank copies the whole result back. Every element is
+computed once, so the result is bitwise identical on every rank by construction.
+
+Two routes:
+
+- pipeline: the message streams through a ring of chunk positions, one barrier per chunk. For GPU
+  arrays the copy engines move chunk k+1 out (device -> pinned host) while the GPU reduces chunk k
+  by reading every slot directly from mapped host memory (``kernels/host.cu``) and chunk k-1 is
+  copied back, each on its own stream, ordered by CUDA events. For NumPy arrays the same schedule
+  runs with host copies and a NumPy reduction.
+- latency (messages up to ``MPIGPU_HOST_SMALL``): copy in, one barrier, every rank reduces the whole
+  message itself, copy out; slots alternate between two sets by call parity, so one barrier per
+  call is enough.
+
+Several nodes (real, or virtual through ``MPIGPU_NODE_SIZE``): the node's partial result (float32
+for float16/bfloat16, unfinished) crosses nodes over MPI between ranks of equal local rank, each on
+its own slice; with unequal node sizes the node leaders exchange whole chunks. The exchange is a
+gather or reduce-scatter, never a plain MPI_Allreduce, so every element is again computed once.
+"""
 
 from __future__ import annotations
 
-from typing import ClassVar
+import abc
+import contextlib
+import mmap
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
 
 from mpigpu.backends.base import Availability, Backend
+from mpigpu.errors import BackendUnavailable, ConfigError, MpigpuError
+from mpigpu.ops import Op, finish_avg
+
+if TYPE_CHECKING:
+    from mpigpu._cuda import StreamRef
+    from mpigpu.arrays import ArrayView
+    from mpigpu.context import Context
+    from mpigpu.dtypes import DType
+    from mpigpu.shm import SharedSegment
+
+__all__ = ["HostBackend", "SegmentLayout", "finish", "internode", "reduce_rows", "reduce_stacked", "split_even"]
+
+PAGE = mmap.PAGESIZE
+GPU_CHUNK = 4 << 20  # default pipeline chunk for GPU arrays
+GPU_MIN_CHUNK = 1 << 20  # mid-size GPU messages split into chunks no smaller than this ...
+GPU_MIN_CHUNKS = 4  # ... and into at least this many, so copies and reduction overlap
+CPU_CHUNK = 16 << 20  # default pipeline chunk for NumPy arrays (measured: docs/host.md)
+CPU_BLOCK = 1 << 20  # NumPy reduction block, bytes per row (larger blocks measured faster: fewer calls)
+GATHER_MAX = 1 << 20  # across nodes, gather whole partials up to this many bytes in all
+ALIGN = 16  # slice boundaries (bytes): the kernel's 16-byte loads stay aligned
+_UFUNC = {Op.SUM: np.add, Op.MIN: np.minimum, Op.MAX: np.maximum, Op.PROD: np.multiply}
 
 
+def split_even(count: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges covering ``count`` items, each start a multiple of ``align``
+    (the last ranges may be short or empty)."""
+    step = -(-count // parts)
+    step = -(-step // align) * align
+    return [(min(count, i * step), min(count, (i + 1) * step)) for i in range(parts)]
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class SegmentLayout:
+    """Byte offsets of every area in the node segment (identical on every rank of the node).
+
+    [latency route: 2 parities x (n input slots + n output slots) of ``small`` bytes]
+    [pipeline: n slots of ``stride`` bytes][result: ``stride`` bytes]
+    [partial results in the accumulator type: 2 x ``stride`` bytes, only with several nodes]
+
+    A pipeline divides ``stride`` into ring positions of its own size; ``at`` is a byte offset into
+    a slot (and the same offset into the result area, twice it into the partial area).
+    """
+
+    ranks: int
+    stride: int
+    small: int
+    partial: bool
+
+    @property
+    def small_area(self) -> int:
+        return 4 * self.ranks * self.small
+
+    def small_in(self, parity: int, rank: int) -> int:
+        return (2 * parity * self.ranks + rank) * self.small
+
+    def small_out(self, parity: int, rank: int) -> int:
+        return ((2 * parity + 1) * self.ranks + rank) * self.small
+
+    def slot(self, rank: int, at: int) -> int:
+        return self.small_area + rank * self.stride + at
+
+    def result(self, at: int) -> int:
+        return self.small_area + self.ranks * self.stride + at
+
+    def partial_at(self, at: int) -> int:
+        return self.small_area + (self.ranks + 1) * self.stride + 2 * at
+
+    @property
+    def total(self) -> int:
+        return self.small_area + (self.ranks + 1 + (2 if self.partial else 0)) * self.stride
+
+    @staticmethod
+    def max_stride(ranks: int, small: int, partial: bool, pool_bytes: int) -> int:
+        """The largest page-multiple stride whose segment stays within ``pool_bytes`` per rank."""
+        budget = pool_bytes * ranks - 4 * ranks * small
+        return max(0, budget // (ranks + 1 + (2 if partial else 0))) // PAGE * PAGE
+
+
+# -- NumPy reduction (both routes, and the finishing step after a GPU partial) --------------------
+def reduce_rows(
+    rows: Sequence[np.ndarray],
+    op: Op,
+    dtype: DType,
+    nranks: int,
+    dst: np.ndarray,
+    *,
+    final: bool,
+    scratch: np.ndarray,
+) -> None:
+    """dst = rows[0] op rows[1] op ... in rank order, in the accumulator type.
+
+    final: dst holds ``dtype`` values, finished (avg divided by ``nranks``, half types rounded once);
+    otherwise dst holds the unfinished accumulator (float32 for half types). ``scratch`` is a float32
+    buffer of at least one block, used for the half types."""
+    count = dst.size
+    step = max(1, CPU_BLOCK // dtype.itemsize)
+    if dtype.is_float:  # overflow to inf and NaN are IEEE results, not errors
+        with np.errstate(all="ignore"):
+            _reduce_blocks(rows, op, dtype, nranks, dst, final, scratch, count, step)
+    else:
+        _reduce_blocks(rows, op, dtype, nranks, dst, final, scratch, count, step)
+
+
+def _reduce_blocks(
+    rows: Sequence[np.ndarray],
+    op: Op,
+    dtype: DType,
+    nranks: int,
+    dst: np.ndarray,
+    final: bool,
+    scratch: np.ndarray,
+    count: int,
+    step: int,
+) -> None:
+    ufunc = _UFUNC[op.base]
+    direct = not dtype.is_half or dst.dtype == np.float32  # accumulate straight into dst
+    for b0 in range(0, count, step):
+        b1 = min(count, b0 + step)
+        block = rows if count <= step else [row[b0:b1] for row in rows]  # one block: no slicing
+        acc = (dst if count <= step else dst[b0:b1]) if direct else scratch[: b1 - b0]
+        if dtype.is_half:  # widen first: float16 + float16 would round in float16
+            np.copyto(acc, block[0], casting="unsafe")
+            for row in block[1:]:
+                ufunc(acc, row, out=acc, casting="unsafe")
+        elif len(block) == 1:
+            np.copyto(acc, block[0])
+        else:
+            ufunc(block[0], block[1], out=acc)
+            for row in block[2:]:
+                ufunc(acc, row, out=acc)
+        if final and (op is Op.AVG or not direct):
+            _finish(acc, op, dtype, nranks, dst if count <= step else dst[b0:b1])
+
+
+def reduce_stacked(
+    stacked: np.ndarray, op: Op, dtype: DType, nranks: int, dst: np.ndarray, *, final: bool, scratch: np.ndarray
+) -> None:
+    """Like reduce_rows, for rows that are one strided 2-D array (ranks x count): a single NumPy
+    reduction along the rank axis, in rank order (the latency route, where calls are what costs)."""
+    acc_np = np.dtype(np.float32) if dtype.is_half else dtype.np
+    acc = dst if dst.dtype == acc_np else scratch[: dst.size]
+    with np.errstate(all="ignore"):
+        _UFUNC[op.base].reduce(stacked, axis=0, dtype=acc_np, out=acc)
+        if final and (op is Op.AVG or acc is not dst):
+            _finish(acc, op, dtype, nranks, dst)
+
+
+def finish(acc: np.ndarray, op: Op, dtype: DType, nranks: int, dst: np.ndarray) -> None:
+    """dst = acc finished: avg divided by ``nranks`` (C truncation for integers), rounded once to
+    ``dtype``. ``acc`` may be ``dst`` itself (same type) or a float32 accumulator."""
+    with np.errstate(all="ignore"):
+        _finish(acc, op, dtype, nranks, dst)
+
+
+def _finish(acc: np.ndarray, op: Op, dtype: DType, nranks: int, dst: np.ndarray) -> None:
+    if op is Op.AVG and not dtype.is_float:
+        finish_avg(acc, nranks, dtype, dst)
+        return
+    if op is Op.AVG:
+        np.divide(acc, acc.dtype.type(nranks), out=acc)
+    if not np.may_share_memory(acc, dst):
+        np.copyto(dst, acc, casting="unsafe")
+
+
+# -- across nodes ---------------------------------------------------------------------------------
+def internode(comm: Any, buf: np.ndarray, op: Op, gather: np.ndarray) -> None:
+    """Reduce ``buf`` over the members of ``comm`` (one per node, ordered by node), in place.
+
+    Small messages: every member gathers every partial and folds them in member order. Larger:
+    MPI_Reduce_scatter gives each member one block, reduced once, then MPI_Allgatherv. Either way
+    each element is computed once or identically everywhere, so all members hold the same bits.
+    ``gather`` is scratch of at least ``comm size * buf.nbytes`` bytes (uint8) for the first form.
+    """
+    from mpigpu.backends.cpu import mpi_op
+
+    members = comm.Get_size()
+    if members == 1:
+        return
+    if members <= 2 or buf.nbytes * members <= GATHER_MAX or buf.size < members:
+        rows = gather[: members * buf.nbytes].view(buf.dtype).reshape(members, buf.size)
+        comm.Allgather(buf, rows)
+        with np.errstate(all="ignore"):
+            _UFUNC[op.base].reduce(rows, axis=0, dtype=buf.dtype, out=buf)  # in node order
+        return
+    ranges = split_even(buf.size, members)
+    counts = [b - a for a, b in ranges]
+    displs = [a for a, _ in ranges]
+    mine = ranges[comm.Get_rank()]
+    block = buf[mine[0] : mine[1]].copy()
+    comm.Reduce_scatter(buf, block, counts, op=mpi_op(op))
+    comm.Allgatherv(block, [buf, (counts, displs)])
+
+
+# -- the GPU side ---------------------------------------------------------------------------------
+class _GpuStaging:
+    """Streams, events and kernels of one rank's GPU (created on the first GPU call)."""
+
+    def __init__(self, ctx: Context) -> None:
+        from mpigpu._cuda import core_stream, cupy
+        from mpigpu.kernels.compile import load_module
+
+        assert ctx.gpu is not None
+        self.rt = cupy().cuda.runtime
+        rt = self.rt
+        self.streams: list[int] = []
+        self.events: list[int] = []
+        self.put = self._stream()  # device -> host copies
+        self.reduce = self._stream()  # the reduction kernels
+        self.get = self._stream()  # host -> device copies
+        self.start = self._event(timing=False)  # the caller's work, before the call
+        self.end = self._event(timing=False)  # the call's last copy back
+        self.small_done = [self._event(timing=False), self._event(timing=False)]  # latency route, per parity
+        self.small_pending = [False, False]
+        self._spare: list[int] = []  # timing events not in use
+        self.pending: list[tuple[str, int, int]] = []  # (phase, start event, end event) of the last call
+        cc = ctx.gpu.compute_capability
+        self.module = load_module("host.cu", f"{cc[0]}{cc[1]}")
+        self.memcpy_d2h, self.memcpy_h2d = rt.memcpyDeviceToHost, rt.memcpyHostToDevice
+        self.reduce_core = core_stream(self.reduce)  # cuda.core's view of it, for kernel launches
+        self.device = ctx.gpu.index
+
+    def _stream(self) -> int:
+        handle = int(self.rt.streamCreateWithFlags(self.rt.streamNonBlocking))
+        self.streams.append(handle)
+        return handle
+
+    def _event(self, *, timing: bool) -> int:
+        flags = self.rt.eventDefault if timing else self.rt.eventDisableTiming
+        handle = int(self.rt.eventCreateWithFlags(flags))
+        self.events.append(handle)
+        return handle
+
+    def record(self, stream: int) -> int:
+        """A timing event recorded on ``stream``."""
+        event = self._spare.pop() if self._spare else self._event(timing=True)
+        self.rt.eventRecord(event, stream)
+        return event
+
+    def timed(self, phase: str, stream: int, enqueue: Callable[[], None]) -> int:
+        """Enqueue work between two timing events on ``stream``; return the end event."""
+        start = self.record(stream)
+        enqueue()
+        end = self.record(stream)
+        self.pending.append((phase, start, end))
+        return end
+
+    def fold(self) -> dict[str, float]:
+        """Wait for the last call's timed work; its busy time per phase (s); recycle the events."""
+        totals: dict[str, float] = {}
+        for phase, start, end in self.pending:
+            self.rt.eventSynchronize(end)
+            totals[phase] = totals.get(phase, 0.0) + self.rt.eventElapsedTime(start, end) * 1e-3
+            self._spare += (start, end)
+        self.pending.clear()
+        return totals
+
+    def settle_small(self, parity: int) -> None:
+        if self.small_pending[parity]:
+            self.rt.eventSynchronize(self.small_done[parity])
+            self.small_pending[parity] = False
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # at exit the CUDA context may already be gone
+            self.rt.setDevice(self.device)
+            for stream in self.streams:
+                self.rt.streamSynchronize(stream)
+        for event in self.events:
+            with contextlib.suppress(Exception):
+                self.rt.eventDestroy(event)
+        for stream in self.streams:
+            with contextlib.suppress(Exception):
+                self.rt.streamDestroy(stream)
+        self.events.clear()
+        self.streams.clear()
+        self.pending.clear()
+
+
+# -- one call's chunks ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Plan:
+    """How one message maps onto the ring: chunk k covers elements [k*chunk, ...)."""
+
+    count: int
+    chunk: int  # elements per chunk
+    ranks: int  # ranks on this node
+    align: int  # slice boundary, in elements
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.count // self.chunk)
+
+    def span(self, k: int) -> tuple[int, int]:
+        return k * self.chunk, min(self.count, (k + 1) * self.chunk)
+
+    def slices(self, k: int) -> list[tuple[int, int]]:
+        """Each local rank's slice of chunk k, relative to the chunk."""
+        e0, e1 = self.span(k)
+        return split_even(e1 - e0, self.ranks, self.align)
+
+
+class _Engine(abc.ABC):
+    """The steps of the pipeline for one call; subclasses move host or device data."""
+
+    def __init__(self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: _Plan) -> None:
+        self.b, self.x, self.out, self.op, self.plan = backend, x, out, op, plan
+        self.dtype = x.dtype
+        self.seg = backend._segment
+        self.lay = backend._layout
+        assert self.seg is not None and self.lay is not None
+        self.final = backend._nodes == 1
+        self.acc_np = np.dtype(np.float32) if self.dtype.is_half else self.dtype.np
+        self.ring = self.ring_for(backend)
+        self.position_bytes = self.lay.stride // self.ring // PAGE * PAGE
+        assert plan.chunk * self.dtype.itemsize <= self.position_bytes
+
+    @staticmethod
+    @abc.abstractmethod
+    def ring_for(backend: HostBackend) -> int:
+        """Ring positions this engine uses (>= 2: see HostBackend._pipeline)."""
+
+    def at(self, k: int) -> int:
+        """Byte offset of chunk k's ring position in a slot."""
+        return k % self.ring * self.position_bytes
+
+    def my_slice(self, k: int) -> tuple[int, int]:
+        return self.plan.slices(k)[self.b._local]
+
+    def partial_view(self, k: int, lo: int, hi: int) -> np.ndarray:
+        offset = self.lay.partial_at(self.at(k)) + lo * self.acc_np.itemsize
+        return self.seg.view(offset, hi - lo, self.acc_np)
+
+    def result_view(self, k: int, lo: int, hi: int) -> np.ndarray:
+        offset = self.lay.result(self.at(k)) + lo * self.dtype.itemsize
+        return self.seg.view(offset, hi - lo, self.dtype.np)
+
+    def internode(self, k: int, lo: int, hi: int) -> None:
+        """Reduce [lo, hi) of chunk k's partial across nodes, then finish it into the result area."""
+        if hi <= lo:
+            return
+        b = self.b
+        partial = self.partial_view(k, lo, hi)
+        t0 = time.perf_counter()
+        internode(b._inter, partial, self.op, b._scratch("gather", b._inter_size * partial.nbytes))
+        finish(partial, self.op, self.dtype, b.ctx.size, self.result_view(k, lo, hi))
+        b._add_phase("internode", time.perf_counter() - t0)
+
+    @abc.abstractmethod
+    def put(self, k: int) -> None:
+        """Start copying chunk k of x into this rank's slot."""
+
+    @abc.abstractmethod
+    def wait_put(self, k: int) -> None:
+        """Return once chunk k is in this rank's slot."""
+
+    @abc.abstractmethod
+    def reduce(self, k: int) -> None:
+        """Start reducing this rank's slice of chunk k over every slot."""
+
+    @abc.abstractmethod
+    def wait_reduce(self, k: int) -> None:
+        """Return once this rank's slice of chunk k is reduced."""
+
+    @abc.abstractmethod
+    def get(self, k: int) -> None:
+        """Start copying chunk k's result into out."""
+
+    @abc.abstractmethod
+    def wait_get(self, k: int) -> None:
+        """Return once chunk k's result has been read (no-op for chunks < 0)."""
+
+    def finish_call(self) -> None:  # noqa: B027 - optional hook
+        """Called after the last step of the call."""
+
+
+class _HostEngine(_Engine):
+    """NumPy arrays: every step is a host copy or a NumPy reduction, complete when it returns."""
+
+    @staticmethod
+    def ring_for(backend: HostBackend) -> int:
+        return 2  # nothing overlaps on one thread: two positions let the schedule run
+
+    def __init__(self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: _Plan) -> None:
+        super().__init__(backend, x, out, op, plan)
+        assert x.host is not None and out.host is not None
+        self.src = x.host.reshape(-1)
+        self.dst = out.host.reshape(-1)
+        self.scratch = backend._block
+
+    def slot_view(self, rank: int, k: int, lo: int, hi: int) -> np.ndarray:
+        offset = self.lay.slot(rank, self.at(k)) + lo * self.dtype.itemsize
+        return self.seg.view(offset, hi - lo, self.dtype.np)
+
+    def put(self, k: int) -> None:
+        """Only the other ranks' slices: they are all anyone reads from this rank's slot."""
+        t0 = time.perf_counter()
+        e0, e1 = self.plan.span(k)
+        lo, hi = self.my_slice(k)
+        for a, b in ((0, lo), (hi, e1 - e0)):
+            if b > a:
+                np.copyto(self.slot_view(self.b._local, k, a, b), self.src[e0 + a : e0 + b])
+        self.b._add_phase("copy_out", time.perf_counter() - t0)
+
+    def reduce(self, k: int) -> None:
+        lo, hi = self.my_slice(k)
+        if hi <= lo:
+            return
+        t0 = time.perf_counter()
+        e0 = self.plan.span(k)[0]
+        rows = [self.slot_view(r, k, lo, hi) for r in range(self.b._n)]
+        rows[self.b._local] = self.src[e0 + lo : e0 + hi]  # this rank's own slice, read in place
+        dst = self.result_view(k, lo, hi) if self.final else self.partial_view(k, lo, hi)
+        reduce_rows(rows, self.op, self.dtype, self.b.ctx.size, dst, final=self.final, scratch=self.scratch)
+        self.b._add_phase("reduce", time.perf_counter() - t0)
+
+    def get(self, k: int) -> None:
+        t0 = time.perf_counter()
+        e0, e1 = self.plan.span(k)
+        np.copyto(self.dst[e0:e1], self.result_view(k, 0, e1 - e0))
+        self.b._add_phase("copy_in", time.perf_counter() - t0)
+
+    def wait_put(self, k: int) -> None:
+        """Host copies are complete when put() returns."""
+
+    def wait_reduce(self, k: int) -> None:
+        """The NumPy reduction is complete when reduce() returns."""
+
+    def wait_get(self, k: int) -> None:
+        """Host copies are complete when get() returns."""
+
+
+class _DeviceEngine(_Engine):
+    """GPU arrays: copies on the copy streams, the reduction kernel on its own stream; each step
+    ends with an event that the host waits on before the barrier that publishes it."""
+
+    @staticmethod
+    def ring_for(backend: HostBackend) -> int:
+        return backend._depth + 2  # copies out run `depth` chunks ahead; +2 lets copies back drain
+
+    def __init__(self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: _Plan, stream: int) -> None:
+        super().__init__(backend, x, out, op, plan)
+        gpu = backend._gpu
+        assert gpu is not None and self.seg.registered
+        self.gpu, self.rt = gpu, gpu.rt
+        self.dev = self.seg.register()  # the segment's device address (cached)
+        kind = "final" if self.final else "partial"
+        self.kernel = gpu.module.kernel(f"reduce_{kind}_{self.dtype.name}")
+        self.caller = stream
+        self.done: dict[tuple[str, int], int] = {}
+        # Copies out of x and into out start after the caller's work already on its stream.
+        self.rt.eventRecord(gpu.start, stream)
+        self.rt.streamWaitEvent(gpu.put, gpu.start, 0)
+        self.rt.streamWaitEvent(gpu.get, gpu.start, 0)
+
+    def put(self, k: int) -> None:
+        e0, e1 = self.plan.span(k)
+        size = self.dtype.itemsize
+        dst = self.seg.ptr + self.lay.slot(self.b._local, self.at(k))
+        src = self.x.ptr + e0 * size
+
+        def enqueue() -> None:
+            self.rt.memcpyAsync(dst, src, (e1 - e0) * size, self.gpu.memcpy_d2h, self.gpu.put)
+
+        self.done["put", k] = self.gpu.timed("copy_out", self.gpu.put, enqueue)
+
+    def reduce(self, k: int) -> None:
+        from mpigpu.kernels.compile import i32, i64, launch
+
+        lo, hi = self.my_slice(k)
+        if hi <= lo:
+            return
+        size = self.dtype.itemsize
+        at = self.at(k)
+        slots = self.dev + self.lay.slot(0, at) + lo * size
+        if self.final:
+            dst = self.dev + self.lay.result(at) + lo * size
+        else:
+            dst = self.dev + self.lay.partial_at(at) + lo * self.acc_np.itemsize
+        count = hi - lo
+        vectors = max(1, count * size // 16)
+        args = (slots, i64(self.lay.stride), i32(self.b._n), i64(count), i32(self.op.index), i32(self.b.ctx.size), dst)
+
+        def enqueue() -> None:
+            launch(self.gpu.reduce_core, self.kernel, vectors, *args)
+
+        self.done["reduce", k] = self.gpu.timed("reduce", self.gpu.reduce, enqueue)
+
+    def get(self, k: int) -> None:
+        e0, e1 = self.plan.span(k)
+        size = self.dtype.itemsize
+        src = self.seg.ptr + self.lay.result(self.at(k))
+        dst = self.out.ptr + e0 * size
+
+        def enqueue() -> None:
+            self.rt.memcpyAsync(dst, src, (e1 - e0) * size, self.gpu.memcpy_h2d, self.gpu.get)
+
+        self.done["get", k] = self.gpu.timed("copy_in", self.gpu.get, enqueue)
+
+    def _wait(self, step: str, k: int) -> None:
+        event = self.done.get((step, k))
+        if event is not None:
+            self.rt.eventSynchronize(event)
+
+    def wait_put(self, k: int) -> None:
+        self._wait("put", k)
+
+    def wait_reduce(self, k: int) -> None:
+        self._wait("reduce", k)
+
+    def wait_get(self, k: int) -> None:
+        self._wait("get", k)
+
+    def finish_call(self) -> None:
+        """The caller's stream waits for the last copy back: the result is ready in its order."""
+        self.rt.eventRecord(self.gpu.end, self.gpu.get)
+        self.rt.streamWaitEvent(self.caller, self.gpu.end, 0)
+
+
+@dataclass(frozen=True)
+class _SmallViews:
+    """The latency route's slots of one parity, for one dtype and count."""
+
+    rows: np.ndarray  # every rank's input slot: ranks x count, strided over the segment
+    mine: np.ndarray  # this rank's input slot
+    result: np.ndarray  # this rank's output slot
+    shared: np.ndarray  # the node leader's output slot
+    mine_ptr: int  # addresses of this rank's input slot, its output slot, the leader's output slot
+    result_ptr: int
+    shared_ptr: int
+
+
+# -- the backend ----------------------------------------------------------------------------------
 class HostBackend(Backend):
+    """Host staging through node-shared pinned memory, for NumPy and GPU arrays."""
+
     name: ClassVar[str] = "host"
     code: ClassVar[int] = 2
     host_arrays: ClassVar[bool] = True
     device_arrays: ClassVar[bool] = True
 
-    @classmethod
-    def probe(cls, ctx):  # type: ignore[no-untyped-def]
-        return Availability(False, "not written yet")
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        layout = ctx.layout
+        self._n = layout.local_size
+        self._local = layout.local_rank
+        self._nodes = layout.num_nodes
+        self._equal = layout.equal_nodes
+        self._inter = layout.inter_comm
+        self._inter_size = 1 if self._inter is None else self._inter.Get_size()
+        s = ctx.settings
+        mine = (s.host_pool_bytes, s.host_chunk, s.host_depth, s.host_small)
+        every = ctx.comm.allgather(mine)
+        if len(set(every)) > 1:
+            raise ConfigError(
+                "MPIGPU_HOST_POOL_MB, MPIGPU_HOST_CHUNK, MPIGPU_HOST_DEPTH and MPIGPU_HOST_SMALL differ between "
+                f"ranks ((pool, chunk, depth, small) per rank: {every}); set them alike on every rank"
+            )
+        self._pool = s.host_pool_bytes
+        self._chunk_setting = s.host_chunk
+        self._depth = s.host_depth
+        self._small_limit = s.host_small
+        self._small = _round_up(self._small_limit, PAGE)
+        partial = self._nodes > 1
+        self._max_stride = SegmentLayout.max_stride(self._n, self._small, partial, self._pool)
+        rings = max(_DeviceEngine.ring_for(self), _HostEngine.ring_for(self))
+        self._min_stride = rings * PAGE
+        if self._max_stride < self._min_stride:
+            areas = self._n + 1 + (2 if partial else 0)
+            need = -(-(4 * self._n * self._small + rings * areas * PAGE) // (self._n << 20))
+            raise ConfigError(
+                f"MPIGPU_HOST_POOL_MB={self._pool >> 20} is too small for {self._n} ranks per node with "
+                f"MPIGPU_HOST_SMALL={self._small_limit}: give at least {need} (MiB), or lower MPIGPU_HOST_SMALL"
+            )
+        self._segment: SharedSegment | None = None
+        self._layout: SegmentLayout | None = None
+        self._gpu: _GpuStaging | None = None
+        self._parity = 0
+        self._buffers: dict[str, np.ndarray] = {}
+        # float32 scratch for a half type: one reduction block (reduce_rows), a whole latency-route message
+        self._block = np.empty(max(CPU_BLOCK, self._small) // 2, np.float32)
+        self._small_cache: dict[tuple[int, str, int], _SmallViews] = {}
+        self._phases: dict[str, float] = {}  # seconds
+        self._phase_names = ("copy_out", "reduce", "copy_in", "barrier") + (("internode",) if self._nodes > 1 else ())
+        self._closed = False
 
-    def allreduce(self, x, out, op, stream):  # type: ignore[no-untyped-def]
-        raise NotImplementedError
+    # -- Backend protocol -----------------------------------------------------------------------
+    @classmethod
+    def probe(cls, ctx: Context) -> Availability:
+        from mpigpu.shm import SharedSegment
+
+        try:
+            SharedSegment(ctx.layout.node_comm, PAGE).close()
+        except MpigpuError as exc:
+            return Availability(False, str(exc))
+        except Exception as exc:  # the MPI library's own error
+            return Availability(False, f"MPI-3 shared-memory windows do not work on this node: {exc}")
+        layout = ctx.layout
+        where = f"{layout.local_size} rank(s) per node" + (
+            f", {layout.num_nodes} nodes (MPI between nodes)" if layout.num_nodes > 1 else ""
+        )
+        return Availability(True, f"node-shared memory (MPI-3 window), {where}")
+
+    def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
+        if self._closed:
+            raise BackendUnavailable(
+                "this host backend was closed by mpigpu.finalize(); mpigpu.allreduce() starts a new one"
+            )
+        if self._gpu is not None:
+            self._gpu.fold()  # the last pipeline's copies back are done: its ring positions are free
+        self._phases = dict.fromkeys(self._phase_names, 0.0)  # the same keys on every rank
+        nbytes = x.nbytes
+        if x.on_device:
+            assert stream is not None
+            self._ensure_gpu()
+        if nbytes <= self._small_limit:
+            self._ensure_segment(0, x.on_device)
+            self._latency(x, out, op, stream)
+            return
+        ring = (_DeviceEngine if x.on_device else _HostEngine).ring_for(self)
+        chunk = self._chunk_bytes(nbytes, x.on_device, ring)
+        self._ensure_segment(ring * chunk, x.on_device)
+        plan = _Plan(count=x.size, chunk=chunk // x.dtype.itemsize, ranks=self._n, align=ALIGN // x.dtype.itemsize)
+        if x.on_device:
+            assert stream is not None
+            engine: _Engine = _DeviceEngine(self, x, out, op, plan, stream.handle)
+        else:
+            engine = _HostEngine(self, x, out, op, plan)
+        self._pipeline(engine)
+        engine.finish_call()
+
+    @property  # type: ignore[override]
+    def last_phases(self) -> dict[str, float]:
+        """Per-phase microseconds of the last call. GPU pipeline: busy time of each phase summed
+        over chunks, from CUDA events (resolved when read); elsewhere host clocks."""
+        if self._gpu is not None and self._gpu.pending:
+            for name, seconds in self._gpu.fold().items():
+                self._phases[name] += seconds
+        return {name: seconds * 1e6 for name, seconds in self._phases.items()}
+
+    @last_phases.setter
+    def last_phases(self, value: dict[str, float]) -> None:
+        self._phases = {name: us * 1e-6 for name, us in value.items()}
+
+    def describe(self) -> dict[str, Any]:
+        info: dict[str, Any] = {
+            "transport": "node-shared memory (MPI-3 window)",
+            "ranks_per_node": self._n,
+            "nodes": self._nodes,
+            "internode": "none" if self._nodes == 1 else ("per slice" if self._equal else "node leaders"),
+            "latency_route_max_bytes": self._small_limit,
+            "chunk_bytes": self._chunk_setting or f"default (GPU {GPU_CHUNK}, NumPy {CPU_CHUNK})",
+            "depth": self._depth,
+            "pool_cap_bytes_per_rank": self._pool,
+        }
+        if self._layout is not None:
+            info["segment_bytes"] = self._layout.total
+            info["pinned"] = bool(self._segment is not None and self._segment.registered)
+        return info
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._release_segment(at_exit=True)
+        if self._gpu is not None:
+            self._gpu.close()
+            self._gpu = None
+        self._buffers.clear()
+
+    # -- phases ---------------------------------------------------------------------------------
+    def _add_phase(self, name: str, seconds: float) -> None:
+        self._phases[name] += seconds
+
+    def _barrier(self) -> None:
+        assert self._segment is not None
+        t0 = time.perf_counter()
+        self._segment.barrier()
+        self._add_phase("barrier", time.perf_counter() - t0)
+
+    # -- resources ------------------------------------------------------------------------------
+    def _scratch(self, name: str, nbytes: int) -> np.ndarray:
+        """A reused private byte buffer of at least ``nbytes``."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.nbytes < nbytes:
+            buffer = self._buffers[name] = np.empty(max(nbytes, 64), np.uint8)
+        return buffer
+
+    def _agree(self, what: str, action: Callable[[], None]) -> None:
+        """Run ``action`` on every rank (collective): where it failed, that rank raises its error and
+        every other rank a MismatchError naming it, so no rank waits in the next barrier."""
+        from mpigpu.check import agree
+
+        error: BaseException | None = None
+        try:
+            action()
+        except (MpigpuError, ImportError, RuntimeError, OSError) as exc:
+            error = exc
+        agree(self.ctx.comm, error, f"host backend: {what}")
+
+    def _ensure_gpu(self) -> None:
+        """Streams, events and the kernel module, created collectively on the first GPU call."""
+        if self._gpu is not None:
+            return
+
+        def create() -> None:
+            self._gpu = _GpuStaging(self.ctx)
+
+        try:
+            self._agree("setting up the GPU staging (streams, events, kernels)", create)
+        except MpigpuError:
+            if self._gpu is not None:
+                self._gpu.close()
+                self._gpu = None
+            raise
+
+    def _chunk_bytes(self, nbytes: int, on_device: bool, ring: int) -> int:
+        """Pipeline chunk for a message: the setting if given, else the default (GPU: split for mid
+        sizes), never above what ``ring`` positions within the pool cap can hold."""
+        if self._chunk_setting:
+            chunk = self._chunk_setting
+        elif on_device:
+            chunk = min(GPU_CHUNK, max(GPU_MIN_CHUNK, -(-nbytes // GPU_MIN_CHUNKS)))
+        else:
+            chunk = CPU_CHUNK
+        return min(_round_up(min(chunk, nbytes), PAGE), self._max_stride // ring // PAGE * PAGE)
+
+    def _ensure_segment(self, stride: int, on_device: bool) -> None:
+        """A segment whose slots hold at least ``stride`` bytes (collective; grows by reallocating,
+        at least doubling, up to the pool cap), pinned for CUDA when GPU arrays use it."""
+        current = self._layout
+        grow = current is None or current.stride < stride
+        if not grow and (not on_device or (self._segment is not None and self._segment.registered)):
+            return  # the common case, on every call
+        if grow:
+            from mpigpu.shm import SharedSegment
+
+            old = 0 if current is None else current.stride
+            layout = SegmentLayout(
+                self._n, max(stride, self._min_stride, min(2 * old, self._max_stride)), self._small, self._nodes > 1
+            )
+            self._release_segment()
+
+            def create() -> None:
+                self._segment = SharedSegment(self.ctx.layout.node_comm, layout.total)
+                self._layout = layout
+                self._first_touch()
+
+            self._agree(f"allocating the {layout.total}-byte node-shared segment", create)
+        segment = self._segment
+        assert segment is not None
+        if grow:
+            segment.barrier()  # every rank's first touch is done
+        if on_device and not segment.registered:
+
+            def pin() -> None:
+                segment.register()
+
+            self._agree("pinning the node-shared segment for CUDA", pin)
+
+    def _first_touch(self) -> None:
+        """Each rank touches the areas it writes, so their pages sit near it (NUMA)."""
+        assert self._segment is not None and self._layout is not None
+        lay, me = self._layout, self._local
+        for parity in (0, 1):
+            self._segment.touch(lay.small_in(parity, me), lay.small)
+            self._segment.touch(lay.small_out(parity, me), lay.small)
+        self._segment.touch(lay.slot(me, 0), lay.stride)
+        lo, hi = split_even(lay.stride, self._n, PAGE)[me]  # a share of the areas every rank writes
+        self._segment.touch(lay.result(lo), hi - lo)
+        if lay.partial:
+            self._segment.touch(lay.partial_at(lo), 2 * (hi - lo))
+
+    def _release_segment(self, *, at_exit: bool = False) -> None:
+        """Wait for every copy that still reads or writes the segment, then free it (collective).
+        at_exit: the CUDA context may already be gone; the segment is freed regardless."""
+        if self._gpu is not None:
+            try:
+                self._gpu.fold()
+                for parity in (0, 1):
+                    self._gpu.settle_small(parity)
+            except Exception:
+                if not at_exit:
+                    raise
+        self._small_cache.clear()
+        if self._segment is not None:
+            self._segment.close()
+        self._segment = None
+        self._layout = None
+
+    # -- the latency route ----------------------------------------------------------------------
+    def _small_views(self, parity: int, dtype: DType, count: int) -> _SmallViews:
+        """The latency route's slots for one call shape (cached: views cost more than the copy)."""
+        key = (parity, dtype.name, count)
+        views = self._small_cache.get(key)
+        if views is None:
+            seg, lay, me = self._segment, self._layout, self._local
+            assert seg is not None and lay is not None
+            if len(self._small_cache) >= 64:
+                self._small_cache.clear()
+            first = seg.view(lay.small_in(parity, 0), count + (self._n - 1) * lay.small // dtype.itemsize, dtype.np)
+            rows = np.lib.stride_tricks.as_strided(
+                first, shape=(self._n, count), strides=(lay.small, dtype.itemsize), writeable=False
+            )
+            views = self._small_cache[key] = _SmallViews(
+                rows=rows,
+                mine=seg.view(lay.small_in(parity, me), count, dtype.np),
+                result=seg.view(lay.small_out(parity, me), count, dtype.np),
+                shared=seg.view(lay.small_out(parity, 0), count, dtype.np),
+                mine_ptr=seg.ptr + lay.small_in(parity, me),
+                result_ptr=seg.ptr + lay.small_out(parity, me),
+                shared_ptr=seg.ptr + lay.small_out(parity, 0),
+            )
+        return views
+
+    def _latency(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
+        """Copy in, one barrier, every rank reduces the whole message, copy out. Every step here
+        costs microseconds that the 8-byte time is made of: keep it lean."""
+        parity = self._parity
+        self._parity ^= 1
+        gpu, phases, segment = self._gpu, self._phases, self._segment
+        assert segment is not None
+        dtype, me = x.dtype, self._local
+        nbytes = x.nbytes
+        views = self._small_views(parity, dtype, nbytes // dtype.itemsize)
+        t0 = time.perf_counter()
+        if gpu is not None and x.on_device:
+            assert stream is not None
+            gpu.settle_small(parity)  # the copy back of two calls ago has read its slot
+            gpu.rt.memcpyAsync(views.mine_ptr, x.ptr, nbytes, gpu.memcpy_d2h, stream.handle)
+            gpu.rt.streamSynchronize(stream.handle)
+            result, result_ptr = views.result, views.result_ptr  # reduced here, copied back below
+        else:
+            assert x.host is not None and out.host is not None
+            np.copyto(views.mine, x.host.reshape(-1))
+            result = out.host.reshape(-1)
+        t1 = time.perf_counter()
+        segment.barrier()
+        t2 = time.perf_counter()
+        phases["copy_out"] += t1 - t0
+        phases["barrier"] += t2 - t1
+        if self._nodes == 1:
+            reduce_stacked(views.rows, op, dtype, self.ctx.size, result, final=True, scratch=self._block)
+            phases["reduce"] += time.perf_counter() - t2
+        elif self._equal:  # every rank exchanges the node's partial with its peers on the other nodes
+            self._latency_internode(views.rows, op, dtype, result, t2)
+        else:  # node leaders exchange; the others take the leader's result from its shared slot
+            if me == 0:
+                self._latency_internode(views.rows, op, dtype, views.shared, t2)
+            self._barrier()
+            if x.on_device:
+                result_ptr = views.shared_ptr
+            else:
+                np.copyto(result, views.shared)
+        t3 = time.perf_counter()
+        if gpu is not None and x.on_device:
+            assert stream is not None
+            gpu.rt.memcpyAsync(out.ptr, result_ptr, nbytes, gpu.memcpy_h2d, stream.handle)
+            gpu.rt.eventRecord(gpu.small_done[parity], stream.handle)
+            gpu.small_pending[parity] = True
+        phases["copy_in"] += time.perf_counter() - t3
+
+    def _latency_internode(self, rows: np.ndarray, op: Op, dtype: DType, dst: np.ndarray, t0: float) -> None:
+        """dst = the node's partial over ``rows``, reduced across nodes, finished."""
+        acc_np = np.dtype(np.float32) if dtype.is_half else dtype.np
+        nbytes = rows.shape[1] * acc_np.itemsize
+        acc = self._scratch("partial", nbytes)[:nbytes].view(acc_np)
+        reduce_stacked(rows, op, dtype, self.ctx.size, acc, final=False, scratch=self._block)
+        t1 = time.perf_counter()
+        self._add_phase("reduce", t1 - t0)
+        internode(self._inter, acc, op, self._scratch("gather", self._inter_size * nbytes))
+        finish(acc, op, dtype, self.ctx.size, dst)
+        self._add_phase("internode", time.perf_counter() - t1)
+
+    # -- the pipeline ---------------------------------------------------------------------------
+    def _pipeline(self, eng: _Engine) -> None:
+        """One barrier per chunk. Barrier k certifies, on every rank of the node: chunk k is in
+        every slot, chunk k-1 is reduced (and, on several nodes, reduced across nodes), and the
+        copy back that last read chunk k's result position has finished. So after it: chunk k-1
+        can be copied back, chunk k reduced, and slots up to chunk k+ring-1 refilled."""
+        ring = eng.ring
+        chunks = eng.plan.chunks
+        ahead = min(self._depth, ring - 1)
+        staged = 0
+
+        def stage(limit: int) -> None:
+            nonlocal staged
+            while staged < min(limit, chunks):
+                eng.put(staged)
+                staged += 1
+
+        several, by_slice = self._nodes > 1, self._equal
+        stage(ahead + 1)  # every slot position is free: the last call ended with a barrier
+        for k in range(chunks + 1):
+            if k > 0:
+                eng.wait_reduce(k - 1)
+                if several and by_slice:
+                    eng.internode(k - 1, *eng.my_slice(k - 1))
+            if k < chunks:
+                eng.wait_put(k)
+                eng.wait_get(k - ring)
+            self._barrier()
+            if k > 0 and several and not by_slice:
+                if self._local == 0:
+                    lo, hi = eng.plan.span(k - 1)
+                    eng.internode(k - 1, 0, hi - lo)
+                self._barrier()
+            if k > 0:
+                eng.get(k - 1)
+            if k < chunks:
+                eng.reduce(k)
+            stage(k + ahead + 1)
