@@ -1,0 +1,65 @@
+"""The benchmark on GPU buffers, in process under mpirun (scripts/gpu-check.sh runs tests/gpu with
+2 and 4 ranks, Open MPI and Intel MPI): every available backend and anchor is verified and timed at
+a few sizes, every backend has its anchor beside it, and a damaged result makes the exit status 1.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mpigpu import bench
+from mpigpu.context import Context
+
+pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1)]
+
+QUICK = ["-b", "8", "-e", "1M", "-f", "8", "--iters", "5", "--repeats", "2", "--warmup", "2", "--quiet"]
+
+
+def _bench(comm: Any, *args: str) -> tuple[int, dict[str, Any]]:
+    """Run the benchmark collectively; (exit status, the JSON document) on every rank."""
+    folder = comm.bcast(tempfile.mkdtemp(prefix="mpigpu-bench-") if comm.Get_rank() == 0 else None, root=0)
+    out = Path(folder) / "run.json"
+    argv = [*QUICK, "--placement", "gpu", "--json", str(out), *args]
+    status = bench.run(bench.build_parser().parse_args(argv), ["test", *argv])
+    statuses = comm.allgather(status)
+    assert len(set(statuses)) == 1, f"ranks disagree on the exit status: {statuses}"
+    doc = comm.bcast(json.loads(out.read_text()) if comm.Get_rank() == 0 else None, root=0)
+    return status, doc
+
+
+def test_every_gpu_path_is_verified_and_paired_with_its_anchor(comm) -> None:
+    ctx = Context.get(comm)
+    status, doc = _bench(comm, "--dtypes", "float32,bfloat16", "--ops", "sum,avg")
+    failures = [(r["path"], r["dtype"], r["op"], r["inplace"], r["bytes"], r["wrong"]) for r in doc["failures"]]
+    assert status == 0 and doc["ok"], f"wrong elements: {failures}"
+    rows = doc["results"]
+    assert rows and all(r["placement"] == "device" and r["wrong"] == 0 for r in rows)
+    measured = {r["path"] for r in rows}
+    assert "seed-staging" in measured
+    assert ("nccl-raw" in measured) == ctx.nccl.available
+    assert ("mpi-device" in measured) == ctx.cuda_aware.aware
+    for name in ("ipc", "nccl", "cuda-aware", "host"):  # every available backend takes GPU buffers
+        assert (name in measured) == ctx.availability[name].ok, (name, ctx.availability[name])
+    anchors = {(r["path"], r["dtype"], r["op"], r["inplace"], r["bytes"]) for r in rows if r["kind"] == "anchor"}
+    for row in rows:
+        if (
+            row["kind"] == "backend"
+            and row["anchor"] in measured
+            and not (
+                row["anchor"] != "nccl-raw" and row["dtype"] == "bfloat16"  # MPI has no bfloat16
+            )
+        ):
+            assert (row["anchor"], row["dtype"], row["op"], row["inplace"], row["bytes"]) in anchors, row
+    assert doc["machine"]["gpu_count"] >= 1 and doc["machine"]["gpu_model"]
+    assert doc["versions"]["cuda"], "the CUDA driver/runtime versions belong in the JSON"
+
+
+def test_a_damaged_device_result_exits_1(comm) -> None:
+    status, doc = _bench(comm, "-b", "64", "-e", "512", "--backends", "seed-staging", "--corrupt", "3")
+    assert status == 1 and not doc["ok"]
+    assert doc["failures"] and all(r["wrong"] == 3 for r in doc["results"])
