@@ -1,0 +1,236 @@
+"""``allreduce_async``: start an allreduce, get a ``Handle``, keep computing, ``wait()`` later.
+
+Two ways a call proceeds, chosen by the backend:
+
+- Backends that only enqueue GPU work (``nccl``, ``ipc``) run at once on the caller's thread: the
+  reduction is enqueued on the stream, so later work on that stream sees the result. ``done()``
+  queries an event recorded after it, ``wait()`` synchronises that event.
+- Backends that block the host while they work (``cpu``, ``host``, ``cuda-aware``) run on one
+  background thread per communicator, in submission order (FIFO), so every rank issues its MPI calls
+  in the same order. The cross-rank argument check runs there too: a mismatch is raised by
+  ``wait()``. GPU inputs are read as they stand on the stream at the call (an event recorded then);
+  the result is complete, on the GPU as well, when ``wait()`` returns. Work enqueued on the stream
+  after the call, before ``wait()``, must not read or write the arrays.
+
+A synchronous ``allreduce`` (and anything else mpigpu does collectively on the communicator) first
+waits for the queued calls, so collectives never overtake each other. The background thread needs
+MPI_THREAD_MULTIPLE (mpi4py's default); below that level calls run inline and the handle is
+complete when returned.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import replace
+from functools import partial
+from queue import SimpleQueue
+from typing import Any
+
+from mpigpu._cuda import StreamRef, core_stream
+from mpigpu.api import Prepared, agree, announce_rejection, run, validate
+from mpigpu.context import Context
+from mpigpu.errors import MismatchError, MpigpuError
+from mpigpu.ops import Op
+
+__all__ = ["ENQUEUE_BACKENDS", "Handle", "Worker", "allreduce_async", "reject"]
+
+# Backends whose allreduce returns once the work is enqueued on the stream (no host blocking).
+ENQUEUE_BACKENDS = frozenset({"nccl", "ipc"})
+
+
+class Worker:
+    """One background thread that runs a communicator's queued collectives in FIFO order.
+
+    After a call fails other than by a cross-rank MismatchError (which every rank raises at the same
+    point), the ranks may no longer agree on which collective comes next: every later call on this
+    communicator then fails at once instead of being paired with the wrong one on another rank."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = SimpleQueue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._failure: BaseException | None = None
+        self.state: dict[str, Any] = {}  # per-thread resources of the tasks (a CUDA stream)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, task: Callable[[], Any]) -> Future[Any]:
+        """Queue ``task``; its result or exception arrives in the returned future."""
+        future: Future[Any] = Future()
+        with self._idle:
+            self._pending += 1
+        self._queue.put((task, future))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            task, future = item
+            try:
+                if self._failure is not None:
+                    raise self._broken()
+                future.set_result(task())
+            except BaseException as exc:
+                if self._failure is None and not isinstance(exc, MismatchError):
+                    self._failure = exc
+                future.set_exception(exc)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _broken(self) -> MpigpuError:
+        failure = self._failure
+        return MpigpuError(
+            f"an earlier allreduce_async on this communicator failed ({type(failure).__name__}: {failure}); "
+            "the ranks may no longer agree on the order of collectives, so it cannot be used again. "
+            "End the job (run scripts under `python -m mpigpu.run` so that one rank's error stops all ranks)."
+        )
+
+    @property
+    def idle(self) -> bool:
+        return self._pending == 0
+
+    def drain(self) -> None:
+        """Block until every queued task has run; raise if one broke the communicator's order."""
+        if threading.current_thread() is self._thread:
+            return
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+        if self._failure is not None:
+            raise self._broken()
+
+    def close(self) -> None:
+        """Run what is queued, then stop the thread (idempotent)."""
+        if not self._thread.is_alive():
+            return
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+        self._queue.put(None)
+        self._thread.join()
+
+
+class Handle:
+    """A started allreduce. ``wait()`` returns what ``allreduce`` would have returned."""
+
+    def __init__(
+        self,
+        backend: str,
+        *,
+        result: Any = None,
+        event: Any = None,
+        future: Future[Any] | None = None,
+    ) -> None:
+        self.backend = backend  # the backend that runs it
+        self._result = result
+        self._event = event  # cuda.core Event recorded after an enqueued reduction
+        self._future = future  # the worker's task
+
+    def done(self) -> bool:
+        """True when the result is complete (never blocks)."""
+        if self._future is not None:
+            return self._future.done()
+        return self._event is None or bool(self._event.is_done)
+
+    def wait(self) -> Any:
+        """Block until the result is complete and return it (the array reduced in place, ``out``, or
+        a new JAX array). Raises the call's error, if it failed. Idempotent."""
+        if self._future is not None:
+            self._result = self._future.result()
+            self._future = None
+        elif self._event is not None:
+            self._event.sync()
+            self._event = None
+        return self._result
+
+    def __repr__(self) -> str:
+        return f"Handle(backend={self.backend!r}, done={self.done()})"
+
+
+def _thread_level_ok() -> bool:
+    from mpigpu._mpi import MPI
+
+    mpi = MPI()
+    return bool(mpi.Query_thread() >= mpi.THREAD_MULTIPLE)
+
+
+def _worker(ctx: Context) -> Worker | None:
+    """The communicator's worker, started on first use; None if MPI is below THREAD_MULTIPLE."""
+    if ctx.async_worker is None:
+        if not _thread_level_ok():
+            return None
+        ctx.async_worker = Worker(f"mpigpu-async-rank{ctx.rank}")
+    return ctx.async_worker
+
+
+def _on_worker(worker: Worker, prepared: Prepared, ready: Any) -> Any:
+    """The worker's task: the cross-rank check, then the reduction. GPU data is reduced on the
+    worker's own non-blocking stream, after ``ready`` (the caller's stream at the call), and
+    synchronised before the task ends, so the result is complete when the handle says so."""
+    agree(prepared)
+    if ready is None:
+        return run(prepared)
+    device = prepared.ctx.activate_gpu()
+    stream = worker.state.get("stream")
+    if stream is None:
+        stream = worker.state["stream"] = device.create_stream()  # non-blocking: never waits on stream 0
+    stream.wait(ready)
+    result = run(replace(prepared, stream=StreamRef(int(stream.handle)), finish=None))
+    stream.sync()
+    return prepared.finish(result) if prepared.finish is not None else result
+
+
+def reject(ctx: Context, exc: Exception) -> None:
+    """Take part in one call's cross-rank check with this rank's own error, in queue order, so the
+    other ranks raise MismatchError for that call instead of waiting for this rank."""
+    worker = _worker(ctx)
+    if worker is None:
+        announce_rejection(ctx, exc)
+    else:
+        worker.submit(partial(announce_rejection, ctx, exc))
+
+
+def allreduce_async(
+    x: Any,
+    op: str | Op = "avg",
+    *,
+    out: Any = None,
+    comm: Any = None,
+    backend: str = "auto",
+    stream: Any = None,
+) -> Handle:
+    """Start ``allreduce(x, op, out=..., comm=..., backend=..., stream=...)`` and return its Handle.
+
+    Do not modify ``x`` (or read ``out``) until ``handle.wait()`` returns. Invalid arguments raise
+    here, at once; the other ranks then get a MismatchError. For background-thread backends a
+    cross-rank mismatch is raised by ``wait()``. Collective, like ``allreduce``: every rank starts
+    the same calls in the same order."""
+    ctx = Context.get(comm)
+    worker = _worker(ctx)
+    if worker is None:  # MPI below THREAD_MULTIPLE: no background thread, run it now
+        from mpigpu.api import prepare
+
+        prepared = prepare(x, op, out=out, comm=comm, backend=backend, stream=stream)
+        return Handle(prepared.choice.backend, result=run(prepared))
+    try:
+        prepared = validate(ctx, x, op, out, backend, stream)
+    except Exception as exc:  # any failure here must reach the other ranks' checks
+        reject(ctx, exc)
+        raise
+    name = prepared.choice.backend
+    if name in ENQUEUE_BACKENDS:
+        ctx.wait_async()  # a queued call on another backend goes first
+        agree(prepared)
+        result = run(prepared)
+        assert prepared.stream is not None
+        return Handle(name, result=result, event=core_stream(prepared.stream.handle).record())
+    ready = None
+    if prepared.x.on_device and prepared.x.size:
+        assert prepared.stream is not None
+        ctx.activate_gpu()
+        ready = core_stream(prepared.stream.handle).record()
+    return Handle(name, future=worker.submit(partial(_on_worker, worker, prepared, ready)))

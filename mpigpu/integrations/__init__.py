@@ -1,0 +1,1 @@
+"""Framework integrations. ``mpigpu.integrations.torch``: average gradients during backward()."""

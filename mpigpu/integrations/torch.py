@@ -1,0 +1,150 @@
+"""Average a PyTorch model's gradients while ``backward()`` is still running, as DDP does.
+
+    averager = BackwardAverager(model, optimizer=optimizer)   # once, after building the optimizer
+    loss.backward()                                           # buckets are sent as their gradients
+    optimizer.step()                                          # finish() runs first: grads averaged
+
+Parameters are bucketed in reverse order (the order backward produces their gradients), 25 MiB per
+bucket by default (DDP's). A hook on each parameter (``register_post_accumulate_grad_hook``,
+PyTorch >= 2.1) counts the bucket's ready gradients; when a bucket is complete it is packed and its
+``allreduce_async`` starts, while backward computes the next gradients. Buckets start strictly in
+order, so every rank issues the same collectives in the same order even if its gradients arrive in
+a different one. ``finish()`` (or the optimizer's step, when given) starts what is left, waits, and
+leaves each ``p.grad`` holding the average (a view of its bucket unless compressed).
+
+CUDA tensors: the reductions run on a side stream that waits for the packing; ``finish()`` makes
+the compute stream wait for them, so later kernels see the averages. CPU tensors: the reductions
+run on mpigpu's background MPI thread, overlapping the rest of backward.
+
+Parameters that receive no gradient in a step hold their bucket (and the later ones) back until
+``finish()``, which sends zeros for them. For gradient accumulation, run the accumulating
+backward passes inside ``with averager.no_sync():``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from functools import partial
+from typing import Any
+
+from mpigpu.averager import Averager
+from mpigpu.errors import InvalidArgument, MpigpuError
+
+__all__ = ["DDP_BUCKET_BYTES", "BackwardAverager"]
+
+DDP_BUCKET_BYTES = 25 << 20
+
+
+class BackwardAverager:
+    """Average the gradients of ``model`` (a torch.nn.Module or an iterable of parameters) across
+    ranks, bucket by bucket, during backward(). Collective to build, like ``Averager``.
+
+    optimizer:    if given, ``finish()`` runs automatically before each ``optimizer.step()``.
+    bucket_bytes, compression, backend, comm: as for ``mpigpu.Averager``.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        optimizer: Any = None,
+        bucket_bytes: int | str = DDP_BUCKET_BYTES,
+        compression: str | None = None,
+        backend: str = "auto",
+        comm: Any = None,
+    ) -> None:
+        import torch
+
+        if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+            raise InvalidArgument(f"BackwardAverager needs PyTorch >= 2.1 (this is {torch.__version__})")
+        params: Iterable[Any] = model.parameters() if isinstance(model, torch.nn.Module) else model
+        ordered = [p for p in params if p.requires_grad][::-1]  # backward produces gradients last-first
+        self._averager = Averager(
+            ordered, bucket_bytes=bucket_bytes, compression=compression, backend=backend, comm=comm
+        )
+        buckets = self._averager._buckets
+        self._bucket_of = [0] * len(ordered)
+        for b in buckets:
+            for index in b.members:
+                self._bucket_of[index] = b.index
+        self._sizes = [len(b.members) for b in buckets]
+        self._ready = [0] * len(buckets)
+        self._next = 0  # the first bucket not started this step
+        self._syncing = True
+        self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, i)) for i, p in enumerate(ordered)]
+        if optimizer is not None:
+            self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
+
+    @property
+    def buckets(self) -> list[dict[str, Any]]:
+        """One dict per bucket, in the order they are sent (see ``Averager.buckets``)."""
+        return self._averager.buckets
+
+    def _on_grad(self, index: int, _param: Any) -> None:
+        if not self._syncing:
+            return
+        if self._averager._step is None:
+            self._averager._begin(None)
+        b = self._bucket_of[index]
+        self._ready[b] += 1
+        if self._ready[b] > self._sizes[b]:
+            raise InvalidArgument(
+                "a gradient arrived twice before finish(): call finish() (or optimizer.step() with "
+                "optimizer= given) after each backward(), or accumulate inside `with averager.no_sync():`"
+            )
+        while self._next < len(self._sizes) and self._ready[self._next] == self._sizes[self._next]:
+            self._start(self._next)
+
+    def _start(self, b: int) -> None:
+        averager = self._averager
+        bucket = averager._buckets[b]
+        try:
+            try:
+                entries = averager._collect(bucket)
+            except MpigpuError as exc:
+                averager._reject(b, exc)  # the other ranks raise MismatchError for this bucket and the rest
+                raise
+            averager._pack(bucket, entries, None)
+            averager._launch(bucket)
+        except MpigpuError:
+            self._reset()
+            raise
+        self._next = b + 1
+
+    def _reset(self) -> None:
+        self._ready = [0] * len(self._sizes)
+        self._next = 0
+
+    def _before_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self.finish()
+
+    def finish(self) -> None:
+        """Start the buckets still waiting (parameters without gradients count as zeros), wait for
+        all, and leave every ``p.grad`` averaged. Does nothing when no step is in flight."""
+        averager = self._averager
+        if averager._step is None:
+            return
+        try:
+            while self._next < len(self._sizes):
+                self._start(self._next)
+            averager.finish()
+        finally:
+            self._reset()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the next one outside averages the sum."""
+        previous, self._syncing = self._syncing, False
+        try:
+            yield
+        finally:
+            self._syncing = previous
+
+    def close(self) -> None:
+        """Finish a step in flight, remove the hooks and free the buckets' GPU events (idempotent)."""
+        self.finish()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._averager.close()
