@@ -13,11 +13,11 @@ from mpigpu.arrays import ArrayView, as_view, check_out
 from mpigpu.backends import backend_class
 from mpigpu.check import Signature, check_signature
 from mpigpu.context import Context
-from mpigpu.errors import DeviceError, InvalidArgument, MismatchError, MpigpuError
+from mpigpu.errors import DeviceError, InvalidArgument, MismatchError
 from mpigpu.ops import Op, parse_op
 from mpigpu.plan import Choice, choose, choose_cached
 
-__all__ = ["Prepared", "allreduce", "explain", "prepare"]
+__all__ = ["Prepared", "agree", "allreduce", "announce_rejection", "explain", "prepare", "validate"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,8 @@ def _output_for(x: ArrayView) -> tuple[ArrayView, Any, Any]:
     return as_view(holder, name="out"), holder, finish
 
 
-def _validate(ctx: Context, x: Any, op: Any, out: Any, backend: str, stream: Any) -> Prepared:
+def validate(ctx: Context, x: Any, op: Any, out: Any, backend: str, stream: Any) -> Prepared:
+    """Check this rank's arguments and choose the backend (local: no communication)."""
     op_ = parse_op(op)
     if not isinstance(backend, str):
         raise InvalidArgument(f"backend must be a string such as 'auto' or 'nccl', not {type(backend).__name__}")
@@ -98,27 +99,41 @@ def prepare(
     A rank whose own arguments are wrong raises its error; the other ranks raise MismatchError
     naming that rank, so no rank is left waiting."""
     ctx = Context.get(comm)
+    ctx.wait_async()  # calls queued by allreduce_async on this communicator reach MPI first
     try:
-        prepared = _validate(ctx, x, op, out, backend, stream)
-    except MpigpuError as exc:
-        if ctx.settings.check:
-            # Every rank learns of the failure; this rank raises its own error.
-            with contextlib.suppress(MismatchError):
-                check_signature(ctx.comm, Signature(0, 0, 0, 0, 0, error=f"{type(exc).__name__}: {exc}"))
+        prepared = validate(ctx, x, op, out, backend, stream)
+    except Exception as exc:  # not only MpigpuError: any failure here must reach the other ranks
+        announce_rejection(ctx, exc)
         raise
-    if ctx.settings.check:
-        xv = prepared.x
-        check_signature(
-            ctx.comm,
-            Signature(
-                count=xv.size,
-                dtype=xv.dtype.code,
-                op=prepared.op.code,
-                backend=backend_class(prepared.choice.backend).code,
-                placement=int(xv.on_device),
-            ),
-        )
+    agree(prepared)
     return prepared
+
+
+def announce_rejection(ctx: Context, exc: Exception) -> None:
+    """Join the cross-rank check with this rank's own error, so every other rank raises MismatchError
+    naming it instead of waiting (collective; this rank then raises its own error)."""
+    if ctx.settings.check:
+        # watched: a rank that never arrives would leave this one waiting in the check
+        with contextlib.suppress(MismatchError), ctx.watchdog.watch("allreduce (reporting an invalid call)"):
+            check_signature(ctx.comm, Signature(0, 0, 0, 0, 0, error=f"{type(exc).__name__}: {exc}"))
+
+
+def agree(prepared: Prepared) -> None:
+    """The cross-rank check of a validated call: MismatchError on every rank unless all agree (collective)."""
+    ctx, xv = prepared.ctx, prepared.x
+    if ctx.settings.check:
+        signature = Signature(
+            count=xv.size,
+            dtype=xv.dtype.code,
+            op=prepared.op.code,
+            backend=backend_class(prepared.choice.backend).code,
+            placement=int(xv.on_device),
+        )
+        if ctx.watchdog.timeout > 0:  # a rank that never arrives would leave the others waiting here
+            with ctx.watchdog.watch(f"allreduce of {xv.size} {xv.dtype.name} (cross-rank argument check)"):
+                check_signature(ctx.comm, signature)
+        else:
+            check_signature(ctx.comm, signature)
 
 
 def _single_rank(prepared: Prepared) -> None:
@@ -139,6 +154,14 @@ def _single_rank(prepared: Prepared) -> None:
     runtime.memcpyAsync(out.ptr, x.ptr, x.nbytes, runtime.memcpyDeviceToDevice, handle)
 
 
+def _call_backend(prepared: Prepared) -> None:
+    ctx, x = prepared.ctx, prepared.x
+    backend = ctx.backend(prepared.choice.backend)
+    if x.on_device:
+        ctx.activate_gpu()
+    backend.allreduce(x, prepared.out, prepared.op, prepared.stream)
+
+
 def run(prepared: Prepared) -> Any:
     """Execute a prepared call on its backend; return the result object."""
     if prepared.x.size and prepared.ctx.size == 1:
@@ -147,15 +170,12 @@ def run(prepared: Prepared) -> Any:
         _single_rank(prepared)
     elif prepared.x.size:
         ctx, x = prepared.ctx, prepared.x
-        backend = ctx.backend(prepared.choice.backend)
-        if x.on_device:
-            ctx.activate_gpu()
-        if ctx.watchdog.timeout > 0:
+        if ctx.watchdog.timeout > 0:  # creating the backend (first call) is collective too: watch it
             label = f"allreduce({prepared.choice.backend}, {x.dtype.name} x {x.size}, op={prepared.op.value})"
             with ctx.watchdog.watch(label):
-                backend.allreduce(x, prepared.out, prepared.op, prepared.stream)
+                _call_backend(prepared)
         else:
-            backend.allreduce(x, prepared.out, prepared.op, prepared.stream)
+            _call_backend(prepared)
         if ctx.settings.log:
             _log_choice(ctx, prepared)
     if prepared.finish is not None:

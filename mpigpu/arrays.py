@@ -219,10 +219,14 @@ def as_view(obj: Any, *, name: str = "x") -> ArrayView:
                 view = _replace(view, readonly=True)
             return view
         if device is not None and device[0] in (_KDL_CUDA, _KDL_CUDA_MANAGED):
+            if framework == "jax":  # JAX computes asynchronously on its own streams: wait for x
+                obj.block_until_ready()
             view = _device_view(obj, framework)
             return _replace(view, readonly=True) if framework == "jax" else view
     if hasattr(obj, "__cuda_array_interface__"):
         return _device_view(obj, framework)
+    if isinstance(obj, np.generic):  # a NumPy scalar: np.asarray copies it, so it can be read, never written
+        return _replace(_from_numpy(np.asarray(obj), obj, "numpy"), readonly=True)
     if hasattr(obj, "__array_interface__") or isinstance(obj, (bytearray, memoryview)):
         return _from_numpy(np.asarray(obj), obj, framework)  # these protocols never copy
     raise InvalidArgument(

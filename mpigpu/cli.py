@@ -30,12 +30,17 @@ __all__ = [
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that reports a bad option once per job: ranks other than 0 exit quietly."""
+    """argparse that reports a bad option once per job (rank 0) and, under a launcher, ends the whole job."""
 
     def error(self, message: str) -> Any:  # type: ignore[override]
-        if launcher_rank() > 0:
-            self.exit(2)
-        super().error(message)
+        if launcher_rank() <= 0:
+            self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        if launcher_rank() >= 0:  # ranks whose own options were valid (MPMD launch) must not wait for this one
+            from mpigpu.failsafe import abort_before_start
+
+            abort_before_start(2, f"{self.prog}: error: {message}")
+        self.exit(2)
 
 
 def launcher_rank() -> int:

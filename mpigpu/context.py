@@ -8,17 +8,19 @@ so ``auto`` picks the same path everywhere.
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 from typing import Any, ClassVar
 
 from mpigpu._mpi import MPI, LibraryInfo, library_info, world
 from mpigpu.backends import BACKEND_NAMES, Availability, Backend, backend_class
-from mpigpu.config import Settings
+from mpigpu.check import agree
+from mpigpu.config import ENV_VARS, Settings
 from mpigpu.detect import CudaAwareness, NcclInfo, detect_cuda_awareness, detect_nccl
 from mpigpu.device import GpuInfo, map_device
-from mpigpu.errors import BackendUnavailable, MpigpuError
-from mpigpu.failsafe import Watchdog
+from mpigpu.errors import BackendUnavailable, ConfigError, MpigpuError
+from mpigpu.failsafe import Watchdog, install_default_handler
 from mpigpu.topology import Layout, build_layout
 
 __all__ = ["Context", "finalize"]
@@ -31,7 +33,14 @@ class Context:
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, comm: Any) -> None:
-        self.settings = Settings.from_env()
+        settings, error = _local_settings()
+        self.watchdog = Watchdog(settings.timeout if settings is not None else 0.0)
+        label = f"mpigpu start-up (the first mpigpu call on a communicator of {comm.Get_size()} ranks; collective)"
+        with self.watchdog.watch(label):
+            self.settings = _agreed_settings(comm, settings, error)
+            self._start(comm)
+
+    def _start(self, comm: Any) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -53,9 +62,9 @@ class Context:
             nccl = NcclInfo(False, nccl.version, "NCCL does not load on every rank")
         self.nccl: NcclInfo = nccl
 
-        self.watchdog = Watchdog(self.settings.timeout)
         self._backends: dict[str, Backend] = {}
         self.plan_cache: dict[tuple[Any, ...], Any] = {}  # mpigpu.plan.choose_cached
+        self.async_worker: Any = None  # mpigpu.handles.Worker, started by the first allreduce_async needing it
         self._closed = False
         self.availability: dict[str, Availability] = {}
         for name in BACKEND_NAMES:  # collective on every rank, in the same order
@@ -103,6 +112,13 @@ class Context:
 
         return set_device(self.gpu.index)
 
+    # -- ordering -------------------------------------------------------------------------------
+    def wait_async(self) -> None:
+        """Block until the calls allreduce_async queued on this communicator have run, so that a
+        following collective reaches MPI after them, in the same order on every rank."""
+        if self.async_worker is not None:
+            self.async_worker.drain()
+
     # -- backends ---------------------------------------------------------------------------------
     def backend(self, name: str) -> Backend:
         """The backend instance for ``name``, created on first use (collectively)."""
@@ -124,6 +140,9 @@ class Context:
         if self._closed:
             return
         self._closed = True
+        if self.async_worker is not None:  # queued calls finish before their backends are freed
+            self.async_worker.close()
+            self.async_worker = None
         for instance in reversed(list(self._backends.values())):
             try:
                 instance.close()
@@ -131,6 +150,31 @@ class Context:
                 sys.stderr.write(f"mpigpu: closing backend {instance.name} failed: {exc}\n")
         self._backends.clear()
         self.layout.close()
+
+
+_TEST_VARIABLES = ("MPIGPU_REQUIRE_GPU",)  # read by the test suite, not by mpigpu
+
+
+def _local_settings() -> tuple[Settings | None, ConfigError | None]:
+    try:
+        return Settings.from_env(), None
+    except ConfigError as exc:
+        return None, exc
+
+
+def _agreed_settings(comm: Any, settings: Settings | None, error: ConfigError | None) -> Settings:
+    """Collective: a bad MPIGPU_* value on any rank fails start-up on every rank with that rank's
+    message, instead of leaving the others waiting in the next collective."""
+    agree(comm, error, "mpigpu start-up")
+    assert settings is not None
+    if settings.abort_on_exception:
+        install_default_handler()
+    unknown = sorted(
+        k for k in os.environ if k.startswith("MPIGPU_") and k not in ENV_VARS and k not in _TEST_VARIABLES
+    )
+    if unknown and comm.Get_rank() == 0:  # a misspelt MPIGPU_TIMEOUT would otherwise leave timeouts off, silently
+        sys.stderr.write(f"mpigpu: ignoring unknown variable(s) {', '.join(unknown)}; known: {', '.join(ENV_VARS)}\n")
+    return settings
 
 
 def finalize() -> None:

@@ -31,7 +31,7 @@ class Op(str, enum.Enum):
     @property
     def index(self) -> int:
         """0 sum, 1 avg, 2 min, 3 max, 4 prod: the numbering the CUDA kernels use."""
-        return list(Op).index(self)
+        return _INDEX[self]  # a dict lookup: this is on every call's path (the argument check)
 
     @property
     def code(self) -> int:
@@ -49,6 +49,9 @@ class Op(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+_INDEX = {op: i for i, op in enumerate(Op)}
 
 
 def parse_op(value: Any) -> Op:

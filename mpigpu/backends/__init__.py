@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from mpigpu.backends.base import Availability, Backend
@@ -20,6 +21,7 @@ _REGISTRY: dict[str, str] = {
 BACKEND_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
 
+@functools.cache  # on every call's path (the argument check): import once, then a lookup
 def backend_class(name: str) -> type[Backend]:
     """The class registered under ``name``."""
     try:
