@@ -7,6 +7,7 @@ Importing mpigpu starts nothing: MPI, CUDA and the GPU libraries load on first u
 """
 
 from mpigpu.api import allreduce, explain
+from mpigpu.averager import Averager
 from mpigpu.context import finalize
 from mpigpu.device import GpuInfo, select_device
 from mpigpu.errors import (
@@ -20,6 +21,10 @@ from mpigpu.errors import (
     MissingDependency,
     MpigpuError,
 )
+from mpigpu.failsafe import install_abort_handler
+from mpigpu.handles import Handle, allreduce_async
+from mpigpu.integrations.torch import BackwardAverager
+from mpigpu.ipc import IpcGraph, ipc_buffer, ipc_graph
 from mpigpu.ops import Op
 from mpigpu.plan import Choice
 from mpigpu.timing import Result
@@ -27,13 +32,17 @@ from mpigpu.timing import Result
 __version__ = "0.1.0"
 
 __all__ = [
+    "Averager",
     "BackendUnavailable",
+    "BackwardAverager",
     "Choice",
     "CollectiveTimeout",
     "ConfigError",
     "DeviceError",
     "GpuInfo",
+    "Handle",
     "InvalidArgument",
+    "IpcGraph",
     "KernelCompileError",
     "MismatchError",
     "MissingDependency",
@@ -42,7 +51,11 @@ __all__ = [
     "Result",
     "__version__",
     "allreduce",
+    "allreduce_async",
     "explain",
     "finalize",
+    "install_abort_handler",
+    "ipc_buffer",
+    "ipc_graph",
     "select_device",
 ]

@@ -35,6 +35,17 @@ def pytest_configure(config: pytest.Config) -> None:
             sys.stdout = open(log, "w", buffering=1)  # noqa: SIM115 - lives for the session
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under --with-mpi run only the MPI-marked tests (pytest-mpi 0.6's --only-mpi does not drop
+    the others when combined with --with-mpi); the serial run covers the rest."""
+    if not config.getoption("with_mpi", default=False):
+        return
+    serial = [item for item in items if item.get_closest_marker("mpi") is None]
+    if serial:
+        config.hook.pytest_deselected(items=serial)
+        items[:] = [item for item in items if item.get_closest_marker("mpi") is not None]
+
+
 def gpu_available() -> bool:
     from mpigpu._cuda import visible_device_count
 

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Run mpigpu's GPU checks on a GPU machine, in one call, under both MPIs:
+#   the image's Open MPI (not CUDA-aware: host, nccl, ipc) and a CUDA-aware Intel MPI (also cuda-aware).
+#
+#   source .gpu-carry/env.sh; scripts/gpu-check.sh [STAGE ...]
+#
+# Stages (default: all, in this order):
+#   env        GPUs, topology, package versions
+#   info       python -m mpigpu.info under each MPI
+#   tests      the test suite (GPU tests required: MPIGPU_REQUIRE_GPU=1) with 2 and all GPUs, each MPI
+#   average    python -m mpigpu.average with every backend, each MPI; forced cuda-aware under Open MPI must
+#              fail cleanly (non-zero exit, no core dump)
+#   serial     GPU tests that start their own mpirun (bad input, failures) and the samples
+#   sanitize   compute-sanitizer memcheck/racecheck/synccheck over the ipc kernel (2 ranks)
+#   bench      the benchmark, 8 B..1 GiB, with --tune, under Open MPI (and cuda-aware under Intel MPI);
+#              ipc eager vs CUDA graph vs raw NCCL latency
+#   soak       thousands of random verified calls on GPU arrays; the cost of the argument check at 8 B
+#   train      Averager vs per-tensor and flat allreduce, overlap with backward()
+# Logs go to $OUT (or ./gpu-results): summary.txt, and logs.tgz with one log per step.
+# Exit status: non-zero if any step failed. The summary is printed last.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-results}
+LOGS="$OUT/logs"
+mkdir -p "$LOGS"
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+export MPIGPU_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export MPIGPU_CACHE_DIR=${MPIGPU_CACHE_DIR:-/tmp/mpigpu-cache}
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+[ "$NGPU" -ge 1 ] || { echo "no GPU visible (nvidia-smi -L)"; exit 1; }
+PY=${PYTHON:-python3}
+failures=0
+declare -F use_impi >/dev/null || { echo "source .gpu-carry/env.sh first (it defines use_impi)"; exit 1; }
+export -f use_impi
+
+# step NAME LIMIT EXPECT COMMAND...: run with a time limit, log to $LOGS/NAME.log, record the outcome.
+# EXPECT is 0 (must succeed) or "fail" (must exit non-zero without a signal or core dump).
+step() {
+  local name=$1 limit=$2 expect=$3; shift 3
+  local start end rc verdict
+  start=$(date +%s)
+  echo ">>> $name: $*" | tee -a "$LOGS/$name.log" >/dev/null
+  timeout -k 10 "$limit" bash -c "$*" >>"$LOGS/$name.log" 2>&1
+  rc=$?
+  end=$(date +%s)
+  if [ "$expect" = fail ]; then
+    if [ "$rc" -ne 0 ] && [ "$rc" -lt 124 ] && ! ls core* >/dev/null 2>&1; then verdict=PASS; else verdict=FAIL; fi
+  else
+    if [ "$rc" -eq 0 ]; then verdict=PASS; else verdict=FAIL; fi
+  fi
+  [ "$verdict" = FAIL ] && failures=$((failures + 1))
+  printf '%-4s %-38s rc=%-3s %4ss  %s\n' "$verdict" "$name" "$rc" "$((end - start))" \
+    "$(grep -E 'passed|failed|PASS|FAIL|error' "$LOGS/$name.log" | tail -n 1 | cut -c1-110)" | tee -a "$SUMMARY"
+}
+
+OMPI="mpirun --allow-run-as-root --oversubscribe --bind-to none"
+IMPI="use_impi; mpiexec"
+declare -A LAUNCH=([ompi]="$OMPI" [impi]="$IMPI")
+
+stage_env() {
+  step env 60 0 "nvidia-smi -L; nvidia-smi topo -m; $PY -m pip list 2>/dev/null | grep -iE 'cupy|cuda|torch|jax|numba|mpi4py|numpy|ml.dtypes|nccl|pytest'; mpirun --version | head -1"
+}
+
+stage_info() {
+  for mpi in ompi impi; do
+    step "info-$mpi" 120 0 "${LAUNCH[$mpi]} -n $NGPU $PY -m mpigpu.info"
+  done
+}
+
+stage_tests() {
+  local counts="2 $NGPU"
+  [ "$NGPU" -lt 2 ] && counts=1
+  [ "$NGPU" -eq 2 ] && counts=2
+  for mpi in ompi impi; do
+    for n in $counts; do
+      local paths="tests/gpu"
+      [ "$n" = "$NGPU" ] && paths="tests"  # the whole MPI suite (CPU and GPU) at full size
+      step "tests-$mpi-$n" 400 0 "${LAUNCH[$mpi]} -n $n $PY -m pytest -q -x --with-mpi --only-mpi $paths -p no:cacheprovider"
+    done
+  done
+}
+
+stage_average() {
+  local b
+  for b in auto nccl host ipc; do
+    step "average-ompi-$b" 120 0 "$OMPI -n $NGPU $PY -m mpigpu.average --backend $b --size 16M --json $LOGS/average-ompi-$b.json"
+  done
+  step "average-ompi-8B-auto" 120 0 "$OMPI -n $NGPU $PY -m mpigpu.average --size 2 --iters 200 --warmup 20"
+  for b in cuda-aware host nccl; do
+    step "average-impi-$b" 120 0 "$IMPI -n $NGPU $PY -m mpigpu.average --backend $b --size 16M --json $LOGS/average-impi-$b.json"
+  done
+  step "average-ompi-forced-cuda-aware" 120 fail "ulimit -c unlimited; MPIGPU_CUDA_AWARE=1 $OMPI -n 2 $PY -m mpigpu.average --backend cuda-aware --size 1M"
+}
+
+stage_serial() {
+  step serial-gpu 300 0 "$PY -m pytest -q tests/gpu/test_bad_input_gpu.py tests/test_samples.py -p no:cacheprovider"
+}
+
+stage_sanitize() {
+  step sanitize-ipc 420 0 "OUT=$LOGS/sanitize NP=2 scripts/sanitize-ipc.sh"
+}
+
+stage_bench() {
+  local tag="h200x$NGPU"
+  local date
+  date=$(date -u +%F)
+  step "bench-ompi" 420 0 "MPIGPU_TUNE_FILE=$OUT/tune.json $OMPI -n $NGPU $PY -m mpigpu.bench --placement gpu --time-limit 8 --tune --json $OUT/$tag-ompi-$date.json --plot $OUT/$tag-ompi-$date.png"
+  step "bench-impi" 300 0 "$IMPI -n $NGPU $PY -m mpigpu.bench --placement gpu --backends cuda-aware,nccl --time-limit 5 --json $OUT/$tag-impi-$date.json"
+  step "ipc-latency" 180 0 "$OMPI -n $NGPU $PY scripts/ipc_latency.py --json $LOGS/ipc-latency.json"
+}
+
+stage_soak() {
+  step soak-ompi 300 0 "$OMPI -n $NGPU $PY -m mpigpu.soak --calls 5000 --json $LOGS/soak-ompi.json"
+  step soak-impi 200 0 "$IMPI -n $NGPU $PY -m mpigpu.soak --calls 2000 --json $LOGS/soak-impi.json"
+  step check-cost 120 0 "$OMPI -n $NGPU $PY -m mpigpu.soak --check-cost --device gpu --iters 5000"
+}
+
+stage_train() {
+  step train-ompi 300 0 "$OMPI -n $NGPU $PY -m mpigpu.bench_training --json $LOGS/training.json"
+}
+
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(env info tests average serial sanitize bench soak train)
+for s in "${stages[@]}"; do
+  if declare -F "stage_$s" >/dev/null; then "stage_$s"; else echo "unknown stage $s" | tee -a "$SUMMARY"; failures=$((failures + 1)); fi
+done
+
+tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"
+echo "===== gpu-check summary ($NGPU GPUs, $(date -u +%FT%TZ)) ====="
+cat "$SUMMARY"
+echo "failed steps: $failures"
+[ "$failures" -eq 0 ]

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Set up a virtual environment and run mpigpu's whole test suite, as CI does:
+#   serial tests, then the MPI tests under mpiexec with 1, 2 and 4 ranks.
+# Needs only Python 3.10+ and pip; MPI comes from the mpich wheel (the `mpi` extra).
+# Usage: scripts/test.sh [extra pytest arguments]      (VENV=path to choose the environment)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${VENV:-.venv-test}
+python=${PYTHON:-python3}
+
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv"
+fi
+# shellcheck disable=SC1091
+. "$venv/bin/activate"
+pip install -q --upgrade pip >/dev/null
+pip install -q -e ".[mpi,test,plot,dev]"
+# The training samples and their tests use PyTorch (CPU build) and JAX (CPU).
+pip install -q "torch==2.13.0" "jax>=0.4"
+
+rm -f .pytest-rank*.log
+results=$(mktemp -d)
+status=0
+run() {  # run <name> <command...>: a pytest run that writes junit XML to $results/<name>.xml
+  local name=$1; shift
+  echo "== $name: $*"
+  if ! "$@" --junitxml="$results/$name.xml"; then
+    status=1
+    for log in .pytest-rank*.log; do
+      [ -s "$log" ] && { echo "--- $log"; tail -n 60 "$log"; }
+    done
+  fi
+}
+run serial python -m pytest -q "$@"
+for n in 1 2 4; do
+  run "mpi-$n" mpiexec -n "$n" python -m pytest -q --with-mpi --only-mpi "$@"
+done
+# One closing line over all runs (each pytest run above printed its own summary).
+python - "$results" <<'PY'
+import sys, glob, xml.etree.ElementTree as ET
+totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+for path in glob.glob(f"{sys.argv[1]}/*.xml"):
+    for suite in ET.parse(path).getroot().iter("testsuite"):
+        for key in totals:
+            totals[key] += int(suite.get(key, 0))
+failed = totals["failures"] + totals["errors"]
+passed = totals["tests"] - failed - totals["skipped"]
+print(f"all runs: {passed} passed, {failed} failed, {totals['skipped']} skipped")
+PY
+rm -rf "$results"
+exit $status
