@@ -10,6 +10,8 @@
 #   tests      the test suite (GPU tests required: MPIGPU_REQUIRE_GPU=1) with 2 and all GPUs, each MPI
 #   average    python -m mpigpu.average with every backend, each MPI; forced cuda-aware under Open MPI must
 #              fail cleanly (non-zero exit, no core dump)
+#   shared     two ranks sharing one GPU (MPIGPU_ALLOW_SHARED_GPU=1): host staging and training tests,
+#              the multi-rank GPU coverage a one-GPU machine can give
 #   serial     GPU tests that start their own mpirun (bad input, failures) and the samples
 #   sanitize   compute-sanitizer memcheck/racecheck/synccheck over the ipc kernel (2 ranks)
 #   bench      the benchmark, 8 B..1 GiB, with --tune, under Open MPI (and cuda-aware under Intel MPI);
@@ -91,6 +93,14 @@ stage_average() {
     step "average-impi-$b" 120 0 "$IMPI -n $NGPU $PY -m mpigpu.average --backend $b --size 16M --json $LOGS/average-impi-$b.json"
   done
   step "average-ompi-forced-cuda-aware" 120 fail "ulimit -c unlimited; MPIGPU_CUDA_AWARE=1 $OMPI -n 2 $PY -m mpigpu.average --backend cuda-aware --size 1M"
+}
+
+stage_shared() {
+  for mpi in ompi impi; do
+    step "shared-$mpi-2" 400 0 "MPIGPU_ALLOW_SHARED_GPU=1 ${LAUNCH[$mpi]} -n 2 $PY -m pytest -q --with-mpi --only-mpi tests/gpu/test_host_gpu.py tests/gpu/test_gpu_paths.py tests/gpu/test_training_gpu.py -p no:cacheprovider"
+  done
+  step "shared-average-host-16M" 120 0 "MPIGPU_ALLOW_SHARED_GPU=1 $OMPI -n 2 $PY -m mpigpu.average --backend host --size 16M"
+  step "shared-average-host-8B" 120 0 "MPIGPU_ALLOW_SHARED_GPU=1 $OMPI -n 2 $PY -m mpigpu.average --backend host --size 2 --iters 500"
 }
 
 stage_serial() {
