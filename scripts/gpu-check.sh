@@ -33,6 +33,8 @@ NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 [ "$NGPU" -ge 1 ] || { echo "no GPU visible (nvidia-smi -L)"; exit 1; }
 PY=${PYTHON:-python3}
 failures=0
+# shellcheck disable=SC1091
+declare -F use_impi >/dev/null || { [ -f .gpu-carry/env.sh ] && source .gpu-carry/env.sh; }
 declare -F use_impi >/dev/null || { echo "source .gpu-carry/env.sh first (it defines use_impi)"; exit 1; }
 export -f use_impi
 
