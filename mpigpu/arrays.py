@@ -142,7 +142,12 @@ def _device_view(obj: Any, framework: str) -> ArrayView:
     from cuda.core.utils import StridedMemoryView
 
     try:
-        view = StridedMemoryView.from_any_interface(obj, stream_ptr=-1)  # -1: mpigpu orders streams itself
+        if framework == "jax" and hasattr(obj, "__cuda_array_interface__"):
+            # JAX's __dlpack__ rejects stream -1 (CUDA_ERROR_INVALID_HANDLE); its arrays are already
+            # complete here (as_view waited for them), so the CAI route needs no stream either.
+            view = StridedMemoryView.from_cuda_array_interface(obj, stream_ptr=-1)
+        else:
+            view = StridedMemoryView.from_any_interface(obj, stream_ptr=-1)  # -1: mpigpu orders streams itself
     except (BufferError, TypeError, ValueError, AttributeError) as exc:
         raise InvalidArgument(f"cannot read the {framework} array's memory: {exc}") from None
     if not view.is_device_accessible or view.device_id < 0:

@@ -80,7 +80,7 @@ stage_tests() {
     for n in $counts; do
       local paths="tests/gpu"
       [ "$n" = "$NGPU" ] && paths="tests"  # the whole MPI suite (CPU and GPU) at full size
-      step "tests-$mpi-$n" 400 0 "${LAUNCH[$mpi]} -n $n $PY -m pytest -q -x --with-mpi --only-mpi $paths -p no:cacheprovider"
+      step "tests-$mpi-$n" 400 0 "${LAUNCH[$mpi]} -n $n $PY -m pytest -q --with-mpi --only-mpi $paths -p no:cacheprovider"
     done
   done
 }
@@ -99,7 +99,7 @@ stage_average() {
 
 stage_shared() {
   for mpi in ompi impi; do
-    step "shared-$mpi-2" 400 0 "MPIGPU_ALLOW_SHARED_GPU=1 ${LAUNCH[$mpi]} -n 2 $PY -m pytest -q --with-mpi --only-mpi tests/gpu/test_host_gpu.py tests/gpu/test_gpu_paths.py tests/gpu/test_training_gpu.py -p no:cacheprovider"
+    step "shared-$mpi-2" 400 0 "export MPIGPU_ALLOW_SHARED_GPU=1; ${LAUNCH[$mpi]} -n 2 $PY -m pytest -q --with-mpi --only-mpi tests/gpu/test_host_gpu.py tests/gpu/test_gpu_paths.py tests/gpu/test_training_gpu.py -p no:cacheprovider"
   done
   step "shared-average-host-16M" 120 0 "MPIGPU_ALLOW_SHARED_GPU=1 $OMPI -n 2 $PY -m mpigpu.average --backend host --size 16M"
   step "shared-average-host-8B" 120 0 "MPIGPU_ALLOW_SHARED_GPU=1 $OMPI -n 2 $PY -m mpigpu.average --backend host --size 2 --iters 500"

@@ -89,7 +89,9 @@ def run_mpi(
     """Run ``mpiexec -n n python <args>`` as a subprocess; fails the test on timeout (a hang)."""
     full_env = dict(os.environ)
     for var in list(full_env):  # a clean launch: no inherited rank variables from an outer mpiexec
-        if var.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_")):
+        # only what identifies a rank of an outer launch: a site's own OMPI_MCA_* settings (the GPU
+        # image sets some) and OMPI_ALLOW_RUN_AS_ROOT must reach the inner mpirun
+        if var.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_COMM_WORLD_", "OMPI_UNIVERSE_SIZE")):
             del full_env[var]
     full_env["PYTHONUNBUFFERED"] = "1"
     if env:

@@ -215,6 +215,8 @@ def test_backward_averager_cuda(ctx, own_comm) -> None:
 # -- samples, in this process (the ranks are already running under mpirun) ----------------------
 def test_ddp_equivalence_on_gpu(ctx) -> None:
     pytest.importorskip("torch", reason="torch is not installed")
+    if not ctx.availability["nccl"].ok:  # the reference, torch DDP on NCCL, needs one GPU per rank
+        pytest.skip(f"the DDP reference needs NCCL: {ctx.availability['nccl'].reason}")
     assert _sample("torch_data_parallel").main(["--check-ddp", "--device", "gpu"]) == 0
 
 
