@@ -142,12 +142,7 @@ def _device_view(obj: Any, framework: str) -> ArrayView:
     from cuda.core.utils import StridedMemoryView
 
     try:
-        if framework == "jax" and hasattr(obj, "__cuda_array_interface__"):
-            # JAX's __dlpack__ rejects stream -1 (CUDA_ERROR_INVALID_HANDLE); its arrays are already
-            # complete here (as_view waited for them), so the CAI route needs no stream either.
-            view = StridedMemoryView.from_cuda_array_interface(obj, stream_ptr=-1)
-        else:
-            view = StridedMemoryView.from_any_interface(obj, stream_ptr=-1)  # -1: mpigpu orders streams itself
+        view = StridedMemoryView.from_any_interface(obj, stream_ptr=-1)  # -1: mpigpu orders streams itself
     except (BufferError, TypeError, ValueError, AttributeError) as exc:
         raise InvalidArgument(f"cannot read the {framework} array's memory: {exc}") from None
     if not view.is_device_accessible or view.device_id < 0:
@@ -186,6 +181,25 @@ def _torch_cuda_view(tensor: Any) -> ArrayView:
     )
 
 
+def _jax_gpu_view(array: Any, device: Any) -> ArrayView:
+    """JAX GPU arrays: immutable, dense, and computed asynchronously on JAX's own streams, so wait for
+    them and read the buffer directly (JAX's __dlpack__ rejects stream -1 and its CUDA array
+    interface is version 2, which cuda.core does not take)."""
+    if len(array.devices()) != 1:
+        raise InvalidArgument("x is a JAX array sharded over several devices: pass one device's shard")
+    array.block_until_ready()
+    ptr = int(array.unsafe_buffer_pointer())
+    return ArrayView(
+        array,
+        ptr,
+        tuple(array.shape),
+        parse_dtype(array.dtype),
+        int(device.local_hardware_id if getattr(device, "local_hardware_id", None) is not None else device.id),
+        True,
+        "jax",
+    )
+
+
 def _dlpack_device(obj: Any) -> tuple[int, int] | None:
     try:
         dev_type, dev_id = obj.__dlpack_device__()
@@ -203,6 +217,10 @@ def as_view(obj: Any, *, name: str = "x") -> ArrayView:
         return _cupy_view(obj)
     if kind.__name__ == "Tensor" and kind.__module__.startswith("torch") and obj.is_cuda:
         return _torch_cuda_view(obj)
+    if kind.__module__.startswith(("jax", "jaxlib")) and hasattr(obj, "unsafe_buffer_pointer"):
+        device = next(iter(obj.devices()))
+        if device.platform == "gpu":
+            return _jax_gpu_view(obj, device)
     framework = framework_of(obj)
     if framework == "numpy":
         return _from_numpy(obj, obj, "numpy")

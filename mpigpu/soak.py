@@ -380,11 +380,13 @@ def run_soak(args: argparse.Namespace, progress: bool = True) -> SoakResult:
         sys.stdout.flush()
     start = time.monotonic()
     soak.warm_up()
-    warm = max(1, args.calls // 10)
+    # Memory is measured half-way and at the end: one-time allocations (lazy backend set-up, other
+    # libraries in the same process such as JAX or NCCL) land before the middle; a leak keeps growing.
+    warm = max(1, args.calls // 2)
     before = None
     warmed_up = soak.nonempty
     for index in range(args.calls):
-        if index == warm:  # a tenth of the calls more: caches and pools settle before memory is measured
+        if index == warm:
             before = _memory(ctx, any(placements), soak.used)
         call = soak.draw(index)
         if call is None:

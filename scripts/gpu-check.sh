@@ -80,7 +80,7 @@ stage_tests() {
     for n in $counts; do
       local paths="tests/gpu"
       [ "$n" = "$NGPU" ] && paths="tests"  # the whole MPI suite (CPU and GPU) at full size
-      step "tests-$mpi-$n" 400 0 "${LAUNCH[$mpi]} -n $n $PY -m pytest -q --with-mpi --only-mpi $paths -p no:cacheprovider"
+      step "tests-$mpi-$n" 300 0 "export MPIGPU_TIMEOUT=120; ${LAUNCH[$mpi]} -n $n $PY -m pytest -q --with-mpi --only-mpi $paths -p no:cacheprovider"
     done
   done
 }
@@ -110,7 +110,7 @@ stage_serial() {
 }
 
 stage_sanitize() {
-  step sanitize-ipc 420 0 "OUT=$LOGS/sanitize NP=2 scripts/sanitize-ipc.sh"
+  step sanitize-ipc 240 0 "OUT=$LOGS/sanitize NP=2 scripts/sanitize-ipc.sh"
 }
 
 stage_bench() {
