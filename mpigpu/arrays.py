@@ -157,7 +157,7 @@ def _device_view(obj: Any, framework: str) -> ArrayView:
         ptr=int(view.ptr),
         shape=shape,
         dtype=dtype,
-        device=int(view.device_id),
+        device=_pointer_device(int(view.ptr), int(view.device_id)),
         readonly=bool(view.readonly),
         framework=framework,
         keepalive=view,
@@ -198,6 +198,19 @@ def _jax_gpu_view(array: Any, device: Any) -> ArrayView:
         True,
         "jax",
     )
+
+
+def _pointer_device(ptr: int, reported: int) -> int:
+    """The GPU that owns ``ptr``. The CUDA array interface carries no device, and a view built from
+    it reports the current one, so ask the driver (seen: Numba arrays on GPU 1 reported as GPU 0)."""
+    if ptr == 0:
+        return reported
+    from mpigpu._cuda import cupy
+
+    try:
+        return int(cupy().cuda.runtime.pointerGetAttributes(ptr).device)
+    except Exception:  # not a CUDA allocation the runtime knows: trust the producer
+        return reported
 
 
 def _dlpack_device(obj: Any) -> tuple[int, int] | None:
