@@ -144,7 +144,7 @@ def build_parser() -> Parser:
     output.add_argument("--json", type=Path, metavar="PATH", help="write every figure and the machine as JSON")
     output.add_argument("--plot", type=Path, metavar="PNG", help="plot busbw and time against size (matplotlib)")
     output.add_argument(
-        "--tune", action="store_true",
+        "--tune", "--autotune", action="store_true",
         help="write the fastest backend per size band into the tuning table (MPIGPU_TUNE_FILE), then time auto",
     )  # fmt: skip
     output.add_argument(
@@ -398,8 +398,10 @@ class Sweep:
                 f"{what} {size_label(m.result.bytes)} ({i + 1}/{len(counts)}){chosen}: "
                 f"{m.result.median_us:.2f} us{wrong}"
             )
-            if limit and i + 1 < len(counts):
-                # the least the next size costs: the check, the estimate and one timed call per repetition
+            if limit and 0 < i < len(counts) - 1:
+                # The least the next size costs: the check, the estimate and one timed call per
+                # repetition. Not judged from the first size, whose check carries one-time set-up
+                # (kernel compilation, communicator creation) that does not grow with the size.
                 growth = counts[i + 1] / count
                 per_call = (m.result.median_us or m.result.time_us) * 1e-6 * growth
                 predicted = m.check_seconds * growth + per_call * (1 + m.repeats + (m.api_us is not None))

@@ -3,7 +3,12 @@
     mpirun -np 4 python3 scripts/ipc_latency.py [--json PATH]
 
 Sizes 8 B .. 1 MiB (float32, sum). Each figure is the mean over 2000 calls after 200 warm-up calls,
-timed with CUDA events on one stream, max over ranks. Every result is checked.
+timed with CUDA events on one stream, max over ranks. Every result is checked. Columns:
+  ipc          a prepared call (no per-call argument check), launched from Python
+  ipc-graph    one call captured in a CUDA graph, replayed from Python
+  ipc-g100     100 calls captured in one graph: the GPU's time per all-reduce, free of launch cost
+  nccl-raw     ncclAllReduce through cupy.cuda.nccl; nccl-g100: 100 of them in one graph
+  api-ipc      mpigpu.allreduce(backend="ipc"): validation and the cross-rank check on every call
 """
 
 from __future__ import annotations
@@ -43,9 +48,19 @@ def main() -> int:
         end.synchronize()
         return comm.allreduce(cp.cuda.get_elapsed_time(start, end) * 1e3 / iters, op=MPI().MAX)
 
+    def graph_of(enqueue, copies: int = 100):
+        """``copies`` back-to-back calls captured in one CUDA graph (stream capture)."""
+        stream.begin_capture()
+        for _ in range(copies):
+            enqueue()
+        return stream.end_capture()
+
     rows = []
     if comm.Get_rank() == 0:
-        print(f"# {'bytes':>9} {'ipc(us)':>9} {'ipc-graph(us)':>14} {'nccl-raw(us)':>13} {'api-ipc(us)':>12}")
+        print(
+            f"# {'bytes':>9} {'ipc':>8} {'ipc-graph':>10} {'ipc-g100':>9} {'nccl-raw':>9} {'nccl-g100':>10} "
+            f"{'api-ipc':>8}   (us per all-reduce)"
+        )
     for nbytes in (8, 1024, 16384, 65536, 262144, 1 << 20):
         count = max(1, nbytes // 4)
         x = cp.ones(count, cp.float32)
@@ -57,12 +72,24 @@ def main() -> int:
         replay = timed(graph.launch)
         graph.close()
         ok = bool((out == comm.Get_size()).all())
-        nccl_us = timed(lambda x=x, out=out, c=count: raw.allReduce(x.data.ptr, out.data.ptr, c, 7, 0, stream.ptr))
+        g100 = graph_of(lambda p=prepared: mpigpu.api.run(p))
+        ipc100 = timed(lambda g=g100: g.launch(stream), 40) / 100
+        ok = ok and bool((out == comm.Get_size()).all())
+
+        def nccl_call(x=x, out=out, c=count) -> None:
+            raw.allReduce(x.data.ptr, out.data.ptr, c, 7, 0, stream.ptr)
+
+        nccl_us = timed(nccl_call)
+        n100 = graph_of(nccl_call)
+        nccl100 = timed(lambda g=n100: g.launch(stream), 40) / 100
         ok = comm.allreduce(ok and bool((out == comm.Get_size()).all()), op=MPI().LAND)
-        rows.append({"bytes": nbytes, "ipc_us": eager, "ipc_graph_us": replay, "nccl_raw_us": nccl_us,
-                     "ipc_api_us": api, "ok": ok})  # fmt: skip
+        rows.append({"bytes": nbytes, "ipc_us": eager, "ipc_graph_us": replay, "ipc_graph100_us": ipc100,
+                     "nccl_raw_us": nccl_us, "nccl_graph100_us": nccl100, "ipc_api_us": api, "ok": ok})  # fmt: skip
         if comm.Get_rank() == 0:
-            print(f"  {nbytes:>9} {eager:>9.2f} {replay:>14.2f} {nccl_us:>13.2f} {api:>12.2f}{'' if ok else '  WRONG'}")
+            print(
+                f"  {nbytes:>9} {eager:>8.2f} {replay:>10.2f} {ipc100:>9.2f} {nccl_us:>9.2f} {nccl100:>10.2f} "
+                f"{api:>8.2f}{'' if ok else '  WRONG'}"
+            )
     raw.destroy()
     if args.json and comm.Get_rank() == 0:
         with open(args.json, "w") as f:
