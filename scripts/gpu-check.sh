@@ -129,7 +129,7 @@ stage_bench() {
   local date
   date=$(date -u +%F)
   step "bench-ompi" 300 0 "MPIGPU_TUNE_FILE=$OUT/tune.json $OMPI -n $NGPU $PY -m mpigpu.bench --placement gpu --inplace --time-limit 6 --autotune --json $OUT/$tag-ompi-$date.json --plot $OUT/$tag-ompi-$date.png"
-  step "ipc-latency" 90 0 "$OMPI -n $NGPU $PY scripts/ipc_latency.py --json $LOGS/ipc-latency.json"
+  step "ipc-latency" 75 0 "$OMPI -n $NGPU $PY scripts/ipc_latency.py --json $LOGS/ipc-latency.json"
 }
 
 stage_bench_impi() {

@@ -14,6 +14,7 @@ timed with CUDA events on one stream, max over ranks. Every result is checked. C
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 
@@ -83,6 +84,7 @@ def main() -> int:
         n100 = graph_of(nccl_call)
         nccl100 = timed(lambda g=n100: g.launch(stream), 40) / 100
         ok = comm.allreduce(ok and bool((out == comm.Get_size()).all()), op=MPI().LAND)
+        del g100, n100  # graphs hold the NCCL communicator's kernels: release them before it is destroyed
         rows.append({"bytes": nbytes, "ipc_us": eager, "ipc_graph_us": replay, "ipc_graph100_us": ipc100,
                      "nccl_raw_us": nccl_us, "nccl_graph100_us": nccl100, "ipc_api_us": api, "ok": ok})  # fmt: skip
         if comm.Get_rank() == 0:
@@ -90,6 +92,8 @@ def main() -> int:
                 f"  {nbytes:>9} {eager:>8.2f} {replay:>10.2f} {ipc100:>9.2f} {nccl_us:>9.2f} {nccl100:>10.2f} "
                 f"{api:>8.2f}{'' if ok else '  WRONG'}"
             )
+    stream.synchronize()
+    gc.collect()
     raw.destroy()
     if args.json and comm.Get_rank() == 0:
         with open(args.json, "w") as f:
