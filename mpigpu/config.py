@@ -25,7 +25,7 @@ ENV_VARS: dict[str, str] = {
     "(from mpigpu's first call on) instead of leaving the other ranks waiting",
     "MPIGPU_ALLOW_SHARED_GPU": "1: allow more ranks on a node than visible GPUs (ranks then share GPUs)",
     "MPIGPU_HOST_POOL_MB": "MiB: cap on the host path's pinned staging memory per rank (default 1024)",
-    "MPIGPU_HOST_CHUNK": "bytes (e.g. 4M): chunk size of the host path's pipeline (default: the measured best)",
+    "MPIGPU_HOST_CHUNK": "bytes (e.g. 4M): the host path's pipeline chunk (default 4 MiB on GPUs, 16 MiB for NumPy)",
     "MPIGPU_HOST_DEPTH": "N: chunks the host path's pipeline stages ahead of the reduction (default 2)",
     "MPIGPU_HOST_SMALL": "bytes: messages up to this size take the host path's latency route (default 64K)",
     "MPIGPU_TUNE_FILE": "path: crossover table written by `mpigpu.bench --tune` and read by backend='auto'",

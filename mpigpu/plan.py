@@ -1,7 +1,7 @@
 """Choosing a backend per call: an explicit request is validated; ``auto`` uses the crossover table
 that ``python -m mpigpu.bench --tune`` measured on a matching machine, or these rules:
 
-GPU arrays:  ipc (one node, peer access) up to 256 KiB -> nccl -> cuda-aware MPI -> host staging.
+GPU arrays:  ipc (one node, peer access) up to 4 MiB -> nccl -> cuda-aware MPI -> host staging.
 Host arrays: cpu (MPI_Allreduce) below 32 MiB -> host (shared-memory reduce) from there on, where
              the host backend is available; cpu otherwise.
 
@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Choice", "TuningTable", "choose", "choose_cached", "load_tuning", "machine_signature"]
 
-IPC_MAX_BYTES = 256 << 10
+# ipc was as fast as NCCL or faster through 4 MiB on 2 and 4 x H200 (bench/results, 2026-11-21)
+IPC_MAX_BYTES = 4 << 20
 HOST_SHM_MIN_BYTES = 32 << 20  # measured crossover with MPICH's MPI_Allreduce, 2 and 4 ranks (docs/host.md)
 _DEVICE_ORDER = ("ipc", "nccl", "cuda-aware", "host")
 _HOST_ORDER = ("host", "cpu")
@@ -164,9 +165,9 @@ def choose(ctx: Context, view: ArrayView, op: Op, requested: str) -> Choice:
     for name in order:
         problem = _usable(ctx, name, view, op)
         if problem is None and name == "ipc" and view.nbytes > IPC_MAX_BYTES:
-            problem = f"message above {IPC_MAX_BYTES >> 10} KiB"
+            problem = f"message above {IPC_MAX_BYTES >> 20} MiB"
         if problem is None and name == "host" and not view.on_device and view.nbytes < HOST_SHM_MIN_BYTES:
-            problem = f"message below {HOST_SHM_MIN_BYTES >> 10} KiB (MPI_Allreduce is faster there)"
+            problem = f"message below {HOST_SHM_MIN_BYTES >> 20} MiB (MPI_Allreduce is faster there)"
         if problem is None:
             why = "; ".join(skipped)
             return Choice(name, f"rule: first usable of {', '.join(order)}" + (f" (skipped {why})" if why else ""))

@@ -211,7 +211,7 @@ class Buffers:
         wrong = count_wrong_device(ptr, count, dtype, "exact", op, nranks, self.gpu, self.stream)
         if not inplace:
             cp = cupy()
-            with cp.cuda.ExternalStream(self.stream.handle):
+            with cp.cuda.Stream.from_external(self.stream):  # StreamRef speaks __cuda_stream__
                 x = self._region(self.x, offset, nbytes, dtype).reshape(count, dtype.itemsize)
                 snap = self._region(self.snap, offset, nbytes, dtype).reshape(count, dtype.itemsize)
                 wrong += int(cp.count_nonzero((x != snap).any(axis=1)))
