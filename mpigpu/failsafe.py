@@ -32,6 +32,7 @@ __all__ = [
 TIMEOUT_EXIT_CODE = 124  # what GNU timeout returns, so scripts can tell a timeout from a failure
 _FORCE_EXIT_AFTER_S = 10.0  # if MPI_Abort itself does not end the process by then, exit anyway
 _GRACE_S = 2.0  # abort_before_start: time for rank 0 to end the job before another rank reports
+_FORWARD_S = 0.2  # after printing, before MPI_Abort: the launcher forwards the message (seen lost under load)
 
 _abort_lock = threading.Lock()
 _previous_hook: Any = None  # a non-mpigpu sys.excepthook found at installation, called first
@@ -68,6 +69,7 @@ def abort_job(message: str, code: int = 1) -> NoReturn:
     for stream in (sys.stderr, sys.stdout):
         with contextlib.suppress(Exception):
             stream.flush()
+    time.sleep(_FORWARD_S)
     fallback = threading.Timer(_FORCE_EXIT_AFTER_S, os._exit, (code,))
     fallback.daemon = True
     fallback.start()
@@ -98,6 +100,7 @@ def abort_before_start(code: int, message: str) -> NoReturn:
             time.sleep(_GRACE_S)
             sys.stderr.write(f"[mpigpu rank {world.Get_rank()}] {message}\n")
             sys.stderr.flush()
+        time.sleep(_FORWARD_S)
         world.Abort(code)
     os._exit(code)
 
