@@ -343,6 +343,11 @@ class _Soak:
             for name in _candidates(self.ctx, self.buffers[gpu], self.args.max_size, dtype, op, self.backends):
                 for inplace in (True, False):
                     self.execute(Call(-1, self.args.max_size, dtype, op, gpu, inplace, 0, name))
+        # Set up every backend now (collective, same order everywhere). With one rank the calls above
+        # reach no backend (a copy is the whole allreduce), and the memory report, which asks each
+        # used backend to describe itself, would otherwise create them between its two snapshots.
+        for name in sorted(self.used):
+            self.ctx.backend(name)
 
 
 def _placements(ctx: Any, device: str) -> list[bool]:
