@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from mpigpu.kernels.compile import compile_stats
     from mpigpu.ops import parse_op
     from mpigpu.patterns import default_pattern
-    from mpigpu.timing import Result, max_over_ranks, summarize, time_calls
+    from mpigpu.timing import Result, max_over_ranks, max_phases_over_ranks, summarize, time_calls
     from mpigpu.verify import total_wrong
     from mpigpu.workload import Workload
 
@@ -187,9 +187,7 @@ def run(args: argparse.Namespace) -> int:
     mean, median, spread = summarize(means)
     time_us, per_rank = max_over_ranks(comm, mean)
     backend = ctx.backend(choice.backend)
-    phases = {}
-    for name, value in sorted(backend.last_phases.items()):
-        phases[name], _ = max_over_ranks(comm, value)
+    phases = max_phases_over_ranks(comm, backend.last_phases)
     kernel_us, _ = max_over_ranks(comm, work.kernel_ms * 1e3)
     result = Result(
         bytes=args.size * dtype.itemsize, elements=args.size, dtype=dtype.name, op=op.value,

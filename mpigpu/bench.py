@@ -416,7 +416,7 @@ class Sweep:
     def measure(self, path: PathSpec, work: Any, op: Op, inplace: bool) -> Measurement | None:
         """Verify, then time, one path at one size; None if the path refuses this call."""
         from mpigpu.api import allreduce, prepare, run
-        from mpigpu.timing import max_over_ranks, summarize, time_calls
+        from mpigpu.timing import max_over_ranks, max_phases_over_ranks, summarize, time_calls
         from mpigpu.verify import total_wrong
 
         args, comm = self.args, self.comm
@@ -476,10 +476,7 @@ class Sweep:
             api_us = self._max(time_calls(api_call, iters, barrier=comm.Barrier, stream=stream)[0])
         phases: dict[str, float] = {}
         if path.kind != "anchor":
-            mine = self.ctx.backend(chosen or path.name).last_phases
-            for theirs in comm.allgather(dict(mine)):
-                for name, value in theirs.items():
-                    phases[name] = max(phases.get(name, 0.0), float(value))
+            phases = max_phases_over_ranks(comm, self.ctx.backend(chosen or path.name).last_phases)
         result = Result(
             bytes=work.count * work.dtype.itemsize, elements=work.count, dtype=work.dtype.name, op=op.value,
             backend=path.name, ranks=self.ctx.size, time_us=time_us, wrong=wrong, inplace=inplace,

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Result", "busbw_factor", "max_over_ranks", "time_calls"]
+__all__ = ["Result", "busbw_factor", "max_over_ranks", "max_phases_over_ranks", "time_calls"]
 
 
 def busbw_factor(nranks: int) -> float:
@@ -55,6 +55,16 @@ def max_over_ranks(comm: Any, value: float) -> tuple[float, tuple[float, ...]]:
     """(max, per-rank values) of a float over the communicator."""
     values = tuple(float(v) for v in comm.allgather(float(value)))
     return max(values), values
+
+
+def max_phases_over_ranks(comm: Any, phases: dict[str, float]) -> dict[str, float]:
+    """Each phase's max over ranks, in one collective. Ranks may report different phases (one
+    collective per key would then pair different keys across ranks, or hang)."""
+    merged: dict[str, float] = {}
+    for theirs in comm.allgather(dict(phases)):
+        for name, value in theirs.items():
+            merged[name] = max(merged.get(name, 0.0), float(value))
+    return dict(sorted(merged.items()))
 
 
 def time_calls(

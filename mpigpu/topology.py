@@ -35,10 +35,6 @@ class Layout:
     virtual: bool  # MPIGPU_NODE_SIZE split the physical nodes
 
     @property
-    def single_node(self) -> bool:
-        return self.num_nodes == 1
-
-    @property
     def equal_nodes(self) -> bool:
         return len(set(self.node_sizes)) == 1
 
