@@ -3,17 +3,19 @@ GPU architecture, cached on disk.
 
 The cache key covers the source text, the options, the architecture and the NVRTC and cuda.core
 versions. A file lock makes the first rank compile while the other ranks of the node wait and then
-load its cubin, so one run compiles once and later runs compile never.
+load its cubin, so one run compiles once and later runs compile never. The cache directory is
+private (0700, ours, a real directory) and every entry carries the sha256 of its cubin: a file that
+another user could have written is never loaded, and a corrupt one is recompiled and replaced.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
-import os
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -23,6 +25,7 @@ import numpy as np
 
 from mpigpu._cuda import require_cuda_core
 from mpigpu.errors import KernelCompileError
+from mpigpu.privatefs import PrivateDir, UntrustedPath
 
 __all__ = ["CompileStats", "Module", "compile_stats", "launch", "load_module"]
 
@@ -91,7 +94,7 @@ def _nvrtc_version() -> str:
 def _cache_dir() -> Path:
     from mpigpu.config import settings
 
-    return settings().cache_dir / "kernels"
+    return settings().cache_dir
 
 
 _modules: dict[tuple[str, str], Module] = {}
@@ -115,29 +118,98 @@ def _load(source: str, arch: str) -> Module:
     digest = hashlib.sha256(
         "\0".join([text, repr(sorted(options.items())), _nvrtc_version(), core.__version__]).encode()
     ).hexdigest()[:20]
-    directory = _cache_dir()
-    path = directory / f"{Path(source).stem}-sm{arch}-{digest}.cubin"
+    root = _cache_dir()
+    name = f"{Path(source).stem}-sm{arch}-{digest}.cubin"
     start = time.perf_counter()
-    cached = True
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with open(directory / f".{path.name}.lock", "a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if path.exists() and path.stat().st_size > 0:
-                cubin = path.read_bytes()
-            else:
-                cached = False
-                cubin = _compile(core, text, source, options)
-                tmp = path.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_bytes(cubin)
-                os.replace(tmp, path)
-    except OSError:  # read-only home, full disk: compile in memory, every time
-        cached = False
-        cubin = _compile(core, text, source, options)
+    cubin, cached = _cached_cubin(root, name, lambda: _compile(core, text, source, options))
     object_code = core.ObjectCode.from_cubin(cubin, name=source)
-    stats = CompileStats(source, f"sm_{arch}", cached, (time.perf_counter() - start) * 1e3, str(path))
+    stats = CompileStats(source, f"sm_{arch}", cached, (time.perf_counter() - start) * 1e3, str(root / _SUBDIR / name))
     _stats.append(stats)
     return Module(object_code, stats)
+
+
+# -- the on-disk cache ---------------------------------------------------------------------------------
+# <cache>/kernels/<source>-sm<arch>-<digest of the inputs>.cubin holds _MAGIC, the sha256 of the cubin,
+# then the cubin. Both directories are private (privatefs): a file another user could have written is
+# never loaded. The hash catches what ownership cannot: a truncated or corrupt entry, which is
+# recompiled and replaced.
+
+_SUBDIR = "kernels"
+_MAGIC = b"mpigpu-cubin-1\n"
+_HASH_BYTES = 32
+_warned: set[str] = set()
+
+
+def _warn(message: str) -> None:
+    """One line on stderr, once per process for each distinct message."""
+    if message not in _warned:
+        _warned.add(message)
+        sys.stderr.write(f"mpigpu: {message}\n")
+        sys.stderr.flush()
+
+
+def _pack(cubin: bytes) -> bytes:
+    return _MAGIC + hashlib.sha256(cubin).digest() + cubin
+
+
+def _unpack(entry: bytes) -> bytes | None:
+    """The cubin stored in a cache entry, or None if the entry is truncated or corrupt."""
+    head = len(_MAGIC) + _HASH_BYTES
+    if len(entry) <= head or not entry.startswith(_MAGIC):
+        return None
+    cubin = entry[head:]
+    return cubin if hashlib.sha256(cubin).digest() == entry[len(_MAGIC) : head] else None
+
+
+def _cached_cubin(root: Path, name: str, build: Callable[[], bytes]) -> tuple[bytes, bool]:
+    """(cubin, True) from the cache entry ``name`` under ``root`` if it is trusted and intact, else
+    (``build()``, False), stored for next time where the cache can be used.
+
+    A lock in the private directory makes one rank of a node compile while the others wait and then
+    read its entry. Where the cache cannot be used (another user's directory, a read-only home) the
+    cubin is compiled in memory, after one line on stderr saying why."""
+    where = root / _SUBDIR
+    fix = "remove it or set MPIGPU_CACHE_DIR to a directory of your own; compiling in memory"
+    try:
+        with PrivateDir.open(root) as top:
+            cache = top.subdir(_SUBDIR)
+    except UntrustedPath as exc:
+        _warn(f"not using the kernel cache: {exc}: {fix}")
+        return build(), False
+    except OSError as exc:
+        _warn(f"not using the kernel cache {where} ({exc.strerror or exc}); compiling in memory")
+        return build(), False
+    with cache:
+        try:
+            held = cache.lock(f".{name}.lock")
+        except (UntrustedPath, OSError) as exc:
+            _warn(f"not using the kernel cache {where}: cannot lock it ({exc}): {fix}")
+            return build(), False
+        with held:
+            return _read_or_build(cache, name, build, fix)
+
+
+def _read_or_build(cache: PrivateDir, name: str, build: Callable[[], bytes], fix: str) -> tuple[bytes, bool]:
+    """Under the lock: the entry's cubin if intact, else a new one, stored atomically."""
+    try:
+        entry = cache.read(name)
+    except UntrustedPath as exc:
+        _warn(f"not using the kernel cache entry: {exc}: {fix}")
+        return build(), False
+    except OSError as exc:
+        _warn(f"cannot read the kernel cache entry {cache.path / name} ({exc}); compiling in memory")
+        return build(), False
+    if entry is not None:
+        cubin = _unpack(entry)
+        if cubin is not None:
+            return cubin, True
+        _warn(f"the kernel cache entry {cache.path / name} is corrupt or truncated: recompiling it")
+    cubin = build()
+    try:
+        cache.write(name, _pack(cubin))
+    except OSError as exc:
+        _warn(f"cannot store {cache.path / name} in the kernel cache ({exc}); it is compiled again next run")
+    return cubin, False
 
 
 def _compile(core: Any, text: str, source: str, options: dict[str, Any]) -> bytes:
