@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpigpu.backends import BACKEND_NAMES, backend_class
 from mpigpu.errors import BackendUnavailable, InvalidArgument
+from mpigpu.privatefs import read_file
 
 if TYPE_CHECKING:
     from mpigpu.arrays import ArrayView
@@ -76,15 +77,26 @@ def machine_signature(ctx: Context) -> dict[str, Any]:
 
 
 def load_tuning(ctx: Context) -> TuningTable | None:
-    """Rank 0 reads the table file and broadcasts the entry matching this machine (or None)."""
+    """Rank 0 reads and validates the table file and broadcasts the entry matching this machine, or
+    None; every rank then uses the same table. A table that cannot be used (unreadable, malformed,
+    or one another user could have written) is ignored, with one warning from rank 0, never an
+    exception on some ranks only."""
     entry = None
     if ctx.rank == 0:
-        entry = _read_entry(ctx.settings.tune_path, machine_signature(ctx))
+        path = ctx.settings.tune_path
+        try:
+            entry = _read_entry(path, machine_signature(ctx))
+        except Exception as exc:  # whatever went wrong, rank 0 must still reach the broadcast
+            sys.stderr.write(
+                f"mpigpu: ignoring the tuning table {path} ({exc}); backend='auto' uses its built-in rules. "
+                "Fix or remove the file, or write a new one with python -m mpigpu.bench --tune\n"
+            )
+            sys.stderr.flush()
     entry = ctx.comm.bcast(entry, root=0)
     if entry is None:
         return None
-    bands = {k: [(int(b), str(n)) for b, n in v] for k, v in entry["bands"].items()}
-    return TuningTable(signature=entry["signature"], bands=bands, source=entry.get("source", ""))
+    bands = {placement: [(edge, name) for edge, name in entries] for placement, entries in entry["bands"].items()}
+    return TuningTable(signature=entry["signature"], bands=bands, source=entry["source"])
 
 
 def signature_key(signature: dict[str, Any]) -> str:
@@ -92,17 +104,51 @@ def signature_key(signature: dict[str, Any]) -> str:
 
 
 def _read_entry(path: Path, signature: dict[str, Any]) -> dict[str, Any] | None:
-    try:
-        document = json.loads(path.read_text())
-    except FileNotFoundError:
+    """The validated entry for ``signature`` in the table at ``path`` (None if there is no table, or
+    no entry for this machine), as {"signature", "bands", "source"}; raises, saying why, if the
+    table cannot be used. The whole table is checked, so a broken file is noticed on any machine."""
+    text = read_file(path)  # UntrustedPath for a link, or a file another user could have written
+    if text is None:
         return None
-    except (OSError, ValueError) as exc:
-        sys.stderr.write(f"mpigpu: ignoring unreadable tuning table {path}: {exc}\n")
+    document = json.loads(text)
+    if not isinstance(document, dict) or not isinstance(document.get("tables"), dict):
+        raise ValueError("expected a JSON object with a 'tables' object (as mpigpu.bench --tune writes)")
+    for key, candidate in document["tables"].items():
+        _check_entry(key, candidate)
+    entry = document["tables"].get(signature_key(signature))
+    if entry is None:
         return None
-    entry = document.get("tables", {}).get(signature_key(signature))
-    if entry is not None:
-        entry = dict(entry, source=str(path))
-    return entry
+    bands = {placement: [(edge, name) for edge, name in entries] for placement, entries in entry["bands"].items()}
+    return {"signature": entry.get("signature", signature), "bands": bands, "source": str(path)}
+
+
+def _check_entry(key: str, entry: Any) -> None:
+    """Raise ValueError unless ``entry`` is a table entry that ``load_tuning`` can use as it is."""
+    where = f"tables[{key!r}]"
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} is not an object")
+    if not isinstance(entry.get("signature", {}), dict):
+        raise ValueError(f"{where}.signature is not an object")
+    bands = entry.get("bands")
+    if not isinstance(bands, dict):
+        raise ValueError(f"{where}.bands is not an object")
+    for placement, entries in bands.items():
+        at = f"{where}.bands[{placement!r}]"
+        if placement not in ("device", "host"):
+            raise ValueError(f"{at}: the placement must be 'device' or 'host'")
+        if not isinstance(entries, list):
+            raise ValueError(f"{at} is not a list of [max_bytes, backend]")
+        previous = -1
+        for band in entries:
+            ok = isinstance(band, list) and len(band) == 2
+            edge, name = band if ok else (None, None)
+            if not ok or type(edge) is not int or not isinstance(name, str):
+                raise ValueError(f"{at}: {band!r} is not [max_bytes (an integer), backend (a name)]")
+            if edge <= previous:
+                raise ValueError(f"{at}: band edges must be ascending integers >= 0 ({edge} after {previous})")
+            if name not in BACKEND_NAMES:
+                raise ValueError(f"{at}: unknown backend {name!r} (known: {', '.join(BACKEND_NAMES)})")
+            previous = edge
 
 
 def _usable(ctx: Context, name: str, view: ArrayView, op: Op) -> str | None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpigpu.errors import ConfigError
 from mpigpu.plan import load_tuning, machine_signature, signature_key
+from mpigpu.privatefs import UntrustedPath, read_file, write_file
 
 if TYPE_CHECKING:
     from mpigpu.context import Context
@@ -130,14 +130,20 @@ def write_entry(path: Path, signature: dict[str, Any], bands: Bands, meta: dict[
     """Store ``bands`` under ``signature`` in the table file at ``path`` and return the entry.
 
     Other machines' entries stay; for this machine, placements not measured now keep their old
-    bands. The file is replaced atomically, so a reader never sees half of it."""
+    bands. The file is replaced atomically, so a reader never sees half of it, and neither a link at
+    ``path`` nor one at the temporary name is followed. An existing table that another user could
+    have written is not merged: ConfigError."""
     document: dict[str, Any] = {"tables": {}}
     try:
-        document = json.loads(path.read_text())
-        if not isinstance(document, dict) or not isinstance(document.get("tables"), dict):
-            raise ValueError("no 'tables' object")
-    except FileNotFoundError:
-        document = {"tables": {}}
+        text = read_file(path)
+        if text is not None:
+            document = json.loads(text)
+            if not isinstance(document, dict) or not isinstance(document.get("tables"), dict):
+                raise ValueError("no 'tables' object")
+    except UntrustedPath as exc:
+        raise ConfigError(
+            f"the tuning table {path} is not used: {exc}; remove it or set MPIGPU_TUNE_FILE to a path of your own"
+        ) from exc
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"the tuning table {path} exists but cannot be read ({exc}); move it away or set MPIGPU_TUNE_FILE "
@@ -150,10 +156,7 @@ def write_entry(path: Path, signature: dict[str, Any], bands: Bands, meta: dict[
     entry = dict(meta, signature=signature, bands=merged)
     document["tables"][key] = entry
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(document, indent=2) + "\n")
-        os.replace(tmp, path)
+        write_file(path, (json.dumps(document, indent=2) + "\n").encode())
     except OSError as exc:
         raise ConfigError(
             f"cannot write the tuning table to {path} ({exc}); set MPIGPU_TUNE_FILE to a writable path"
