@@ -4,16 +4,21 @@ ends the whole job, with that rank's message, instead of leaving the other ranks
 Like ``python -m mpi4py``: the script (or ``-m module``, or ``-c code``) runs as ``__main__`` with
 sys.argv as Python would set it. An uncaught exception in any thread prints its traceback and calls
 MPI_Abort; ``sys.exit(n)`` with n != 0 on one rank ends the job with status n. A normal end (or
-``sys.exit(0)``) exits normally. ``--timeout S`` sets MPIGPU_TIMEOUT for the run.
+``sys.exit(0)``) exits normally. ``--timeout S`` sets MPIGPU_TIMEOUT for the run. SIGINT (Ctrl-C) on
+any rank ends the job with status 130, also on a rank blocked in a collective.
 """
 
 from __future__ import annotations
 
 import os
 import runpy
+import signal
 import sys
 import textwrap
-from types import TracebackType
+import threading
+import time
+import traceback
+from types import FrameType, TracebackType
 
 from mpigpu.cli import launcher_rank, prog
 
@@ -34,7 +39,9 @@ HELP = (
 
     An uncaught exception (in any thread) prints its traceback prefixed with the rank and aborts
     the job (MPI_Abort); the job's exit status is 1. sys.exit(N) with N != 0 on any rank ends the
-    job with status N. The program's normal end is a normal exit.
+    job with status N. SIGINT (Ctrl-C) on any rank raises KeyboardInterrupt there, which ends the
+    job with status 130; a rank that cannot take it within a second (blocked in a collective or
+    other C code) ends the job at once. The program's normal end is a normal exit.
 
     options:
       -h, --help           show this help and exit
@@ -43,7 +50,8 @@ HELP = (
       -m MODULE            run a module as __main__, like python -m
       -c CODE              run the code string as __main__, like python -c
 
-    exit status: the program's; 1 for an uncaught exception; 2 for invalid options here.""")
+    exit status: the program's; 1 for an uncaught exception; 130 for SIGINT; 2 for invalid options
+    here.""")
 )
 
 
@@ -116,6 +124,61 @@ def _execute(kind: str, target: str, program_argv: list[str]) -> None:
         runpy.run_path(target, run_name="__main__")
 
 
+_SIGINT_GRACE_S = 1.0  # time for the main thread to raise KeyboardInterrupt before the job is ended for it
+
+
+def _end_job_on_sigint() -> None:
+    """Make SIGINT end the job even while the main thread is blocked in MPI.
+
+    Python runs signal handlers on the main thread between bytecodes, so a rank blocked in a
+    collective would hold a pending KeyboardInterrupt until the collective completes: forever, if
+    the other ranks wait for this one. The handler below raises KeyboardInterrupt as Python's
+    does (the runner turns it into the end of the job); a watcher thread, woken through the
+    signal wakeup descriptor, which is written from C as the signal arrives, ends the job itself if
+    the handler has not run within _SIGINT_GRACE_S. A handler the program installs replaces this
+    one, and then the program decides."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return  # SIGINT ignored by the launcher (a background job), or handled by someone else already
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    handled = [0]
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        handled[0] += 1
+        raise KeyboardInterrupt
+
+    def watch() -> None:
+        received = 0
+        while True:
+            data = os.read(read_end, 64)
+            received += data.count(signal.SIGINT)
+            if signal.SIGINT not in data or signal.getsignal(signal.SIGINT) is not handler:
+                continue
+            deadline = time.monotonic() + _SIGINT_GRACE_S
+            while handled[0] < received and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if handled[0] < received:
+                _abort_for_blocked_sigint()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    threading.Thread(target=watch, name="mpigpu-sigint", daemon=True).start()
+
+
+def _abort_for_blocked_sigint() -> None:
+    from mpigpu import failsafe
+
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    stack = "".join(traceback.format_stack(frame)).rstrip() if frame is not None else "(not available)"
+    failsafe.abort_job(
+        f"KeyboardInterrupt (SIGINT) while the main thread was blocked outside Python (in a collective or other "
+        f"C code) for {_SIGINT_GRACE_S:g} s: ending the job. Where it waited:\n{stack}",
+        failsafe.exit_code_of(KeyboardInterrupt()),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the program; return its exit status (abort the job instead if it fails on this rank)."""
     from mpigpu import failsafe
@@ -136,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if timeout is not None:
         os.environ["MPIGPU_TIMEOUT"] = timeout
     failsafe.install_abort_handler(threads=True)
+    _end_job_on_sigint()
     try:
         _execute(kind, target, program_argv)
     except SystemExit as exc:
