@@ -191,7 +191,13 @@ def choose(ctx: Context, view: ArrayView, op: Op, requested: str) -> Choice:
             return Choice(requested, "requested")
         available = ctx.availability[requested]
         if not available.ok:
-            raise BackendUnavailable(f"backend {requested!r} is not available here: {available.reason}")
+            fix = ""
+            if not ctx.all_have_gpus and not backend_class(requested).host_arrays:
+                fix = (
+                    ". It runs on GPUs only: use backend='auto', 'cpu' or 'host' for NumPy arrays; for GPU arrays, "
+                    "run on GPU nodes with at most one rank per GPU (python -m mpigpu.info shows each rank's GPU)"
+                )
+            raise BackendUnavailable(f"backend {requested!r} is not available here: {available.reason}{fix}")
         where = "a GPU array" if view.on_device else "a host array"
         hint = "use backend='auto'"
         if not view.on_device and not backend_class(requested).host_arrays:

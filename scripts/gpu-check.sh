@@ -29,7 +29,13 @@ mkdir -p "$LOGS"
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 export MPIGPU_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-export MPIGPU_CACHE_DIR=${MPIGPU_CACHE_DIR:-/tmp/mpigpu-cache}
+# the kernel cache: the caller's MPIGPU_CACHE_DIR, else a private directory for this run only (a fixed
+# path under a shared /tmp could be created first by another user: mpigpu would refuse it)
+if [ -z "${MPIGPU_CACHE_DIR:-}" ]; then
+  MPIGPU_CACHE_DIR=$(mktemp -d "${TMPDIR:-/tmp}/mpigpu-cache.XXXXXX") || { echo "mktemp -d failed"; exit 1; }
+  trap 'rm -rf "$MPIGPU_CACHE_DIR"' EXIT
+fi
+export MPIGPU_CACHE_DIR
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 [ "$NGPU" -ge 1 ] || { echo "no GPU visible (nvidia-smi -L)"; exit 1; }
 PY=${PYTHON:-python3}

@@ -28,7 +28,13 @@ PY=${PYTHON:-python3}
 TOOLS=${TOOLS:-memcheck racecheck synccheck}
 SANITIZER=${COMPUTE_SANITIZER:-compute-sanitizer}
 export MPIGPU_TIMEOUT=${MPIGPU_TIMEOUT:-600} PYTHONUNBUFFERED=1
-export MPIGPU_CACHE_DIR=${MPIGPU_CACHE_DIR:-/tmp/mpigpu-cache}
+# the kernel cache: the caller's MPIGPU_CACHE_DIR, else a private directory for this run only (a fixed
+# path under a shared /tmp could be created first by another user: mpigpu would refuse it)
+if [ -z "${MPIGPU_CACHE_DIR:-}" ]; then
+  MPIGPU_CACHE_DIR=$(mktemp -d "${TMPDIR:-/tmp}/mpigpu-cache.XXXXXX") || { echo "mktemp -d failed"; exit 1; }
+  trap 'rm -rf "$MPIGPU_CACHE_DIR"' EXIT
+fi
+export MPIGPU_CACHE_DIR
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
