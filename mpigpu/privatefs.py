@@ -43,7 +43,8 @@ def _check(st: os.stat_result, path: Path, kind: str) -> None:
 def _open_checked(name: str, flags: int, path: Path, kind: str, dir_fd: int | None, mode: int = 0o600) -> int:
     """``os.open`` without following a final symbolic link, then ``_check`` on the open descriptor."""
     try:
-        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+        # O_NONBLOCK: a FIFO planted at the name must not block the open (it is then refused below)
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):  # what O_NOFOLLOW gives for a link
             with contextlib.suppress(OSError):

@@ -46,6 +46,11 @@ def _give_away(path: Path) -> None:
     os.chown(path, OTHER_UID, OTHER_UID)
 
 
+def _as_fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)  # opening it for reading would wait for a writer
+
+
 def _as_symlink(path: Path) -> None:
     target = path.with_name("real-table.json")  # a table of ours, but reached through a link
     path.rename(target)
@@ -71,6 +76,7 @@ BAD_TABLES = {
     "world-writable": (_good, _chmod(0o666)),
     "group-writable": (_good, _chmod(0o664)),
     "a-symlink": (_good, _as_symlink),
+    "a-fifo": (_good, _as_fifo),
     "owned-by-another-uid": (_good, _give_away),
 }
 

@@ -119,7 +119,7 @@ def _load(source: str, arch: str) -> Module:
         "\0".join([text, repr(sorted(options.items())), _nvrtc_version(), core.__version__]).encode()
     ).hexdigest()[:20]
     root = _cache_dir()
-    name = f"{Path(source).stem}-sm{arch}-{digest}.cubin"
+    name = f"{Path(source).stem}-sm{arch}-{digest}{_SUFFIX}"
     start = time.perf_counter()
     cubin, cached = _cached_cubin(root, name, lambda: _compile(core, text, source, options))
     object_code = core.ObjectCode.from_cubin(cubin, name=source)
@@ -129,12 +129,13 @@ def _load(source: str, arch: str) -> Module:
 
 
 # -- the on-disk cache ---------------------------------------------------------------------------------
-# <cache>/kernels/<source>-sm<arch>-<digest of the inputs>.cubin holds _MAGIC, the sha256 of the cubin,
+# <cache>/kernels/<source>-sm<arch>-<digest of the inputs>.v1.cubin holds _MAGIC, the sha256 of the cubin,
 # then the cubin. Both directories are private (privatefs): a file another user could have written is
 # never loaded. The hash catches what ownership cannot: a truncated or corrupt entry, which is
 # recompiled and replaced.
 
 _SUBDIR = "kernels"
+_SUFFIX = ".v1.cubin"  # the entry format's version: entries of other formats are never read as this one
 _MAGIC = b"mpigpu-cubin-1\n"
 _HASH_BYTES = 32
 _warned: set[str] = set()
