@@ -123,7 +123,7 @@ stage_shared() {
 }
 
 stage_serial() {
-  step serial-gpu 180 0 "$PY -m pytest -q tests/gpu/test_bad_input_gpu.py tests/test_samples.py -p no:cacheprovider"
+  step serial-gpu 180 0 "$PY -m pytest -q tests/gpu/test_bad_input_gpu.py tests/gpu/test_kernel_cache_gpu.py tests/test_samples.py -p no:cacheprovider"
 }
 
 stage_sanitize() {
