@@ -20,6 +20,7 @@ from mpigpu.backends import BACKEND_NAMES
 from mpigpu.config import parse_count
 from mpigpu.dtypes import DTYPES, parse_dtype
 from mpigpu.errors import InvalidArgument
+from mpigpu.ops import parse_op
 
 __all__ = [
     "Parser",
@@ -30,6 +31,7 @@ __all__ = [
     "dtype_arg",
     "header_lines",
     "nonneg_int",
+    "op_arg",
     "positive_int",
     "prog",
     "refuse",
@@ -80,6 +82,7 @@ def _wrap(func: Any, what: str) -> Any:
 
 count_arg = _wrap(lambda t: parse_count(t, what="size"), "size")
 dtype_arg = _wrap(lambda t: parse_dtype(t).name, "dtype")
+op_arg = _wrap(lambda t: parse_op(t).value, "op")
 
 
 def _int(text: str, minimum: int) -> int:
