@@ -21,6 +21,7 @@ from mpigpu.cli import (
     header_lines,
     nonneg_int,
     now,
+    parse_command,
     positive_int,
     prog,
     refuse,
@@ -244,10 +245,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from mpigpu.failsafe import abort_on_exception
-
-    abort_on_exception()  # one rank's failure ends the job, with its message
+    args = parse_command(build_parser(), argv)
     return run(args)
 
 

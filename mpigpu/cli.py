@@ -32,6 +32,7 @@ __all__ = [
     "header_lines",
     "nonneg_int",
     "op_arg",
+    "parse_command",
     "positive_int",
     "prog",
     "refuse",
@@ -53,6 +54,16 @@ class Parser(argparse.ArgumentParser):
 
             abort_before_start(2, f"{self.prog}: error: {message}")
         self.exit(2)
+
+
+def parse_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """A command's options, parsed; from then on one rank's unhandled exception ends the whole job
+    with its message, rather than leaving the other ranks waiting (``failsafe.abort_on_exception``)."""
+    args = parser.parse_args(argv)
+    from mpigpu.failsafe import abort_on_exception
+
+    abort_on_exception()
+    return args
 
 
 def launcher_rank() -> int:

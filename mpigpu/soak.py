@@ -47,6 +47,7 @@ from mpigpu.cli import (
     count_arg,
     header_lines,
     nonneg_int,
+    parse_command,
     positive_int,
     prog,
     versions,
@@ -514,10 +515,7 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from mpigpu.failsafe import abort_on_exception
-
-    abort_on_exception()  # one rank's failure ends the job, with its message
+    args = parse_command(build_parser(), argv)
     from mpigpu._mpi import world
 
     comm = world()
