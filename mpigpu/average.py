@@ -8,7 +8,6 @@ tool. Exit code 0 only if no element is wrong on any rank.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,9 +21,12 @@ from mpigpu.cli import (
     header_lines,
     nonneg_int,
     now,
+    parse_command,
     positive_int,
     prog,
+    refuse,
     versions,
+    write_json,
 )
 from mpigpu.config import ENV_VARS
 from mpigpu.ops import Op
@@ -108,19 +110,17 @@ def build_parser() -> Parser:
     return parser
 
 
-def _placement(args: argparse.Namespace, ctx: Any) -> bool:
-    """True for GPU buffers."""
+def _on_gpu(args: argparse.Namespace, ctx: Any) -> bool:
+    """True for GPU buffers: the GPU when every rank has one, unless --backend cpu (host arrays only)."""
     from mpigpu.errors import InvalidArgument
+    from mpigpu.harness import placements
 
-    if args.device == "gpu":
-        if not ctx.all_have_gpus:
-            raise InvalidArgument("--device gpu: not every rank has a GPU (see python -m mpigpu.info)")
-        if args.backend == "cpu":
+    on_gpu = placements(ctx, args.device, auto_both=False) == [True]
+    if on_gpu and args.backend == "cpu":
+        if args.device == "gpu":
             raise InvalidArgument("--backend cpu reduces host arrays; use --device cpu or another backend")
-        return True
-    if args.device == "cpu":
         return False
-    return ctx.all_have_gpus and args.backend != "cpu"
+    return on_gpu
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,9 +129,12 @@ def run(args: argparse.Namespace) -> int:
     from mpigpu.api import run as run_prepared
     from mpigpu.context import Context
     from mpigpu.dtypes import parse_dtype
+    from mpigpu.errors import MpigpuError
+    from mpigpu.harness import command_stream
     from mpigpu.kernels.compile import compile_stats
     from mpigpu.ops import parse_op
-    from mpigpu.patterns import default_pattern
+    from mpigpu.patterns import check_pattern, default_pattern
+    from mpigpu.plan import choose
     from mpigpu.timing import Result, max_over_ranks, max_phases_over_ranks, summarize, time_calls
     from mpigpu.verify import total_wrong
     from mpigpu.workload import Workload
@@ -141,18 +144,24 @@ def run(args: argparse.Namespace) -> int:
     rank, nranks = ctx.rank, ctx.size
     dtype, op = parse_dtype(args.dtype), parse_op(args.op)
     pattern = args.pattern or default_pattern(dtype)
-    on_gpu = _placement(args, ctx)
-    stream = None
-    if on_gpu:
-        from mpigpu._cuda import StreamRef, cupy
-
-        ctx.activate_gpu()
-        cp_stream = cupy().cuda.Stream(non_blocking=True)
-        stream = StreamRef(int(cp_stream.ptr))
-    work = Workload(
+    # Refusals every rank reaches alike (options; GPUs and backend availability are agreed at
+    # start-up): one line and exit status 2, with no collective left waiting.
+    try:
+        check_pattern(pattern, dtype)
+        on_gpu = _on_gpu(args, ctx)
+    except MpigpuError as exc:
+        return refuse("mpigpu.average", exc, rank)
+    streams = command_stream(ctx) if on_gpu else (None, None)  # the CuPy stream lives as long as its ref
+    stream = streams[1]
+    work = Workload.allocate(
         count=args.size, dtype=dtype, op=op, pattern=pattern, rank=rank, nranks=nranks,
         device=ctx.gpu if on_gpu else None, inplace=not args.out_of_place, stream=stream,
     )  # fmt: skip
+    try:
+        choose(ctx, work.x, op, args.backend)
+    except MpigpuError as exc:
+        work.free()
+        return refuse("mpigpu.average", exc, rank)
     lines = header_lines(ctx)
 
     def call() -> Any:
@@ -230,17 +239,13 @@ def run(args: argparse.Namespace) -> int:
             "date": now(),
             "results": [result.to_dict()],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(document, indent=2) + "\n")
+        write_json(args.json, document)
     work.free()
     return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from mpigpu.failsafe import abort_on_exception
-
-    abort_on_exception()  # one rank's failure ends the job, with its message
+    args = parse_command(build_parser(), argv)
     return run(args)
 
 

@@ -15,7 +15,6 @@ Times are per training step, mean over ``--iters`` after ``--warmup``, slowest r
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -24,7 +23,18 @@ from typing import Any
 
 import numpy as np
 
-from mpigpu.cli import Parser, header_lines, nonneg_int, now, positive_int, prog, versions
+from mpigpu.cli import (
+    Parser,
+    header_lines,
+    nonneg_int,
+    now,
+    parse_command,
+    positive_int,
+    prog,
+    refuse,
+    versions,
+    write_json,
+)
 
 __all__ = ["RESNET50_PARAMETERS", "main", "resnet50_shapes"]
 
@@ -247,13 +257,16 @@ def run(args: argparse.Namespace) -> int:
     from mpigpu._mpi import world
     from mpigpu.config import parse_count
     from mpigpu.context import Context
+    from mpigpu.errors import InvalidArgument
+    from mpigpu.harness import placements
 
     args.bucket_bytes = parse_count(args.bucket_bytes, what="--bucket-bytes")
     args.overlap_bucket_bytes = parse_count(args.overlap_bucket_bytes, what="--overlap-bucket-bytes")
     ctx = Context.get(world())
-    on_gpu = ctx.all_have_gpus and args.device != "cpu"
-    if args.device == "gpu" and not on_gpu:
-        raise SystemExit("--device gpu: not every rank has a GPU")
+    try:
+        on_gpu = placements(ctx, args.device, auto_both=False) == [True]
+    except InvalidArgument as exc:  # every rank alike: the GPUs are agreed at start-up
+        return refuse("mpigpu.bench_training", exc, ctx.rank)
     sync: Callable[[], Any] = ctx.activate_gpu().sync if on_gpu else (lambda: None)
     lines = header_lines(ctx)
     if ctx.rank == 0:
@@ -279,16 +292,12 @@ def run(args: argparse.Namespace) -> int:
         if args.json is not None:
             document = {"header": lines, "ranks": ctx.size, "placement": "gpu" if on_gpu else "host",
                         "backend": args.backend, "versions": versions(), "date": now(), **results}  # fmt: skip
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(document, indent=2) + "\n")
+            write_json(args.json, document)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from mpigpu.failsafe import abort_on_exception
-
-    abort_on_exception()  # one rank's failure ends the job, with its message
+    args = parse_command(build_parser(), argv)
     return run(args)
 
 

@@ -1,31 +1,44 @@
-"""Pieces shared by the commands (average, bench, info): argument types that explain bad values,
-the ``#`` header (library versions, one line per rank), and version collection."""
+"""Pieces shared by the commands (average, bench, soak, bench_training, info): argument types that
+explain bad values, the ``#`` header (library versions, one line per rank), version collection, the
+one-line error of a command that cannot run, and the JSON writer."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
 import importlib.metadata
+import json
+import math
 import os
 import platform
 import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from mpigpu.backends import BACKEND_NAMES
 from mpigpu.config import parse_count
 from mpigpu.dtypes import DTYPES, parse_dtype
 from mpigpu.errors import InvalidArgument
+from mpigpu.ops import parse_op
 
 __all__ = [
     "Parser",
     "backend_arg",
+    "choice_arg",
+    "comma_list",
     "count_arg",
     "dtype_arg",
     "header_lines",
     "nonneg_int",
+    "op_arg",
+    "parse_command",
     "positive_int",
     "prog",
+    "refuse",
+    "seconds_arg",
     "versions",
+    "write_json",
 ]
 
 
@@ -41,6 +54,16 @@ class Parser(argparse.ArgumentParser):
 
             abort_before_start(2, f"{self.prog}: error: {message}")
         self.exit(2)
+
+
+def parse_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """A command's options, parsed; from then on one rank's unhandled exception ends the whole job
+    with its message, rather than leaving the other ranks waiting (``failsafe.abort_on_exception``)."""
+    args = parser.parse_args(argv)
+    from mpigpu.failsafe import abort_on_exception
+
+    abort_on_exception()
+    return args
 
 
 def launcher_rank() -> int:
@@ -70,6 +93,7 @@ def _wrap(func: Any, what: str) -> Any:
 
 count_arg = _wrap(lambda t: parse_count(t, what="size"), "size")
 dtype_arg = _wrap(lambda t: parse_dtype(t).name, "dtype")
+op_arg = _wrap(lambda t: parse_op(t).value, "op")
 
 
 def _int(text: str, minimum: int) -> int:
@@ -90,10 +114,46 @@ def nonneg_int(text: str) -> int:
     return _int(text, 0)
 
 
-def backend_arg(text: str) -> str:
-    if text == "auto" or text in BACKEND_NAMES:
-        return text
-    raise argparse.ArgumentTypeError(f"unknown backend {text!r}: use auto, {', '.join(BACKEND_NAMES)}")
+def seconds_arg(text: str) -> float:
+    """A duration in seconds: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
+def choice_arg(choices: Sequence[str], what: str) -> Callable[[str], str]:
+    """An argparse type that takes one of ``choices`` and names them all when given anything else."""
+
+    def parse(text: str) -> str:
+        if text in choices:
+            return text
+        raise argparse.ArgumentTypeError(f"unknown {what} {text!r}: use {', '.join(choices)}")
+
+    parse.__name__ = what
+    return parse
+
+
+def comma_list(parse_one: Callable[[str], Any], what: str, everything: Iterable[str] = ()) -> Callable[[str], list]:
+    """An argparse type for a comma-separated list, each item read by ``parse_one``, duplicates
+    dropped; ``all`` expands to ``everything`` where that is given."""
+
+    def parse(text: str) -> list:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if items == ["all"] and everything:
+            items = list(everything)
+        if not items:
+            raise argparse.ArgumentTypeError(f"empty list of {what}")
+        return list(dict.fromkeys(parse_one(item) for item in items))
+
+    parse.__name__ = what
+    return parse
+
+
+backend_arg = choice_arg(["auto", *BACKEND_NAMES], "backend")
 
 
 DTYPE_HELP = f"element type: {', '.join(DTYPES)}"
@@ -121,6 +181,23 @@ def versions() -> dict[str, Any]:
 
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_json(path: Path, document: Any) -> None:
+    """Write a command's JSON document (indented, one trailing newline), creating its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+def refuse(module: str, problem: Exception | str, rank: int = 0) -> int:
+    """A command that cannot run as asked: one line on rank 0, in argparse's form, and exit status 2.
+
+    Only for a problem every rank finds alike (options, what the job has): the ranks then all
+    return without a collective left waiting."""
+    if rank == 0:
+        sys.stderr.write(f"{prog(module)}: error: {problem}\n")
+        sys.stderr.flush()
+    return 2
 
 
 def header_lines(ctx: Any) -> list[str]:

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from mpigpu.cli import Parser, header_lines, prog, versions
+from mpigpu.cli import Parser, header_lines, parse_command, prog, versions
 
 __all__ = ["gather_info", "main"]
 
@@ -138,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         "Run it alone or under your launcher (mpiexec -n 4 python -m mpigpu.info).",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    args = parser.parse_args(argv)
-    from mpigpu.failsafe import abort_on_exception
-
-    abort_on_exception()
+    args = parse_command(parser, argv)
     info = gather_info()
     from mpigpu._mpi import world
 

@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import json
 import math
 import os
 import secrets
@@ -40,13 +39,26 @@ from typing import Any
 
 import numpy as np
 
-from mpigpu.cli import Parser, count_arg, header_lines, nonneg_int, positive_int, prog, versions
+from mpigpu import harness
+from mpigpu.cli import (
+    Parser,
+    choice_arg,
+    comma_list,
+    count_arg,
+    header_lines,
+    nonneg_int,
+    parse_command,
+    positive_int,
+    prog,
+    versions,
+    write_json,
+)
 from mpigpu.dtypes import DTYPES, DType, parse_dtype
 from mpigpu.ops import Op
+from mpigpu.workload import Buffers, Workload
 
 __all__ = ["SoakResult", "main", "run_soak"]
 
-POISON = 0x7F
 MAX_OFFSET = 64  # elements: random offsets in [1, 64) make misaligned buffers
 
 
@@ -122,102 +134,6 @@ def _memory(ctx: Any, on_gpu: bool, used_backends: set[str]) -> Memory:
     return snapshot
 
 
-# -- buffers ---------------------------------------------------------------------------------------
-class Buffers:
-    """Input, output and snapshot arenas for one placement, allocated once at the largest size."""
-
-    def __init__(self, max_bytes: int, gpu: Any, stream: Any) -> None:
-        self.gpu, self.stream = gpu, stream
-        size = max_bytes + MAX_OFFSET * 8
-        if gpu is None:
-            self.x, self.out, self.snap = (np.empty(size, np.uint8) for _ in range(3))
-        else:
-            from mpigpu._cuda import cupy
-
-            cp = cupy()
-            with cp.cuda.Device(gpu.index):
-                self.x, self.out, self.snap = (cp.empty(size, cp.uint8) for _ in range(3))
-
-    def views(self, count: int, dtype: DType, offset: int, inplace: bool) -> tuple[Any, Any]:
-        """(x, out) for a call: NumPy arrays on the host, mpigpu ArrayViews on the GPU."""
-        start, stop = offset * dtype.itemsize, (offset + count) * dtype.itemsize
-        if self.gpu is None:
-            x = self.x[start:stop].view(dtype.np)
-            return x, x if inplace else self.out[start:stop].view(dtype.np)
-        from mpigpu.arrays import ArrayView
-
-        def view(arena: Any) -> ArrayView:
-            return ArrayView(arena, int(arena.data.ptr) + start, (count,), dtype, self.gpu.index, False, "cupy")
-
-        x = view(self.x)
-        return x, x if inplace else view(self.out)
-
-    def _region(self, arena: Any, offset: int, nbytes: int, dtype: DType) -> Any:
-        start = offset * dtype.itemsize
-        return arena[start : start + nbytes]
-
-    def prepare(self, count: int, dtype: DType, op: Op, offset: int, inplace: bool, rank: int, nranks: int) -> None:
-        """Fill x with this rank's input; poison out and keep a copy of x when out of place."""
-        nbytes = count * dtype.itemsize
-        if self.gpu is None:
-            from mpigpu.patterns import fill
-
-            fill(self._region(self.x, offset, nbytes, dtype).view(dtype.np), "exact", op, rank, nranks)
-            if not inplace:
-                self._region(self.out, offset, nbytes, dtype)[...] = POISON
-                self._region(self.snap, offset, nbytes, dtype)[...] = self._region(self.x, offset, nbytes, dtype)
-            return
-        from mpigpu._cuda import cupy
-        from mpigpu.workload import fill_device
-
-        ptr = int(self.x.data.ptr) + offset * dtype.itemsize
-        fill_device(ptr, count, dtype, "exact", op, rank, nranks, self.gpu, self.stream)
-        if not inplace:
-            runtime = cupy().cuda.runtime
-            out_ptr = int(self.out.data.ptr) + offset * dtype.itemsize
-            snap_ptr = int(self.snap.data.ptr) + offset * dtype.itemsize
-            runtime.memsetAsync(out_ptr, POISON, nbytes, self.stream.handle)
-            runtime.memcpyAsync(snap_ptr, ptr, nbytes, runtime.memcpyDeviceToDevice, self.stream.handle)
-
-    def corrupt(self, offset: int, dtype: DType, inplace: bool) -> None:
-        """Testing aid: damage the first result element (the verifier must count it)."""
-        arena = self.x if inplace else self.out
-        if self.gpu is None:
-            self._region(arena, offset, dtype.itemsize, dtype)[...] = POISON
-            return
-        from mpigpu._cuda import cupy
-
-        ptr = int(arena.data.ptr) + offset * dtype.itemsize
-        cupy().cuda.runtime.memsetAsync(ptr, POISON, dtype.itemsize, self.stream.handle)
-
-    def wrong(self, count: int, dtype: DType, op: Op, offset: int, inplace: bool, nranks: int) -> int:
-        """Wrong result elements, plus changed input elements of an out-of-place call."""
-        nbytes = count * dtype.itemsize
-        arena = self.x if inplace else self.out
-        if self.gpu is None:
-            from mpigpu.verify import count_wrong_host
-
-            got = self._region(arena, offset, nbytes, dtype).view(dtype.np)
-            wrong = count_wrong_host(got, "exact", op, dtype, nranks)
-            if not inplace:
-                x = self._region(self.x, offset, nbytes, dtype).view(dtype.np)
-                snap = self._region(self.snap, offset, nbytes, dtype).view(dtype.np)
-                wrong += int(np.count_nonzero(x.view(f"u{dtype.itemsize}") != snap.view(f"u{dtype.itemsize}")))
-            return wrong
-        from mpigpu._cuda import cupy
-        from mpigpu.workload import count_wrong_device
-
-        ptr = int(arena.data.ptr) + offset * dtype.itemsize
-        wrong = count_wrong_device(ptr, count, dtype, "exact", op, nranks, self.gpu, self.stream)
-        if not inplace:
-            cp = cupy()
-            with cp.cuda.Stream.from_external(self.stream):  # StreamRef speaks __cuda_stream__
-                x = self._region(self.x, offset, nbytes, dtype).reshape(count, dtype.itemsize)
-                snap = self._region(self.snap, offset, nbytes, dtype).reshape(count, dtype.itemsize)
-                wrong += int(cp.count_nonzero((x != snap).any(axis=1)))
-        return wrong
-
-
 # -- the soak ------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Call:
@@ -238,17 +154,15 @@ class Call:
         )
 
 
-def _candidates(ctx: Any, buffers: Buffers, count: int, dtype: DType, op: Op, allowed: list[str]) -> list[str]:
+def _candidates(ctx: Any, work: Workload, allowed: list[str]) -> list[str]:
     """Backends (and 'auto') that take this call here: the same list on every rank."""
-    from mpigpu.arrays import as_view
     from mpigpu.errors import MpigpuError
     from mpigpu.plan import choose
 
-    view = as_view(buffers.views(count, dtype, 0, True)[0])
     found = []
     for name in allowed:
         with contextlib.suppress(MpigpuError):
-            choose(ctx, view, op, name)
+            choose(ctx, work.x, work.op, name)
             found.append(name)
     return found
 
@@ -264,14 +178,11 @@ class _Soak:
         self.backends = args.backends
         self.stream = None
         if any(placements):
-            from mpigpu._cuda import StreamRef, cupy
-
-            ctx.activate_gpu()
-            self._cupy_stream = cupy().cuda.Stream(non_blocking=True)
-            self.stream = StreamRef(int(self._cupy_stream.ptr))
+            self._cupy_stream, self.stream = harness.command_stream(ctx)
         max_bytes = args.max_size * max(d.itemsize for d in self.dtypes)
         self.max_bytes = max_bytes
-        self.buffers = {gpu: Buffers(max_bytes, ctx.gpu if gpu else None, self.stream) for gpu in placements}
+        arena = max_bytes + MAX_OFFSET * 8  # room for the largest call at the largest offset
+        self.buffers = {gpu: Buffers(arena, ctx.gpu if gpu else None, output=True, snapshot=True) for gpu in placements}
         self.placements = placements
         self.used: set[str] = set()
         self.counts: dict[str, Counter[str]] = {k: Counter() for k in ("requested", "ran", "memory", "layout")}
@@ -292,31 +203,38 @@ class _Soak:
         inplace = bool(rng.random() < 0.5)
         offset = int(rng.integers(1, MAX_OFFSET)) if self.args.offsets and rng.random() < 0.5 else 0
         pick = rng.random()
-        names = _candidates(self.ctx, self.buffers[gpu], count, dtype, op, self.backends)
+        names = _candidates(self.ctx, self.workload(gpu, count, dtype, op, True), self.backends)
         if not names:
             return None
         return Call(index, count, dtype, op, gpu, inplace, offset, names[int(pick * len(names))])
 
+    def workload(self, gpu: bool, count: int, dtype: DType, op: Op, inplace: bool, offset: int = 0) -> Workload:
+        """One call's view of the placement's buffers (input pattern 'exact': checked exactly)."""
+        return Workload(
+            self.buffers[gpu], count=count, dtype=dtype, op=op, pattern="exact", rank=self.ctx.rank,
+            nranks=self.ctx.size, inplace=inplace, stream=self.stream if gpu else None, offset=offset,
+        )  # fmt: skip
+
     def execute(self, call: Call) -> None:
         """Run one call and verify it; a wrong result is recorded, an exception names the call."""
         import mpigpu
-        from mpigpu.arrays import as_view
         from mpigpu.plan import choose
 
-        ctx, buffers = self.ctx, self.buffers[call.gpu]
-        rank, nranks = ctx.rank, ctx.size
+        ctx, rank = self.ctx, self.ctx.rank
         try:
+            work = self.workload(call.gpu, call.count, call.dtype, call.op, call.inplace, call.offset)
             if call.count:
-                buffers.prepare(call.count, call.dtype, call.op, call.offset, call.inplace, rank, nranks)
-            x, out = buffers.views(call.count, call.dtype, call.offset, call.inplace)
-            resolved = choose(ctx, as_view(x), call.op, call.backend).backend
-            mpigpu.allreduce(x, call.op, out=None if call.inplace else out, backend=call.backend, stream=self.stream)
+                work.fill()  # out of place: also keeps a copy of the input, which must come back unchanged
+                work.poison()
+            resolved = choose(ctx, work.x, call.op, call.backend).backend
+            out = None if call.inplace else work.out
+            mpigpu.allreduce(work.x, call.op, out=out, backend=call.backend, stream=self.stream)
             wrong = 0
             if call.count:
                 self.nonempty += 1
                 if self.nonempty == self.args.corrupt and rank == 0:
-                    buffers.corrupt(call.offset, call.dtype, call.inplace)
-                wrong = buffers.wrong(call.count, call.dtype, call.op, call.offset, call.inplace, nranks)
+                    work.corrupt(1)
+                wrong = work.wrong()
         except Exception:
             sys.stderr.write(f"[mpigpu soak, rank {rank}] seed {self.seed}, {call.describe()} raised:\n")
             raise
@@ -340,7 +258,7 @@ class _Soak:
         dtype = max(self.dtypes, key=lambda d: d.itemsize)
         op = Op.SUM if Op.SUM in self.ops else self.ops[0]
         for gpu in self.placements:
-            for name in _candidates(self.ctx, self.buffers[gpu], self.args.max_size, dtype, op, self.backends):
+            for name in _candidates(self.ctx, self.workload(gpu, self.args.max_size, dtype, op, True), self.backends):
                 for inplace in (True, False):
                     self.execute(Call(-1, self.args.max_size, dtype, op, gpu, inplace, 0, name))
         # Set up every backend now (collective, same order everywhere). With one rank the calls above
@@ -351,13 +269,8 @@ class _Soak:
 
 
 def _placements(ctx: Any, device: str) -> list[bool]:
-    from mpigpu.errors import InvalidArgument
-
-    if device in ("gpu", "both") and not ctx.all_have_gpus:
-        raise InvalidArgument(f"--device {device}: not every rank has a GPU (see python -m mpigpu.info)")
-    return {"cpu": [False], "gpu": [True], "both": [False, True]}.get(device) or (
-        [False, True] if ctx.all_have_gpus else [False]
-    )
+    """Host first: the order the random draws index (a seed repeats a run)."""
+    return sorted(harness.placements(ctx, device))
 
 
 def _agree_seed(comm: Any, seed: int | None) -> int:
@@ -484,15 +397,13 @@ def check_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
     dtype = DTYPES["float32"]
     rows = []
     for gpu in _placements(ctx, args.device):
-        stream = None
-        if gpu:
-            from mpigpu._cuda import StreamRef, cupy
-
-            ctx.activate_gpu()
-            cp_stream = cupy().cuda.Stream(non_blocking=True)
-            stream = StreamRef(int(cp_stream.ptr))
-        buffers = Buffers(count * 4, ctx.gpu if gpu else None, stream)
-        x, _ = buffers.views(count, dtype, 0, True)
+        streams = harness.command_stream(ctx) if gpu else (None, None)  # the CuPy stream lives as long as its ref
+        stream = streams[1]
+        work = Workload.allocate(
+            count=count, dtype=dtype, op=Op.AVG, pattern="exact", rank=ctx.rank, nranks=ctx.size,
+            device=ctx.gpu if gpu else None, stream=stream,
+        )  # fmt: skip
+        x = work.x
         signature = Signature(count, dtype.code, Op.AVG.code, 1, int(gpu))
 
         def check(signature: Signature = signature) -> None:
@@ -501,7 +412,7 @@ def check_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
         alone = [
             max_over_ranks(comm, time_calls(check, args.iters, barrier=comm.Barrier)[0])[0] for _ in range(args.repeats)
         ]
-        for name in _candidates(ctx, buffers, count, dtype, Op.AVG, args.backends):
+        for name in _candidates(ctx, work, args.backends):
 
             def call(name: str = name, x: Any = x, stream: Any = stream) -> Any:
                 return mpigpu.allreduce(x, "avg", backend=name, stream=stream)
@@ -546,15 +457,8 @@ def report_cost(rows: list[dict[str, Any]], args: argparse.Namespace, nranks: in
 
 # -- command line --------------------------------------------------------------------------------------
 def _names(choices: list[str], what: str) -> Any:
-    def parse(text: str) -> list[str]:
-        values = [v.strip() for v in text.split(",") if v.strip()]
-        unknown = [v for v in values if v not in choices]
-        if unknown or not values:
-            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown) or text!r}: use {', '.join(choices)}")
-        return values
-
-    parse.__name__ = what
-    return parse
+    """A comma list of some of ``choices``."""
+    return comma_list(choice_arg(choices, what), f"{what}s")
 
 
 def build_parser() -> Parser:
@@ -611,10 +515,7 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from mpigpu.failsafe import abort_on_exception
-
-    abort_on_exception()  # one rank's failure ends the job, with its message
+    args = parse_command(build_parser(), argv)
     from mpigpu._mpi import world
 
     comm = world()
@@ -623,16 +524,15 @@ def main(argv: list[str] | None = None) -> int:
         if comm.Get_rank() == 0:
             print(report_cost(rows, args, comm.Get_size()))
             if args.json:
-                args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps({"check_cost": rows, "versions": versions()}, indent=2) + "\n")
+                write_json(args.json, {"check_cost": rows, "versions": versions()})
         return 0
     result = run_soak(args, progress=not args.quiet)
     if comm.Get_rank() == 0:
         print(report(result))
         if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            document = {"command": sys.argv, "ranks": comm.Get_size(), "versions": versions(), **result.to_dict()}
-            args.json.write_text(json.dumps(document, indent=2) + "\n")
+            write_json(
+                args.json, {"command": sys.argv, "ranks": comm.Get_size(), "versions": versions(), **result.to_dict()}
+            )
         sys.stdout.flush()
     return 0 if result.ok else 1
 

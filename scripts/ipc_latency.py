@@ -15,20 +15,21 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
+from pathlib import Path
 
 import cupy as cp
 from cupy.cuda import nccl
 
 import mpigpu
 from mpigpu._mpi import MPI, world
+from mpigpu.cli import write_json
 from mpigpu.ipc import ipc_graph
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write the table as JSON")
+    parser.add_argument("--json", type=Path, help="write the table as JSON")
     args = parser.parse_args()
     comm = world()
     mpigpu.select_device(comm)
@@ -96,8 +97,7 @@ def main() -> int:
     gc.collect()
     raw.destroy()
     if args.json and comm.Get_rank() == 0:
-        with open(args.json, "w") as f:
-            json.dump({"ranks": comm.Get_size(), "rows": rows}, f, indent=2)
+        write_json(args.json, {"ranks": comm.Get_size(), "rows": rows})
     mpigpu.finalize()
     return 0 if all(r["ok"] for r in rows) else 1
 

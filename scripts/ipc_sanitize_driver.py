@@ -15,10 +15,10 @@ def main() -> int:
     import cupy as cp
 
     import mpigpu
-    from mpigpu._cuda import StreamRef
     from mpigpu._mpi import world
     from mpigpu.context import Context
     from mpigpu.dtypes import DTYPES
+    from mpigpu.harness import command_stream
     from mpigpu.ipc import ipc_buffer, ipc_graph
     from mpigpu.ops import Op
     from mpigpu.workload import POISON_BYTE, count_wrong_device, fill_device
@@ -32,8 +32,7 @@ def main() -> int:
         return 2
     backend = ctx.backend("ipc")
     rank, n = comm.Get_rank(), comm.Get_size()
-    stream = cp.cuda.Stream(non_blocking=True)
-    ref = StreamRef(int(stream.ptr))
+    stream, ref = command_stream(ctx)
     failures: list[str] = []
 
     def check(x, out, count: int, dtype: str, op: Op, label: str) -> None:

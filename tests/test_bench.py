@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 from conftest import ROOT, run_mpi
 
-from mpigpu.bench import size_list
 from mpigpu.cli import launcher_rank
 from mpigpu.dtypes import DTYPES
 from mpigpu.errors import ConfigError
@@ -253,6 +252,15 @@ def test_time_limit_stops_a_sweep_and_says_so(tmp_path: Path) -> None:
     assert len(doc["stopped"]) == 2  # cpu and its anchor
 
 
+def test_the_largest_size_is_timed_where_the_steps_miss_it(tmp_path: Path) -> None:
+    out = tmp_path / "sizes.json"
+    ok(bench(1, tmp_path, "-b", "8", "-e", "40", "-f", "4", "--backends", "cpu", "--inplace", "--json", str(out)))
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["sizes"] == [8, 32, 40]
+    for path in ("cpu", "mpi-host"):
+        assert [r["bytes"] for r in doc["results"] if r["path"] == path] == [8, 32, 40]
+
+
 def test_benchmark_is_an_alias() -> None:
     command = [sys.executable, "-m", "mpigpu.benchmark", "--help"]
     done = ok(subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT, check=False))
@@ -265,12 +273,6 @@ G = ("float32", "sum", False)
 
 def _samples(times: dict[str, list[float]], sizes: list[int], group: tuple = G, placement: str = "host") -> list:
     return [Sample(placement, s, name, t, group) for name, ts in times.items() for s, t in zip(sizes, ts, strict=True)]
-
-
-def test_size_list() -> None:
-    assert size_list(8, 64, 2) == [8, 16, 32, 64]
-    assert size_list(8, 100, 4) == [8, 32]
-    assert size_list(1 << 30, 1 << 30, 2) == [1 << 30]
 
 
 def test_bands_merge_winners_and_split_between_sizes() -> None:

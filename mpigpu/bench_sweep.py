@@ -1,0 +1,264 @@
+"""The sweep of ``python -m mpigpu.bench``: which paths to time (mpigpu backends, the raw anchor
+beside each, auto), and the measurement of each path at each size: verified first (fresh input,
+poisoned output, every element checked), then timed. Collective: every rank runs the same
+sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from typing import Any
+
+from mpigpu.anchors import ANCHORS, anchor_for
+from mpigpu.backends import BACKEND_NAMES
+from mpigpu.bench_report import PLACE_LABEL, Measurement, PathSpec, fastest_backends, median_us
+from mpigpu.dtypes import DType
+from mpigpu.errors import MpigpuError
+from mpigpu.harness import command_stream, placements
+from mpigpu.ops import Op
+from mpigpu.timing import Result
+from mpigpu.tune import size_label
+from mpigpu.workload import Workload
+
+__all__ = ["MAX_ITERS", "TARGET_REP_S", "Sweep", "plan_paths"]
+
+TARGET_REP_S = 0.05  # adaptive iteration count: about this long per repetition
+MAX_ITERS = 1000
+
+
+# -- paths --------------------------------------------------------------------------------------
+def _placements(args: argparse.Namespace, ctx: Any) -> list[str]:
+    """--placement as the sweep's placements, GPU buffers first."""
+    return ["device" if gpu else "host" for gpu in placements(ctx, args.placement, option="--placement")]
+
+
+def plan_paths(ctx: Any, args: argparse.Namespace) -> tuple[list[PathSpec], list[str]]:
+    """The paths to time, in order (anchors before the backends that refer to them, auto last),
+    and a line for each one that cannot run here."""
+    from mpigpu.backends import backend_class
+
+    wanted = set(args.backends or [*BACKEND_NAMES, *ANCHORS])
+    skipped: list[str] = []
+    backends = []
+    for name in BACKEND_NAMES:
+        if name not in wanted:
+            continue
+        available = ctx.availability[name]
+        if available.ok:
+            backends.append(name)
+        else:
+            skipped.append(f"{name}: {available.reason}")
+    paths: list[PathSpec] = []
+    for placement in _placements(args, ctx):
+        mine = []
+        for name in backends:
+            cls = backend_class(name)
+            if cls.device_arrays if placement == "device" else cls.host_arrays:
+                mine.append(PathSpec(name, "backend", placement, anchor_for(placement, name)))
+        needed = {p.anchor for p in mine} | {a for a in wanted if a in ANCHORS}
+        for name, cls in ANCHORS.items():
+            if name in needed and cls.placement == placement:
+                problem = cls.unavailable(ctx)
+                if problem is None:
+                    paths.append(PathSpec(name, "anchor", placement))
+                elif f"{name}: {problem}" not in skipped:
+                    skipped.append(f"{name}: {problem}")
+        paths.extend(mine)
+        if "auto" in wanted and not args.tune:
+            paths.append(PathSpec("auto", "auto", placement))
+    return paths, skipped
+
+
+def _unsupported(ctx: Any, path: PathSpec, dtype: DType, op: Op) -> str | None:
+    from mpigpu.backends import backend_class
+
+    if path.kind == "anchor":
+        return ANCHORS[path.name].supports(dtype, op)
+    if path.kind == "backend":
+        return backend_class(path.name).supports(dtype, op)
+    return None
+
+
+# -- measuring ----------------------------------------------------------------------------------
+class Sweep:
+    """Runs the measurements of one benchmark (collective: every rank runs the same sequence)."""
+
+    def __init__(self, ctx: Any, args: argparse.Namespace) -> None:
+        self.ctx, self.args, self.comm = ctx, args, ctx.comm
+        self.rank = ctx.rank
+        self.stopped: list[str] = []
+        self.unsupported: list[str] = []
+        self.measurements: list[Measurement] = []
+        self.rechecks: list[Measurement] = []  # fastest backends re-timed beside auto
+        self._anchors: dict[str, Any] = {}
+        self.cp_stream: Any = None
+        self.stream: Any = None  # StreamRef of cp_stream
+        if ctx.all_have_gpus:
+            self.cp_stream, self.stream = command_stream(ctx)
+
+    def close(self) -> None:
+        for anchor in self._anchors.values():
+            anchor.close()
+        self._anchors.clear()
+
+    def _anchor(self, name: str) -> Any:
+        anchor = self._anchors.get(name)
+        if anchor is None:
+            cls = ANCHORS[name]
+            anchor = self._anchors[name] = cls(self.ctx, self.cp_stream if cls.placement == "device" else None)
+        return anchor
+
+    def _max(self, value: float) -> float:
+        from mpigpu._mpi import MPI
+
+        return float(self.comm.allreduce(float(value), op=MPI().MAX))
+
+    def progress(self, text: str) -> None:
+        if self.rank == 0 and not self.args.quiet:
+            sys.stderr.write(f"[bench] {text}\n")
+            sys.stderr.flush()
+
+    def workload(self, placement: str, dtype: DType, count: int) -> Workload:
+        """Buffers for the largest call of a group (an output only where out of place is timed)."""
+        device = placement == "device"
+        if device:
+            self.ctx.activate_gpu()
+        return Workload.allocate(
+            count=count, dtype=dtype, op=Op.SUM, pattern="exact", rank=self.rank, nranks=self.ctx.size,
+            device=self.ctx.gpu if device else None, inplace=False not in self.args.modes,
+            stream=self.stream if device else None,
+        )  # fmt: skip
+
+    def sweep_group(self, paths: list[PathSpec], placement: str, dtype: DType, ops: list[Op]) -> list[Measurement]:
+        """Every path of one placement and dtype, for each op, mode and size."""
+        counts = sorted({max(1, size // dtype.itemsize) for size in self.args.sizes})
+        work = self.workload(placement, dtype, counts[-1])
+        found = []
+        try:
+            for op in ops:
+                for path in paths:
+                    problem = _unsupported(self.ctx, path, dtype, op)
+                    if problem is not None:
+                        self.unsupported.append(f"{path.label} {dtype.name} {op.value}: {problem}")
+                        continue
+                    for inplace in self.args.modes:
+                        found.extend(self._sweep_path(path, work, counts, op, inplace))
+        finally:
+            work.free()
+        return found
+
+    def _sweep_path(
+        self, path: PathSpec, work: Workload, counts: list[int], op: Op, inplace: bool
+    ) -> list[Measurement]:
+        found: list[Measurement] = []
+        mode = "in-place" if inplace else "out-of-place"
+        what = f"{path.name} {PLACE_LABEL[path.placement]} {work.dtype.name} {op.value} {mode}"
+        limit = self.args.time_limit
+        for i, count in enumerate(counts):
+            sized = work.sized(count, op=op, inplace=inplace)
+            m = self.measure(path, sized, op, inplace)
+            if m is None:
+                break
+            top = fastest_backends(self.measurements).get(m.key) if path.kind == "auto" else None
+            if top is not None:
+                again = self.measure(top.path, sized, op, inplace)
+                if again is not None:
+                    self.rechecks.append(again)
+                    m = dataclasses.replace(m, best=top.path.name, best_us=median_us(again))
+            found.append(m)
+            self.measurements.append(m)
+            wrong = f", {m.result.wrong} WRONG" if m.result.wrong else ""
+            chosen = f" -> {m.chosen}" if m.chosen else ""
+            self.progress(
+                f"{what} {size_label(m.result.bytes)} ({i + 1}/{len(counts)}){chosen}: "
+                f"{m.result.median_us:.2f} us{wrong}"
+            )
+            if limit and 0 < i < len(counts) - 1:
+                # The least the next size costs: the check, the estimate and one timed call per
+                # repetition. Not judged from the first size, whose check carries one-time set-up
+                # (kernel compilation, communicator creation) that does not grow with the size.
+                growth = counts[i + 1] / count
+                per_call = (m.result.median_us or m.result.time_us) * 1e-6 * growth
+                predicted = m.check_seconds * growth + per_call * (1 + m.repeats + (m.api_us is not None))
+                if m.seconds > limit or predicted > limit:
+                    why = f"took {m.seconds:.3g} s" if m.seconds > limit else f"the next would take ~{predicted:.3g} s"
+                    note = f"{what}: stopped after {size_label(m.result.bytes)} ({why}; --time-limit {limit:g} s)"
+                    self.stopped.append(note)
+                    self.progress(note)
+                    break
+        return found
+
+    def measure(self, path: PathSpec, work: Workload, op: Op, inplace: bool) -> Measurement | None:
+        """Verify, then time, one path at one size; None if the path refuses this call."""
+        from mpigpu.api import allreduce, prepare, run
+        from mpigpu.timing import max_over_ranks, max_phases_over_ranks, summarize, time_calls
+        from mpigpu.verify import total_wrong
+
+        args, comm = self.args, self.comm
+        started = time.perf_counter()
+        stream = self.stream if path.placement == "device" else None
+        api_call = None
+        chosen = reason = None
+        if path.kind == "anchor":
+            anchor = self._anchor(path.name)
+
+            def call() -> Any:
+                return anchor.allreduce(work.x, work.out, op)
+
+        else:
+            out = None if inplace else work.out
+            try:
+                prepared = prepare(work.x, op, out=out, comm=comm, backend=path.name, stream=stream)
+            except MpigpuError as exc:  # raised alike on every rank (prepare checks across ranks)
+                self.unsupported.append(f"{path.label} {work.dtype.name} {op.value} {work.count} elements: {exc}")
+                return None
+            if path.kind == "auto":
+                chosen, reason = prepared.choice.backend, prepared.choice.reason
+
+            def call() -> Any:
+                return run(prepared)
+
+            def api_call() -> Any:
+                return allreduce(work.x, op, out=out, comm=comm, backend=path.name, stream=stream)
+
+        def sync() -> None:
+            if stream is not None:
+                self.cp_stream.synchronize()
+
+        # the check (nccl-tests' #wrong): fresh input, poisoned output, one call, every element
+        work.fill()
+        work.poison()
+        call()
+        if self.rank == 0:
+            work.corrupt(args.corrupt)
+        wrong = total_wrong(comm, work.wrong())
+        check_seconds = self._max(time.perf_counter() - started)
+
+        comm.Barrier()
+        t0 = time.perf_counter()
+        call()
+        sync()
+        estimate = self._max(time.perf_counter() - t0)
+        iters = args.iters or max(1, min(MAX_ITERS, int(TARGET_REP_S / max(estimate, 1e-9))))
+        warmup = max(1, min(args.warmup, iters))
+        for _ in range(warmup - 1):
+            call()
+        means = time_calls(call, iters, barrier=comm.Barrier, stream=stream, repeats=args.repeats)
+        mean, median, spread = summarize(means)
+        time_us, per_rank = max_over_ranks(comm, mean)
+        api_us = None
+        if api_call is not None:
+            api_us = self._max(time_calls(api_call, iters, barrier=comm.Barrier, stream=stream)[0])
+        phases: dict[str, float] = {}
+        if path.kind != "anchor":
+            phases = max_phases_over_ranks(comm, self.ctx.backend(chosen or path.name).last_phases)
+        result = Result(
+            bytes=work.count * work.dtype.itemsize, elements=work.count, dtype=work.dtype.name, op=op.value,
+            backend=path.name, ranks=self.ctx.size, time_us=time_us, wrong=wrong, inplace=inplace,
+            median_us=self._max(median), spread_us=self._max(spread), phases_us=phases, per_rank_us=per_rank,
+        )  # fmt: skip
+        seconds = self._max(time.perf_counter() - started)
+        return Measurement(path, result, api_us, iters, warmup, args.repeats, seconds, check_seconds, chosen, reason)
