@@ -57,7 +57,8 @@ class Request:
         self.backend: str = prepared.choice.backend  # the backend every start runs on
         self._stream = prepared.stream  # default stream of a start (None for host arrays)
         self._on_device = x.on_device
-        self._queued = self.backend not in ENQUEUE_BACKENDS
+        # nothing to queue where no collective runs (empty arrays, one rank): those run in start()
+        self._queued = self.backend not in ENQUEUE_BACKENDS and x.size > 0 and ctx.size > 1
         self._launch = self._bind(prepared)
         self._label = f"allreduce start({self.backend}, {x.dtype.name} x {x.size}, op={prepared.op.value})"
         self._signature = Signature(
