@@ -347,3 +347,23 @@ print("ok")
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
+
+
+def test_handler_error_reaches_the_program() -> None:
+    """An exception inside the FFI handler becomes an XLA error raised where the program waits for the
+    result, with the message; it never unwinds into XLA's C++ frames."""
+    code = """
+import jax, numpy as np
+import mpigpu.jax as mj
+from mpigpu.jax import _handler
+def boom(*args):
+    raise ValueError("boom from the handler")
+_handler._allreduce = boom
+try:
+    np.asarray(jax.jit(lambda v: mj.allreduce(v, "sum"))(np.ones(3, np.float32)))
+except Exception as exc:
+    assert "boom from the handler" in str(exc), str(exc)
+    print("raised", type(exc).__name__)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0 and "raised" in result.stdout, result.stdout + result.stderr
