@@ -62,9 +62,11 @@ class CollectiveEffect(effects.Effect):
 
 
 EFFECT = CollectiveEffect()
-for _kind in ("ordered_effects", "lowerable_effects", "control_flow_allowed_effects",
-              "custom_derivatives_allowed_effects", "remat_allowed_effects"):  # fmt: skip
-    getattr(effects, _kind).add_type(CollectiveEffect)
+effects.ordered_effects.add_type(CollectiveEffect)
+effects.lowerable_effects.add_type(CollectiveEffect)
+for _allowed in ("control_flow_allowed_effects", "custom_derivatives_allowed_effects", "remat_allowed_effects"):
+    if hasattr(effects, _allowed):  # a list this JAX version lacks is skipped
+        getattr(effects, _allowed).add_type(CollectiveEffect)
 
 allreduce_p = Primitive(TARGET)
 allreduce_p.def_impl(functools.partial(dispatch.apply_primitive, allreduce_p))
