@@ -367,3 +367,17 @@ except Exception as exc:
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 0 and "raised" in result.stdout, result.stdout + result.stderr
+
+
+def test_handler_is_registered_under_xla_platform_names(monkeypatch) -> None:
+    """The GPU handler must be registered as "CUDA": registered as "cuda" (the lowering platform's name)
+    XLA never finds it (seen on an H100 with JAX 0.11.2: "No FFI handler registered ... platform CUDA")."""
+    from mpigpu.jax import _primitive
+
+    seen = []
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", lambda name, fn, platform: seen.append((name, platform)))
+    monkeypatch.setattr(_primitive, "_registered", set())
+    _primitive._register("cuda")
+    _primitive._register("cpu")
+    _primitive._register("cuda")  # once per platform
+    assert seen == [("mpigpu_allreduce", "CUDA"), ("mpigpu_allreduce", "cpu")]

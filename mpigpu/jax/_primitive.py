@@ -92,6 +92,10 @@ batching.primitive_batchers[allreduce_p] = _batch
 _HANDLER = _ffi.make_handler(execute)  # kept alive for the life of the process: XLA holds its address
 _registered: set[str] = set()
 _register_lock = threading.Lock()
+# lowering platform -> the name XLA registers handlers under. "cuda" must be spelt "CUDA" (or "gpu"):
+# seen on an H100 with JAX 0.11.2, a handler registered for "cuda" is never found ("No FFI handler
+# registered for mpigpu_allreduce on a platform CUDA").
+XLA_PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}
 
 
 def _register(platform: str) -> None:
@@ -99,7 +103,7 @@ def _register(platform: str) -> None:
         if platform in _registered:
             return
         address = ctypes.cast(_HANDLER, ctypes.c_void_p).value
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(address), platform=platform)
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(address), platform=XLA_PLATFORMS[platform])
         _registered.add(platform)
 
 
