@@ -16,7 +16,6 @@ import pytest
 from conftest import ROOT
 
 jax = pytest.importorskip("jax", reason="jax is not installed (the CI test script installs it)")
-jax.config.update("jax_enable_x64", True)  # float64 and int64 arrays stay 64-bit
 jnp = jax.numpy
 
 from mpigpu.dtypes import DTYPES  # noqa: E402
@@ -26,6 +25,15 @@ from mpigpu.patterns import fill  # noqa: E402
 from mpigpu.verify import count_wrong_host  # noqa: E402
 
 mpi = pytest.mark.mpi(min_size=1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _x64():
+    """float64 and int64 arrays stay 64-bit in this module only (JAX's default truncates them to 32 bits)."""
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", before)
 
 
 def _mj():

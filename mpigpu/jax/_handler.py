@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 
 from mpigpu._cuda import StreamRef
-from mpigpu.arrays import ArrayView, raw_view
+from mpigpu.arrays import ArrayView, _pointer_device, raw_view
 from mpigpu.backends import BACKEND_NAMES
 from mpigpu.context import Context
 from mpigpu.jax._comms import ready_channel
@@ -51,6 +51,11 @@ def _allreduce(ctx: Context, x: Buffer, out: Buffer, op: Op, backend: str, strea
             raise HandlerError("a GPU array reached mpigpu.jax on a rank with no GPU bound")
         device = ctx.gpu.index
         ctx.activate_gpu()  # this XLA thread may not have used the GPU through CuPy or cuda.core yet
+        if x.ptr and _pointer_device(x.ptr, device) != device:
+            raise HandlerError(
+                f"the array is on GPU {_pointer_device(x.ptr, device)}, but rank {ctx.rank} is bound to "
+                f"{ctx.gpu.describe()}: put the rank's data on jax.devices('gpu')[mpigpu.select_device().index]"
+            )
     xv = raw_view(x.ptr, x.shape, x.dtype, device, readonly=True)
     ov = raw_view(out.ptr, out.shape, out.dtype, device, readonly=False)
     if xv.size == 0:

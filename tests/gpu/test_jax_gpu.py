@@ -40,7 +40,6 @@ def ctx(comm):
 def jx(ctx):
     """(jax, mpigpu.jax, this rank's JAX GPU device)."""
     jax = pytest.importorskip("jax", reason="jax is not installed")
-    jax.config.update("jax_enable_x64", True)
     try:
         gpus = jax.devices("gpu")
     except RuntimeError as exc:
@@ -49,7 +48,10 @@ def jx(ctx):
     device = matching[0] if matching else gpus[0]
     import mpigpu.jax as mj
 
-    return jax, mj, device
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)  # float64 stays 64-bit, in this module only
+    yield jax, mj, device
+    jax.config.update("jax_enable_x64", before)
 
 
 def _need(ctx, backend: str) -> None:
