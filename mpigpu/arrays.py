@@ -17,7 +17,7 @@ import numpy as np
 from mpigpu.dtypes import DType, parse_dtype
 from mpigpu.errors import InvalidArgument
 
-__all__ = ["ArrayView", "as_view", "check_out", "framework_of"]
+__all__ = ["ArrayView", "as_view", "check_out", "framework_of", "raw_view"]
 
 _KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 1, 2, 3, 13
 
@@ -295,3 +295,29 @@ def check_out(x: ArrayView, out: ArrayView) -> None:
         raise InvalidArgument(
             "out overlaps x only partly; pass the same array (in place) or one that does not overlap x"
         )
+
+
+# -- raw memory: buffers handed over by a runtime (XLA's FFI), with no array object ---------------------------------
+
+
+def raw_view(
+    ptr: int, shape: tuple[int, ...], dtype: Any, device: int | None, *, readonly: bool, framework: str = "xla"
+) -> ArrayView:
+    """A view of dense C-order memory at ``ptr`` that no array object owns (an XLA FFI buffer).
+
+    ``device`` is the CUDA ordinal, or None for host memory (then ``host`` is a zero-copy NumPy view).
+    The caller guarantees that the memory stays valid while the view is used."""
+    dt = parse_dtype(dtype)
+    shape = tuple(int(s) for s in shape)
+    host = None
+    if device is None:
+        nbytes = math.prod(shape) * dt.itemsize
+        if nbytes == 0 or ptr == 0:
+            host = np.empty(shape, dt.np)
+        else:
+            import ctypes
+
+            host = np.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype=dt.np).reshape(shape)
+        if readonly:
+            host.flags.writeable = False
+    return ArrayView(None, int(ptr), shape, dt, device, readonly, framework, host=host)

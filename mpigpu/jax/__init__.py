@@ -1,0 +1,91 @@
+"""mpigpu's collectives inside ``jax.jit``: XLA FFI calls registered from Python (ctypes), no compiled code.
+
+    import mpigpu.jax as mj
+
+    @jax.jit
+    def step(params, batch):
+        grads = jax.grad(loss)(params, batch)
+        grads = mj.average_tree(grads)             # one allreduce inside the compiled step
+        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+
+CPU arrays take the cpu path (MPI_Allreduce); GPU arrays run on the CUDA stream XLA gives the call
+(nccl, ipc: enqueued, no host synchronisation; host, cuda-aware: the call waits for the stream), as
+``backend="auto"`` decides. Calls are ordered (every rank runs them in program order), checked across
+ranks when the program is compiled (MismatchError on every rank), differentiable (sum and avg) and
+``vmap``-able. ``import mpigpu`` does not import JAX; ``import mpigpu.jax`` does. See docs/jax.md.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mpigpu.backends import backend_class
+from mpigpu.errors import InvalidArgument
+from mpigpu.jax._comms import comm_key
+from mpigpu.jax._primitive import allreduce_p
+from mpigpu.ops import Op, parse_op
+
+__all__ = ["allreduce", "average_tree"]
+
+_DIFFERENTIABLE = (Op.SUM.value, Op.AVG.value)
+
+
+def allreduce(x: Any, op: str | Op = "avg", *, comm: Any = None, backend: str = "auto") -> jax.Array:
+    """Reduce ``x`` across the ranks of ``comm`` (default: the world); a new array, like ``x``.
+
+    Usable inside ``jax.jit`` (and ``grad``, ``vmap``, ``lax.scan``) and outside it. op: "avg" (default),
+    "sum", "min", "max", "prod"; backend: "auto" or a backend name. Collective: every rank must reach
+    the same calls in the same order with the same shape, dtype, op and backend; a mismatch raises
+    MismatchError on every rank when the program is compiled."""
+    op_ = parse_op(op)
+    if not isinstance(backend, str):
+        raise InvalidArgument(f"backend must be a string such as 'auto' or 'nccl', not {type(backend).__name__}")
+    if backend != "auto":
+        backend_class(backend)  # an unknown name fails here, on the caller's line
+    return _allreduce(jnp.asarray(x), op_.value, comm_key(comm), backend)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _allreduce(x: jax.Array, op: str, key: int, backend: str) -> jax.Array:
+    return allreduce_p.bind(x, op=op, comm=key, backend=backend)
+
+
+def _allreduce_fwd(x: jax.Array, op: str, key: int, backend: str) -> tuple[jax.Array, None]:
+    return _allreduce(x, op, key, backend), None
+
+
+def _allreduce_bwd(op: str, key: int, backend: str, _: None, cotangent: jax.Array) -> tuple[jax.Array]:
+    """y = sum_r x_r on every rank, and the loss is the sum of the ranks' losses, so dL/dx_r = sum_s dL_s/dy_s:
+    the sum-allreduce of the cotangent (avg: the avg-allreduce)."""
+    if op not in _DIFFERENTIABLE:
+        raise InvalidArgument(f"jax.grad of mpigpu.jax.allreduce is defined for op='sum' and op='avg', not op={op!r}")
+    return (_allreduce(cotangent, op, key, backend),)
+
+
+_allreduce.defvjp(_allreduce_fwd, _allreduce_bwd)
+
+
+def average_tree(tree: Any, *, comm: Any = None, backend: str = "auto") -> Any:
+    """Average every leaf of a pytree across ranks with one allreduce per dtype (usually one in all).
+
+    The leaves of a dtype are ravelled and concatenated into one buffer inside the compiled program,
+    reduced once, and split back into leaves of the original shapes."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    arrays = [jnp.asarray(leaf) for leaf in leaves]
+    groups: dict[Any, list[int]] = {}
+    for index, array in enumerate(arrays):  # first-seen order: the same on every rank
+        groups.setdefault(array.dtype, []).append(index)
+    out: list[Any] = list(arrays)
+    for members in groups.values():
+        flat = [jnp.ravel(arrays[i]) for i in members]
+        reduced = allreduce(flat[0] if len(flat) == 1 else jnp.concatenate(flat), "avg", comm=comm, backend=backend)
+        start = 0
+        for i in members:
+            size = arrays[i].size
+            out[i] = reduced[start : start + size].reshape(arrays[i].shape)
+            start += size
+    return jax.tree_util.tree_unflatten(treedef, out)

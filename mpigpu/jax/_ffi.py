@@ -1,0 +1,231 @@
+"""XLA's FFI C API, mirrored with ctypes: enough of ``xla/ffi/api/c_api.h`` to register a Python function
+as an FFI handler (no compiled code), answer XLA's metadata query, read the call's buffers and integer
+attributes, get the CUDA stream, and return an error.
+
+Only the leading fields of each struct are mirrored: the C API grows by appending fields (its
+``struct_size`` fields let both sides tell which ones exist), so a prefix stays valid in newer XLA
+releases. Layouts checked against jaxlib 0.10.2's ``c_api.h`` (API 0.3); the handler reports API
+version 0.1, whose structs are the prefix used here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Buffer", "Call", "HandlerError", "make_handler"]
+
+c_size_t, c_void_p, c_int, c_int64 = ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+
+API_MAJOR, API_MINOR = 0, 1  # what the handler implements (the metadata query's answer)
+_EXTENSION_METADATA = 1  # XLA_FFI_Extension_Metadata
+_STAGE_EXECUTE = 3  # XLA_FFI_ExecutionStage_EXECUTE
+_ATTR_SCALAR = 3  # XLA_FFI_AttrType_SCALAR
+_ERROR_INTERNAL, _ERROR_INVALID_ARGUMENT = 13, 3
+
+# XLA_FFI_DataType -> NumPy dtype name (the types mpigpu reduces) and the token type
+DTYPE_NAMES: dict[int, str] = {
+    2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "uint8", 7: "uint16", 8: "uint32", 9: "uint64",
+    10: "float16", 11: "float32", 12: "float64", 16: "bfloat16",
+}  # fmt: skip
+DTYPE_TOKEN = 17
+_INT_SCALARS = {2: ctypes.c_int8, 3: ctypes.c_int16, 4: ctypes.c_int32, 5: ctypes.c_int64, 6: ctypes.c_uint8,
+                7: ctypes.c_uint16, 8: ctypes.c_uint32, 9: ctypes.c_uint64}  # fmt: skip
+
+
+class _ExtensionBase(ctypes.Structure):
+    pass
+
+
+_ExtensionBase._fields_ = [("struct_size", c_size_t), ("type", c_int), ("next", ctypes.POINTER(_ExtensionBase))]
+
+
+class _ApiVersion(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("major_version", c_int),
+                ("minor_version", c_int)]  # fmt: skip
+
+
+class _Buffer(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("dtype", c_int), ("data", c_void_p),
+                ("rank", c_int64), ("dims", ctypes.POINTER(c_int64))]  # fmt: skip
+
+
+class _ByteSpan(ctypes.Structure):
+    _fields_ = [("ptr", c_void_p), ("len", c_size_t)]
+
+
+class _Scalar(ctypes.Structure):
+    _fields_ = [("dtype", c_int), ("value", c_void_p)]
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("size", c_int64),
+                ("types", ctypes.POINTER(c_int)), ("args", ctypes.POINTER(c_void_p))]  # fmt: skip
+
+
+class _Rets(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("size", c_int64),
+                ("types", ctypes.POINTER(c_int)), ("rets", ctypes.POINTER(c_void_p))]  # fmt: skip
+
+
+class _Attrs(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("size", c_int64),
+                ("types", ctypes.POINTER(c_int)), ("names", ctypes.POINTER(ctypes.POINTER(_ByteSpan))),
+                ("attrs", ctypes.POINTER(c_void_p))]  # fmt: skip
+
+
+class _Api(ctypes.Structure):
+    """XLA_FFI_Api up to XLA_FFI_Stream_Get (the fields this module calls); the rest is never read."""
+
+    _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("api_version", _ApiVersion),
+                ("internal_api", c_void_p), ("error_create", c_void_p), ("error_get_message", c_void_p),
+                ("error_destroy", c_void_p), ("handler_register", c_void_p), ("stream_get", c_void_p)]  # fmt: skip
+
+
+class _CallFrame(ctypes.Structure):
+    """XLA_FFI_CallFrame up to ``attrs`` (``future``, appended later, is neither read nor written)."""
+
+    _fields_ = [("struct_size", c_size_t), ("extension_start", ctypes.POINTER(_ExtensionBase)),
+                ("api", ctypes.POINTER(_Api)), ("ctx", c_void_p), ("stage", c_int), ("args", _Args),
+                ("rets", _Rets), ("attrs", _Attrs)]  # fmt: skip
+
+
+class _Metadata(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("api_version", _ApiVersion), ("traits", ctypes.c_uint32)]
+
+
+class _MetadataExtension(ctypes.Structure):
+    _fields_ = [("extension_base", _ExtensionBase), ("metadata", ctypes.POINTER(_Metadata))]
+
+
+class _ErrorCreateArgs(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("message", ctypes.c_char_p),
+                ("errc", c_int)]  # fmt: skip
+
+
+class _StreamGetArgs(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("ctx", c_void_p), ("stream", c_void_p)]
+
+
+def _struct_size(cls: type[ctypes.Structure], last: str) -> int:
+    """XLA_FFI_STRUCT_SIZE: the offset of the last field plus its size (no trailing padding)."""
+    field = getattr(cls, last)
+    return field.offset + field.size
+
+
+_ERROR_CREATE = ctypes.CFUNCTYPE(c_void_p, ctypes.POINTER(_ErrorCreateArgs))
+_STREAM_GET = ctypes.CFUNCTYPE(c_void_p, ctypes.POINTER(_StreamGetArgs))
+HANDLER = ctypes.CFUNCTYPE(c_void_p, ctypes.POINTER(_CallFrame))
+
+
+class HandlerError(Exception):
+    """An error the handler reports to XLA as INVALID_ARGUMENT (anything else is INTERNAL)."""
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One argument or result of the call: XLA's pointer, shape and element type."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: str  # NumPy name, or "token"
+
+
+def _buffer(address: int) -> Buffer:
+    buf = _Buffer.from_address(address)
+    if buf.dtype == DTYPE_TOKEN:
+        return Buffer(0, (), "token")
+    name = DTYPE_NAMES.get(buf.dtype)
+    if name is None:
+        raise HandlerError(f"XLA passed a buffer of XLA_FFI_DataType {buf.dtype}, which mpigpu does not reduce")
+    return Buffer(int(buf.data or 0), tuple(int(buf.dims[i]) for i in range(buf.rank)), name)
+
+
+class Call:
+    """One execution of the handler: its buffers, integer attributes and (on GPUs) the CUDA stream."""
+
+    def __init__(self, frame: _CallFrame) -> None:
+        self._frame = frame
+        self.args = [_buffer(frame.args.args[i]) for i in range(frame.args.size)]
+        self.rets = [_buffer(frame.rets.rets[i]) for i in range(frame.rets.size)]
+        self.attrs = _int_attrs(frame.attrs)
+
+    def stream(self) -> int:
+        """The CUDA stream XLA runs this call on (XLA_FFI_Stream_Get)."""
+        api = self._frame.api.contents
+        args = _StreamGetArgs(_struct_size(_StreamGetArgs, "stream"), None, self._frame.ctx, None)
+        error = _STREAM_GET(api.stream_get)(ctypes.byref(args))
+        if error:
+            raise HandlerError("XLA_FFI_Stream_Get failed: this call has no CUDA stream")
+        return int(args.stream or 0)
+
+
+def _int_attrs(attrs: _Attrs) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for i in range(attrs.size):
+        span = attrs.names[i].contents
+        name = ctypes.string_at(span.ptr, span.len).decode()
+        if attrs.types[i] != _ATTR_SCALAR:
+            raise HandlerError(f"attribute {name!r} is not a scalar")
+        scalar = _Scalar.from_address(attrs.attrs[i])
+        kind = _INT_SCALARS.get(scalar.dtype)
+        if kind is None:
+            raise HandlerError(f"attribute {name!r} is not an integer (XLA_FFI_DataType {scalar.dtype})")
+        out[name] = int(kind.from_address(scalar.value).value)
+    return out
+
+
+def _answer_metadata(frame: _CallFrame, traits: int) -> bool:
+    """Answer XLA's registration-time query (API version, traits) if this call is one; True if it was."""
+    ext = frame.extension_start
+    while ext:  # walk the chain: a newer XLA may put other extensions first
+        if ext.contents.type == _EXTENSION_METADATA:
+            metadata = ctypes.cast(ext, ctypes.POINTER(_MetadataExtension)).contents.metadata.contents
+            metadata.api_version.struct_size = _struct_size(_ApiVersion, "minor_version")
+            metadata.api_version.extension_start = None
+            metadata.api_version.major_version = API_MAJOR
+            metadata.api_version.minor_version = API_MINOR
+            metadata.traits = traits
+            return True
+        ext = ext.contents.next
+    return False
+
+
+def _error(frame: _CallFrame, exc: BaseException) -> int:
+    """An XLA_FFI_Error* carrying the exception's text (XLA copies the message)."""
+    text = f"{type(exc).__name__}: {exc}"
+    if not isinstance(exc, HandlerError):
+        text += "\n" + "".join(traceback.format_exception(exc)[-4:])
+    code = _ERROR_INVALID_ARGUMENT if isinstance(exc, HandlerError) else _ERROR_INTERNAL
+    args = _ErrorCreateArgs(_struct_size(_ErrorCreateArgs, "errc"), None, text.encode(errors="replace"), code)
+    return int(_ERROR_CREATE(frame.api.contents.error_create)(ctypes.byref(args)) or 0)
+
+
+def make_handler(execute: Callable[[Call], None], *, traits: int = 0) -> Any:
+    """A C function pointer (a ctypes callback: keep it alive) that XLA can call as an FFI handler.
+
+    ``execute`` runs for the EXECUTE stage; any exception it raises becomes an XLA error, which the
+    JAX program raises where it waits for the result. ``traits`` = 0: not command-buffer compatible,
+    so XLA never captures the call into a CUDA graph (a Python handler runs only when called)."""
+
+    def handler(frame_ptr: Any) -> int | None:
+        frame = frame_ptr.contents
+        try:
+            if _answer_metadata(frame, traits):
+                return None
+            if frame.stage != _STAGE_EXECUTE:  # only EXECUTE is registered; other stages have nothing to do
+                return None
+            execute(Call(frame))
+            return None
+        except BaseException as exc:  # nothing may unwind into XLA's C++ frames
+            try:
+                return _error(frame, exc)
+            except BaseException:  # no way to tell XLA: returning success would hand out garbage
+                from mpigpu.failsafe import abort_job
+
+                abort_job(f"mpigpu.jax: the FFI handler failed and could not report it to XLA: {exc!r}")
+
+    return HANDLER(handler)

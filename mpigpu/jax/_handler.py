@@ -1,0 +1,83 @@
+"""What runs inside XLA when a compiled program reaches an mpigpu collective: the FFI handler.
+
+It runs on one of XLA's threads, never the program's, with the buffers XLA allocated and (on GPUs)
+the CUDA stream XLA runs the program on. It calls the backend directly (mpigpu.api.allreduce's public
+path is for the program's own thread): the arguments were validated and agreed across ranks when
+the program was lowered, so the call carries no check.
+
+Stream order: GPU backends enqueue on XLA's stream (nccl, ipc) or wait on it before MPI reads the
+buffer and return with the result written (host, cuda-aware), as for any caller's stream.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from mpigpu._cuda import StreamRef
+from mpigpu.arrays import ArrayView, _pointer_device, raw_view
+from mpigpu.backends import BACKEND_NAMES
+from mpigpu.context import Context
+from mpigpu.jax._comms import ready_channel
+from mpigpu.jax._ffi import Buffer, Call, HandlerError
+from mpigpu.ops import Op
+
+__all__ = ["OPS", "execute"]
+
+OPS: dict[int, Op] = {op.code: op for op in Op}
+_lock = threading.Lock()  # XLA may run two programs' calls at once; one collective at a time per process
+
+
+def execute(call: Call) -> None:
+    """The EXECUTE stage of ``mpigpu_allreduce``: operands (token, x), results (token, out)."""
+    attrs = call.attrs
+    try:
+        op, backend, on_gpu = OPS[attrs["op"]], BACKEND_NAMES[attrs["backend"]], bool(attrs["gpu"])
+        key = attrs["comm"]
+    except (KeyError, IndexError) as exc:
+        raise HandlerError(f"mpigpu_allreduce was compiled with unknown attributes {attrs}: {exc}") from None
+    data = [b for b in call.args if b.dtype != "token"]
+    outs = [b for b in call.rets if b.dtype != "token"]
+    if len(data) != 1 or len(outs) != 1 or data[0].shape != outs[0].shape or data[0].dtype != outs[0].dtype:
+        raise HandlerError(f"mpigpu_allreduce expects one array in and one like it out, got {data} -> {outs}")
+    ctx = ready_channel(key).ctx
+    with _lock:
+        _allreduce(ctx, data[0], outs[0], op, backend, StreamRef(call.stream()) if on_gpu else None)
+
+
+def _allreduce(ctx: Context, x: Buffer, out: Buffer, op: Op, backend: str, stream: StreamRef | None) -> None:
+    device = None
+    if stream is not None:
+        if ctx.gpu is None:
+            raise HandlerError("a GPU array reached mpigpu.jax on a rank with no GPU bound")
+        device = ctx.gpu.index
+        ctx.activate_gpu()  # this XLA thread may not have used the GPU through CuPy or cuda.core yet
+        if x.ptr and _pointer_device(x.ptr, device) != device:
+            raise HandlerError(
+                f"the array is on GPU {_pointer_device(x.ptr, device)}, but rank {ctx.rank} is bound to "
+                f"{ctx.gpu.describe()}: put the rank's data on jax.devices('gpu')[mpigpu.select_device().index]"
+            )
+    xv = raw_view(x.ptr, x.shape, x.dtype, device, readonly=True)
+    ov = raw_view(out.ptr, out.shape, out.dtype, device, readonly=False)
+    if xv.size == 0:
+        return
+    if ctx.size == 1:  # every op's result is the input (and NCCL 2.28's one-rank ncclAvg misses elements)
+        _copy(xv, ov, stream)
+        return
+    instance = ctx.backend(backend)  # created on first use: collective, in this thread's (token) order
+    if ctx.watchdog.timeout > 0:
+        with ctx.watchdog.watch(f"mpigpu.jax allreduce({backend}, {xv.dtype.name} x {xv.size}, op={op.value})"):
+            instance.allreduce(xv, ov, op, stream)
+    else:
+        instance.allreduce(xv, ov, op, stream)
+
+
+def _copy(x: ArrayView, out: ArrayView, stream: StreamRef | None) -> None:
+    """out = x, in stream order on GPUs."""
+    if stream is None:
+        assert x.host is not None and out.host is not None
+        out.host[...] = x.host
+        return
+    from mpigpu._cuda import cupy
+
+    runtime = cupy().cuda.runtime
+    runtime.memcpyAsync(out.ptr, x.ptr, x.nbytes, runtime.memcpyDeviceToDevice, stream.handle)

@@ -1,0 +1,286 @@
+"""Milliseconds per data-parallel JAX training step, three ways, on the same model:
+
+  (a) in-jit   one jitted step: loss, grad, mpigpu.jax.average_tree (an XLA FFI call), update
+  (b) leave    today's way: grad in jit, mpigpu.allreduce on the concrete flattened gradient, update in jit
+  (c) jax      JAX's own multi-process collectives: jax.distributed.initialize (coordinator address
+               from rank 0 over MPI), a jitted shard_map step with lax.pmean over the global device mesh
+
+    mpirun -np 2 python3 scripts/jax_step_bench.py --json jax-step.json
+    mpirun -np 2 python3 scripts/jax_step_bench.py --device cpu --width 256     # no GPU: the CPU path
+
+Every variant starts from the same parameters and data and runs the same number of steps; the script
+checks that (a), (b) and (c) end with the same parameters on every rank (to a float32 tolerance: the
+reductions add in different orders) and that each is identical across ranks. (c) is skipped, with a
+one-line reason, if jax.distributed cannot start. Times are the slowest rank's, per step, after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import itertools
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="jax_step_bench.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto", help="default: gpu if any")
+    parser.add_argument("--width", type=int, default=2048, help="hidden width of the MLP (default 2048)")
+    parser.add_argument("--depth", type=int, default=4, help="hidden layers (default 4)")
+    parser.add_argument("--batch", type=int, default=128, help="samples per rank (default 128)")
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per variant (default 50)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    parser.add_argument("--no-jax-distributed", action="store_true", help="skip (c)")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    return parser.parse_args(argv)
+
+
+def _start_distributed(comm: Any, gpu_index: int | None, single_node: bool) -> str | None:
+    """jax.distributed.initialize on every rank, the coordinator on rank 0; None, or why it failed.
+    Must run before JAX starts a backend."""
+    import jax
+
+    error = None
+    address = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        host = "127.0.0.1" if single_node else socket.gethostname()
+        address = f"{host}:{port}"
+    address = comm.bcast(address, root=0)
+    kwargs: dict[str, Any] = {
+        "coordinator_address": address,
+        "num_processes": comm.Get_size(),
+        "process_id": comm.Get_rank(),
+    }
+    if gpu_index is not None:
+        kwargs["local_device_ids"] = [gpu_index]
+    if "initialization_timeout" in inspect.signature(jax.distributed.initialize).parameters:
+        kwargs["initialization_timeout"] = 60
+    try:
+        jax.distributed.initialize(**kwargs)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    errors = [e for e in comm.allgather(error) if e]
+    return errors[0] if errors else None
+
+
+def _model(width: int, depth: int, seed: int = 0) -> dict[str, list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    sizes = [32, *([width] * depth), 8]
+    ws = [(rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32) for a, b in itertools.pairwise(sizes)]
+    bs = [np.zeros(b, np.float32) for b in sizes[1:]]
+    return {"w": ws, "b": bs}
+
+
+def _host_copy(jax: Any, tree: Any) -> np.ndarray:
+    """Every leaf of ``tree`` flattened into one NumPy array (this process's copy of replicated arrays)."""
+    leaves = [np.asarray(leaf.addressable_data(0)).ravel() for leaf in jax.tree_util.tree_leaves(tree)]
+    return np.concatenate(leaves) if leaves else np.zeros(0, np.float32)
+
+
+def _timed(comm: Any, run_steps: Any, steps: int) -> float:
+    """ms per step on the slowest rank."""
+    comm.Barrier()
+    start = time.perf_counter()
+    run_steps(steps)
+    elapsed = time.perf_counter() - start
+    from mpigpu._mpi import MPI
+
+    return comm.allreduce(elapsed, op=MPI().MAX) * 1e3 / steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import mpigpu
+    from mpigpu._mpi import world
+    from mpigpu.context import Context
+
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    gpu = mpigpu.select_device() if args.device != "cpu" else None
+    if args.device == "gpu" and gpu is None:
+        print("# no GPU visible: use --device cpu", file=sys.stderr)
+        return 2
+    if args.device == "cpu":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    single_node = Context.get(comm).layout.num_nodes == 1
+
+    skipped_c = "--no-jax-distributed" if args.no_jax_distributed else None
+    if skipped_c is None:
+        if args.device == "cpu" or gpu is None:
+            os.environ.setdefault("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo")
+        problem = _start_distributed(comm, gpu.index if gpu is not None else None, single_node)
+        if problem:
+            skipped_c = f"jax.distributed could not start: {problem}"
+
+    import jax
+    import jax.numpy as jnp
+    from jax.flatten_util import ravel_pytree
+
+    import mpigpu.jax as mj
+
+    local = jax.local_devices()
+    if gpu is not None:
+        device = next((d for d in local if getattr(d, "local_hardware_id", d.id) == gpu.index), local[0])
+    else:
+        device = jax.local_devices(backend="cpu")[0]
+    params0 = _model(args.width, args.depth)
+    nparams = sum(int(a.size) for a in jax.tree_util.tree_leaves(params0))
+    rng = np.random.default_rng(1 + rank)
+    x_np = rng.standard_normal((args.batch, 32)).astype(np.float32)
+    y_np = rng.standard_normal((args.batch, 8)).astype(np.float32)
+    x, y = jax.device_put(x_np, device), jax.device_put(y_np, device)
+    lr = args.lr
+
+    def loss_fn(p, x, y):
+        h = x
+        for w, b in zip(p["w"][:-1], p["b"][:-1], strict=True):
+            h = jnp.tanh(h @ w + b)
+        return jnp.mean((h @ p["w"][-1] + p["b"][-1] - y) ** 2)
+
+    def update(p, g):
+        return jax.tree_util.tree_map(lambda q, d: q - lr * d, p, g)
+
+    if rank == 0:
+        print(f"# {size} ranks, JAX {jax.__version__} on {device.platform} ({device.device_kind}); MLP "
+              f"{args.depth} x {args.width}: {nparams} float32 parameters ({nparams * 4 / 2**20:.1f} MiB), "
+              f"batch {args.batch} per rank, {args.steps} steps after {args.warmup}")  # fmt: skip
+
+    results: dict[str, Any] = {}
+    finals: dict[str, np.ndarray] = {}
+
+    # (a) one jitted step with the average inside
+    @jax.jit
+    def step_a(p, x, y):
+        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+        return update(p, mj.average_tree(g)), loss
+
+    # (b) grad in jit, leave jit to average, update in jit
+    grad_b = jax.jit(lambda p, x, y: ravel_pytree(jax.grad(loss_fn)(p, x, y))[0])
+    unravel = ravel_pytree(params0)[1]
+    update_b = jax.jit(lambda p, flat: update(p, unravel(flat)))
+
+    def run_variant(name: str, init: Any, one_step: Any) -> None:
+        state = {"p": init()}
+
+        def steps(n: int) -> None:
+            p = state["p"]
+            for _ in range(n):
+                p = one_step(p)
+            jax.block_until_ready(p)
+            state["p"] = p
+
+        steps(args.warmup)
+        ms = _timed(comm, steps, args.steps)
+        results[name] = {"ms_per_step": ms}
+        finals[name] = _host_copy(jax, state["p"])
+
+    def init_local() -> Any:
+        return jax.device_put(params0, device)
+
+    run_variant("in_jit", init_local, lambda p: step_a(p, x, y)[0])
+    run_variant("leave_jit", init_local, lambda p: update_b(p, mpigpu.allreduce(grad_b(p, x, y))))
+
+    if skipped_c is None:
+        try:
+            run_variant("jax_distributed", *_jax_variant(jax, loss_fn, update, params0, x_np, y_np))
+        except Exception as exc:
+            skipped_c = f"the jax.distributed step failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+            if rank == 0:
+                print(f"# (c) failed: {exc}", file=sys.stderr)
+
+    # checks: every variant identical across ranks, and the variants agree with each other
+    ok = True
+    steps_total = args.warmup + args.steps
+    for name, final in finals.items():
+        same = len(set(comm.allgather(hashlib.sha256(final.tobytes()).hexdigest()))) == 1
+        results[name]["identical_on_every_rank"] = same
+        ok &= same
+    reference = finals["in_jit"]
+    for name, final in finals.items():
+        diff = float(np.max(np.abs(final - reference))) if final.size else 0.0
+        results[name]["max_abs_diff_vs_in_jit"] = diff
+        ok &= diff <= 1e-4 * max(1.0, float(np.max(np.abs(reference))))
+    if rank == 0:
+        labels = {"in_jit": "(a) in-jit average (mpigpu.jax)", "leave_jit": "(b) leave jit, mpigpu.allreduce",
+                  "jax_distributed": "(c) jax.distributed + pmean"}  # fmt: skip
+        print(f"# {'variant':<36} {'ms/step':>9} {'vs (a)':>7}  identical  max |diff| vs (a)")
+        base = results["in_jit"]["ms_per_step"]
+        for name, r in results.items():
+            print(f"  {labels[name]:<36} {r['ms_per_step']:9.3f} {r['ms_per_step'] / base:7.2f}  "
+                  f"{r['identical_on_every_rank']!s:<9}  {r['max_abs_diff_vs_in_jit']:.2e}")  # fmt: skip
+        if skipped_c:
+            print(f"# (c) skipped: {skipped_c}")
+        print("# PASS" if ok else "# FAIL")
+    if args.json and rank == 0:
+        document = {
+            "ok": bool(ok),
+            "ranks": size,
+            "device": device.platform,
+            "device_kind": device.device_kind,
+            "jax": jax.__version__,
+            "mpi_library": Context.get(comm).mpi_lib.version.splitlines()[0],
+            "host": platform.node(),
+            "model": {"depth": args.depth, "width": args.width, "parameters": nparams, "batch_per_rank": args.batch},
+            "steps": {"warmup": args.warmup, "timed": args.steps, "total": steps_total},
+            "results": results,
+            "skipped": {"jax_distributed": skipped_c} if skipped_c else {},
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        with open(args.json, "w") as out:
+            json.dump(document, out, indent=2)
+    return 0 if ok else 1
+
+
+def _jax_variant(
+    jax: Any, loss_fn: Any, update: Any, params0: Any, x_np: np.ndarray, y_np: np.ndarray
+) -> tuple[Any, Any]:
+    """(init, one_step) for JAX's own collectives: one device per process in a global mesh, a jitted
+    shard_map step with lax.pmean over it."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:
+        from jax.experimental.shard_map import shard_map
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    x = jax.make_array_from_process_local_data(split, x_np)
+    y = jax.make_array_from_process_local_data(split, y_np)
+
+    def local_step(p, xb, yb):
+        g = jax.grad(loss_fn)(p, xb, yb)  # this device's gradient (replication checks off: no implicit psum)
+        return update(p, jax.lax.pmean(g, "data"))
+
+    options = inspect.signature(shard_map).parameters
+    unchecked = {"check_vma": False} if "check_vma" in options else {"check_rep": False}
+    specs = {"in_specs": (P(), P("data"), P("data")), "out_specs": P()}
+    step = jax.jit(shard_map(local_step, mesh=mesh, **specs, **unchecked))
+
+    def init() -> Any:
+        return jax.tree_util.tree_map(lambda a: jax.make_array_from_process_local_data(replicated, a), params0)
+
+    def one_step(p: Any) -> Any:
+        return step(p, x, y)
+
+    return init, one_step
+
+
+if __name__ == "__main__":
+    from mpigpu.failsafe import abort_on_exception
+
+    abort_on_exception()
+    sys.exit(main())

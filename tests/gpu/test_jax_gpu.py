@@ -1,0 +1,207 @@
+"""mpigpu.jax on JAX GPU arrays under mpirun (scripts/gpu-check.sh: 2 and 4 ranks, Open MPI and Intel MPI):
+inside jax.jit on the stream XLA hands the FFI call, every backend (auto, nccl, ipc, host, cuda-aware where
+the MPI allows it) against the exact pattern's float64 reference, bitwise identical on every rank; stream
+order against a long producer and consumer in the same program; grad, lax.scan with several collectives,
+vmap, average_tree, outside jit; a mismatch raising on every rank while compiling.
+
+A backend the current MPI cannot run is skipped with the reason (gpu-check.sh runs both MPIs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # several ranks share the node's GPUs
+
+import mpigpu
+from mpigpu.context import Context
+from mpigpu.dtypes import DTYPES
+from mpigpu.errors import MismatchError
+from mpigpu.ops import Op
+from mpigpu.patterns import fill
+from mpigpu.verify import count_wrong_host
+
+pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1)]
+
+BACKENDS = ["auto", "nccl", "ipc", "host", "cuda-aware"]
+
+
+@pytest.fixture(scope="module")
+def ctx(comm):
+    mpigpu.select_device(comm)
+    return Context.get(comm)
+
+
+@pytest.fixture(scope="module")
+def jx(ctx):
+    """(jax, mpigpu.jax, this rank's JAX GPU device)."""
+    jax = pytest.importorskip("jax", reason="jax is not installed")
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError as exc:
+        pytest.skip(f"JAX has no GPU backend here: {exc}")
+    matching = [d for d in gpus if getattr(d, "local_hardware_id", d.id) == ctx.gpu.index]
+    device = matching[0] if matching else gpus[0]
+    import mpigpu.jax as mj
+
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)  # float64 stays 64-bit, in this module only
+    yield jax, mj, device
+    jax.config.update("jax_enable_x64", before)
+
+
+def _need(ctx, backend: str) -> None:
+    if backend == "auto":
+        return
+    state = ctx.availability[backend]
+    if not state.ok:
+        pytest.skip(f"{backend} is not available under {ctx.mpi_lib.name}: {state.reason}")
+
+
+def _exact(count: int, dtype: str, op: Op, rank: int, size: int, offset: int = 0) -> np.ndarray:
+    x = np.empty(count, DTYPES[dtype].np)
+    fill(x, "exact", op, rank, size, offset)
+    return x
+
+
+def _same_everywhere(comm, arr) -> None:
+    digest = hashlib.sha256(np.asarray(arr).tobytes()).hexdigest()
+    assert len(set(comm.allgather(digest))) == 1, "ranks hold different bits"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32"])
+@pytest.mark.parametrize("op", [Op.SUM, Op.AVG, Op.MAX])
+@pytest.mark.parametrize("count", [1, 1000003])
+def test_inside_jit_exact(ctx, jx, comm, backend: str, dtype: str, op: Op, count: int) -> None:
+    jax, mj, device = jx
+    _need(ctx, backend)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = _exact(count, dtype, op, rank, size)
+    out = jax.jit(lambda v: mj.allreduce(v, op.value, backend=backend))(jax.device_put(x, device))
+    assert next(iter(out.devices())) == device
+    host = np.asarray(out)
+    assert count_wrong_host(host, "exact", op, DTYPES[dtype], size) == 0
+    _same_everywhere(comm, host)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stream_order_with_a_long_producer_and_consumer(ctx, jx, comm, backend: str) -> None:
+    """The reduced array is written by a long matmul chain just before the call and read just after, in
+    the same program on XLA's stream: a backend that did not order on that stream would read stale data."""
+    jax, mj, device = jx
+    _need(ctx, backend)
+    jnp = jax.numpy
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = _exact(1 << 20, "float32", Op.SUM, rank, size)
+    big = jax.device_put(np.full((2048, 2048), 1e-4, np.float32), device)
+
+    @jax.jit
+    def f(v, m):
+        for _ in range(8):
+            m = jnp.tanh(m @ m)
+        v = v + 0 * jnp.sum(m)  # depends on the whole chain
+        r = mj.allreduce(v, "sum", backend=backend)
+        return r * 2 - r  # read right after, on the same stream
+
+    for _ in range(3):
+        host = np.asarray(f(jax.device_put(x, device), big))
+        assert count_wrong_host(host, "exact", Op.SUM, DTYPES["float32"], size) == 0
+
+
+@pytest.mark.parametrize("backend", ["auto", "nccl", "ipc", "host"])
+def test_scan_with_several_collectives(ctx, jx, comm, backend: str) -> None:
+    jax, mj, device = jx
+    _need(ctx, backend)
+    jnp = jax.numpy
+    rank, size = comm.Get_rank(), comm.Get_size()
+    steps = 5
+
+    def body(carry, _):
+        x, k = carry
+        x = mj.allreduce(x, "avg", backend=backend) + rank
+        k = mj.allreduce(k + 1, "sum", backend=backend)
+        m = mj.allreduce(jnp.full(3, rank, jnp.float32), "max", backend=backend)  # independent of x and k
+        return (x, k), jnp.sum(x) + jnp.sum(m)
+
+    x0 = np.arange(4096, dtype=np.float64) * (rank + 1)
+    run = jax.jit(lambda x, k: jax.lax.scan(body, (x, k), None, length=steps))
+    (x, k), sums = run(jax.device_put(x0, device), jax.device_put(np.float32(rank), device))
+    xs = [np.arange(4096, dtype=np.float64) * (r + 1) for r in range(size)]
+    ks = [float(r) for r in range(size)]
+    expected = []
+    for _ in range(steps):
+        mean = sum(xs) / size
+        xs = [mean + r for r in range(size)]
+        total = sum(kk + 1 for kk in ks)
+        ks = [total] * size
+        expected.append(xs[rank].sum() + 3 * (size - 1))
+    assert np.array_equal(np.asarray(x), xs[rank])
+    assert float(k) == ks[rank]
+    assert np.array_equal(np.asarray(sums), np.array(expected))
+
+
+def test_grad_vmap_and_outside_jit(ctx, jx, comm) -> None:
+    jax, mj, device = jx
+    jnp = jax.numpy
+    rank, size = comm.Get_rank(), comm.Get_size()
+    i = np.arange(64, dtype=np.float64)
+    a = (i % 5 + 1 + rank).astype(np.float32)
+    c = ((i + 3 * rank) % 7 - 3).astype(np.float32)
+    a_d, c_d = jax.device_put(a, device), jax.device_put(c, device)
+    grad = jax.jit(jax.grad(lambda w: jnp.sum(c_d * mj.allreduce(a_d * w, "sum"))))
+    g = grad(jax.device_put(np.ones(64, np.float32), device))
+    c_all = sum(((i + 3 * r) % 7 - 3) for r in range(size))
+    assert np.array_equal(np.asarray(g, np.float64), a.astype(np.float64) * c_all)
+
+    xb = (np.arange(24, dtype=np.float32).reshape(4, 6) + rank) * 3
+    out = jax.jit(jax.vmap(lambda v: mj.allreduce(v, "sum")))(jax.device_put(xb, device))
+    expected = sum((np.arange(24, dtype=np.float64).reshape(4, 6) + r) * 3 for r in range(size))
+    assert np.array_equal(np.asarray(out, np.float64), expected)
+
+    eager = mj.allreduce(jax.device_put(xb, device), "sum")  # outside jit
+    assert next(iter(eager.devices())) == device
+    assert np.array_equal(np.asarray(eager, np.float64), expected)
+
+
+def test_average_tree(ctx, jx, comm) -> None:
+    jax, mj, device = jx
+    rank, size = comm.Get_rank(), comm.Get_size()
+    tree = {
+        "w": np.arange(1 << 16, dtype=np.float32).reshape(256, 256) * (rank + 1),
+        "b": np.full(256, 2.0 * rank, np.float32),
+        "h": np.arange(100, dtype=np.float16) + rank,
+    }
+    out = jax.jit(mj.average_tree)(jax.device_put(tree, device))
+    ranks = range(size)
+    np.testing.assert_array_equal(out["w"], np.arange(1 << 16).reshape(256, 256) * sum(r + 1 for r in ranks) / size)
+    np.testing.assert_array_equal(out["b"], np.full(256, 2.0 * sum(ranks) / size))
+    np.testing.assert_array_equal(np.asarray(out["h"], np.float64), np.arange(100) + sum(ranks) / size)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatch_raises_everywhere_while_compiling(ctx, jx, comm) -> None:
+    jax, mj, device = jx
+    count = 10 if comm.Get_rank() == 0 else 11
+    f = jax.jit(lambda v: mj.allreduce(v, "sum"))
+    with pytest.raises(MismatchError, match="count"):
+        f(jax.device_put(np.ones(count, np.float32), device))
+    size = comm.Get_size()
+    out = f(jax.device_put(np.full(3, comm.Get_rank() + 1, np.float32), device))
+    assert np.all(np.asarray(out) == size * (size + 1) // 2)
+
+
+def test_jax_step_sample(ctx, jx) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "samples" / "jax_step.py"
+    spec = importlib.util.spec_from_file_location("jax_step_sample", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--steps", "20"]) == 0
