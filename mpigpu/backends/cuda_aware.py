@@ -83,7 +83,7 @@ class CudaAwareBackend(Backend):
             buf = mpi.buffer.fromaddress(ptr, items * (8 if kind == "uint64" else 4))
             self.ctx.comm.Allreduce(mpi.IN_PLACE, [buf, items, getattr(mpi, kind.upper() + "_T")], mpi_op(how))
 
-        if by_keys_or_parts(self._kernels(), self._scratch, x, out, op, n, stream, reduce):
+        if by_keys_or_parts(self._kernels, self._scratch, x, out, op, n, stream, reduce):
             return
         if x.dtype.is_half:
             wide = self._wide_buffer(count)

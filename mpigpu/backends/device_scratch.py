@@ -54,7 +54,7 @@ class DeviceScratch:
 
 
 def by_keys_or_parts(
-    kernels: Any,
+    module: Callable[[], Any],
     scratch: DeviceScratch,
     x: ArrayView,
     out: ArrayView,
@@ -64,6 +64,7 @@ def by_keys_or_parts(
     reduce: Callable[[int, int, str, Op], None],
 ) -> bool:
     """Float min/max and integer avg through keys or parts; False (nothing done) for the other calls.
+    ``module()`` gives the compiled arith.cu (called only when needed).
 
     ``reduce(ptr, count, kind, op)`` reduces ``count`` unsigned integers of ``kind`` ("uint32" or
     "uint64") in place at ``ptr`` across ranks, in stream order, with MIN, MAX or SUM (``op``)."""
@@ -71,6 +72,7 @@ def by_keys_or_parts(
 
     dtype, count = x.dtype, x.size
     if dtype.is_float and op in (Op.MIN, Op.MAX):
+        kernels = module()
         key_bytes = 8 if dtype.itemsize == 8 else 4
         in_out = dtype.itemsize == key_bytes  # float32/float64: the keys fit in out itself
         keys = out.ptr if in_out else scratch.take(count * key_bytes, stream.handle)
@@ -81,6 +83,7 @@ def by_keys_or_parts(
             scratch.give_back(stream.handle)
         return True
     if op is Op.AVG and not dtype.is_float:
+        kernels = module()
         parts = scratch.take(2 * count * 8, stream.handle)
         launch(stream, kernels.kernel(f"iavg_parts_{dtype.name}"), count, x.ptr, parts, i64(count), i32(nranks))
         reduce(parts, 2 * count, "uint64", Op.SUM)

@@ -84,7 +84,7 @@ class NcclBackend(Backend):
         def reduce(ptr: int, count: int, kind: str, how: Op) -> None:
             self._comm.allReduce(ptr, ptr, count, _NCCL_UINT[kind], how.nccl, handle)
 
-        if by_keys_or_parts(self._kernels(), self._scratch, x, out, op, self.ctx.size, stream, reduce):
+        if by_keys_or_parts(self._kernels, self._scratch, x, out, op, self.ctx.size, stream, reduce):
             return
         self._comm.allReduce(x.ptr, out.ptr, x.size, x.dtype.nccl, op.nccl, handle)
 
