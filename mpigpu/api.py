@@ -133,6 +133,7 @@ def agree(prepared: Prepared) -> None:
             op=prepared.op.code,
             backend=backend_class(prepared.choice.backend).code,
             placement=int(xv.on_device),
+            shape=xv.shape,
         )
         if ctx.watchdog.timeout > 0:  # a rank that never arrives would leave the others waiting here
             with ctx.watchdog.watch(f"allreduce of {xv.size} {xv.dtype.name} (cross-rank argument check)"):

@@ -1,9 +1,10 @@
 """Cross-rank argument check: every rank learns, before any data moves, whether all ranks called
 the collective with the same count, dtype, op, backend and data placement, or whether a rank
 rejected its own arguments. Mismatches become the same MismatchError on every rank instead of a
-hang or a read past a buffer.
+hang or a read past a buffer. The shape is checked too (as a 62-bit hash): ranks that pass the same
+element count in different shapes are almost certainly reducing different tensors into each other.
 
-Cost: one MPI_Allreduce(MAX) of 12 int64 values per call. It runs on every call, by design: any
+Cost: one MPI_Allreduce(MAX) of 14 int64 values per call. It runs on every call, by design: any
 scheme where ranks skip the check independently (say, once per signature seen) can leave one rank
 checking while another has moved on, which is the hang the check exists to prevent. Example: rank 0
 has seen (1000, float32) before and skips; rank 1 passes 1001 for the first time and checks, so
@@ -17,6 +18,7 @@ that failed.
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 from typing import Any, NamedTuple
 
@@ -27,7 +29,7 @@ from mpigpu.ops import Op
 
 __all__ = ["Signature", "agree", "check_signature"]
 
-_FIELDS = ("failed", "count", "dtype", "op", "backend", "placement")
+_FIELDS = ("failed", "count", "dtype", "op", "backend", "placement", "shape")
 _ZEROS = bytes(16 * len(_FIELDS))  # [v, -v] as int64 (array.array: cheaper per call than NumPy here)
 
 
@@ -42,17 +44,37 @@ class Signature(NamedTuple):
     backend: int  # Backend.code
     placement: int  # 0 host, 1 GPU
     error: str | None = None
+    shape: tuple[int, ...] = ()
 
     def values(self) -> list[int]:
         """The checked fields, in _FIELDS order."""
-        return [1 if self.error else 0, self.count, self.dtype, self.op, self.backend, self.placement]
+        return [
+            1 if self.error else 0, self.count, self.dtype, self.op, self.backend, self.placement,
+            shape_hash(self.shape),
+        ]  # fmt: skip
+
+
+_SHAPE_HASHES: dict[tuple[int, ...], int] = {}
+
+
+def shape_hash(shape: tuple[int, ...]) -> int:
+    """A hash of the shape that is the same in every process (Python's hash() is salted per process),
+    in 62 bits so that -v fits an int64. Cached: a training loop repeats a few shapes."""
+    value = _SHAPE_HASHES.get(shape)
+    if value is None:
+        text = ",".join(str(int(d)) for d in shape).encode()
+        value = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
+        if len(_SHAPE_HASHES) >= 4096:
+            _SHAPE_HASHES.clear()
+        _SHAPE_HASHES[shape] = value
+    return value
 
 
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
 
 
-def _label(field: str, value: int) -> str:
+def _label(field: str, value: Any) -> str:
     if field == "dtype":
         return next((d.name for d in DTYPES.values() if d.code == value), str(value))
     if field == "op":
@@ -63,11 +85,13 @@ def _label(field: str, value: int) -> str:
         return next((n for n in BACKEND_NAMES if backend_class(n).code == value), str(value))
     if field == "placement":
         return "GPU array" if value else "host array"
+    if field == "shape":
+        return "[" + ", ".join(map(str, value)) + "]"
     return str(value)
 
 
-def _describe(name: str, gathered: list[tuple[list[int], str | None]], failure: str) -> str:
-    failed = [(r, err) for r, (_, err) in enumerate(gathered) if err]
+def _describe(name: str, gathered: list[tuple[list[int], str | None, tuple[int, ...]]], failure: str) -> str:
+    failed = [(r, err) for r, (_, err, _) in enumerate(gathered) if err]
     if failed:
         lines = [f"rank {r}: {err}" for r, err in failed]
         return f"{name} did not run: {_ranks([r for r, _ in failed])} {failure}.\n  " + "\n  ".join(lines)
@@ -75,9 +99,9 @@ def _describe(name: str, gathered: list[tuple[list[int], str | None]], failure: 
     for index, field in enumerate(_FIELDS):
         if field == "failed":
             continue
-        by_value: dict[int, list[int]] = {}
-        for r, (vec, _) in enumerate(gathered):
-            by_value.setdefault(vec[index], []).append(r)
+        by_value: dict[Any, list[int]] = {}
+        for r, (vec, _, shape) in enumerate(gathered):
+            by_value.setdefault(shape if field == "shape" else vec[index], []).append(r)
         if len(by_value) > 1:
             shown = "; ".join(f"{_label(field, v)} on {_ranks(rs)}" for v, rs in by_value.items())
             parts.append(f"{field}: {shown}")
@@ -85,7 +109,7 @@ def _describe(name: str, gathered: list[tuple[list[int], str | None]], failure: 
         parts.append("arguments differ")
     return (
         f"{name}: ranks passed different arguments ({' | '.join(parts)}). "
-        "Every rank must call it with the same element count, dtype, op and backend."
+        "Every rank must call it with the same shape, dtype, op and backend."
     )
 
 
@@ -97,16 +121,16 @@ def check_signature(
     ``failure`` completes "<name> did not run: rank 1 ..." when a rank reports an error."""
     mpi = MPI()
     mine = sig.values()
-    f, c, d, o, b, p = mine
+    f, c, d, o, b, p, s = mine
     # MAX over [v, -v] gives max and -min of every field in one collective. max - min >= 0 per field,
-    # so all fields agree iff the 12 results sum to 0; result[0] is 1 if any rank failed.
+    # so all fields agree iff the 14 results sum to 0; result[0] is 1 if any rank failed.
     result = array("q", _ZEROS)
     comm.Allreduce(
-        [array("q", (f, c, d, o, b, p, -f, -c, -d, -o, -b, -p)), mpi.INT64_T], [result, mpi.INT64_T], mpi.MAX
+        [array("q", (f, c, d, o, b, p, s, -f, -c, -d, -o, -b, -p, -s)), mpi.INT64_T], [result, mpi.INT64_T], mpi.MAX
     )
     if result[0] == 0 and sum(result) == 0:
         return
-    gathered = comm.allgather((mine, sig.error))
+    gathered = comm.allgather((mine, sig.error, tuple(int(d) for d in sig.shape)))
     raise MismatchError(_describe(name, gathered, failure))
 
 

@@ -161,7 +161,7 @@ def _usable(ctx: Context, name: str, view: ArrayView, op: Op) -> str | None:
         return "takes host (NumPy) arrays only"
     if not view.on_device and not cls.host_arrays:
         return "takes GPU arrays only"
-    return cls.supports(view.dtype, op)
+    return cls.supports_on(ctx, view.dtype, op)
 
 
 _CACHE_LIMIT = 4096

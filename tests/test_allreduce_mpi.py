@@ -170,3 +170,88 @@ def test_select_device_without_gpu_returns_none(comm) -> None:
         assert mpigpu.select_device() is not None
     else:
         assert mpigpu.select_device() is None
+
+
+# -- the same bits on every rank: NaN, signed zeros, integer extremes, shapes --------------------------
+@pytest.mark.parametrize("backend", ["cpu", "host"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_nan_and_signed_zeros_bitwise_identical(comm, backend: str, dtype: str) -> None:
+    """Sizes 1..8, NaN (both signs), -0.0/+0.0 and infinities at random positions and ranks: the exact
+    result of mpigpu's semantics (NaN propagates, -0.0 < +0.0, canonical NaN from min/max), the
+    same bits on every rank, out of place (poisoned) and in place."""
+    from semantics import SIZES, expected, inputs, problems
+
+    rank, n = comm.Get_rank(), comm.Get_size()
+    found = []
+    for op in Op:
+        for size in SIZES:
+            for seed in range(4):
+                table = inputs(dtype, size, n, seed)
+                want = expected(table, op, dtype)
+                x = table[rank].copy()
+                out = np.empty_like(x)
+                out.view(np.uint8)[...] = 0x7F
+                mpigpu.allreduce(x, op, out=out, backend=backend)
+                wrong = problems(out, want, op, dtype)
+                mpigpu.allreduce(x, op, backend=backend)
+                if not np.array_equal(x.view(np.uint8), out.view(np.uint8)):
+                    wrong.append("in place differs from out of place")
+                if len(set(comm.allgather(out.tobytes()))) != 1:
+                    wrong.append("ranks hold different bits")
+                if wrong:
+                    found.append(f"{op.value} size {size} seed {seed} rank {rank}: " + "; ".join(wrong))
+    found = [line for lines in comm.allgather(found) for line in lines]
+    assert not found, "\n".join(found[:20])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "host", "auto"])
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if not DTYPES[d].is_float])
+def test_integer_avg_is_exact_at_the_extremes(comm, backend: str, dtype: str) -> None:
+    """The mean of identical values is that value; extremes and mixed signs match Python's big
+    integers, truncated toward zero (int8 -128 on every rank is -128; int64 2**62 + rank is exact)."""
+    from semantics import int_extremes, trunc_mean
+
+    rank, n = comm.Get_rank(), comm.Get_size()
+    np_dtype = DTYPES[dtype].np
+    found = []
+    for count in (1, 5, 70001):  # both host routes
+        for case, value in int_extremes(dtype, n, rank):
+            every = [v for _, v in sorted((r, dict(int_extremes(dtype, n, r))[case]) for r in range(n))]
+            x = np.full(count, value, np_dtype)
+            out = np.full(count, 0x5A, np_dtype)
+            mpigpu.allreduce(x, "avg", out=out, backend=backend)
+            want = trunc_mean(every)
+            if not np.all(out == np_dtype.type(want)) or np.any(x != np_dtype.type(value)):
+                found.append(f"{case} x{count}: got {int(out[0])}, want {want} (inputs {every})")
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shape_mismatch_with_equal_counts_raises_on_every_rank(comm) -> None:
+    """[17, 1311] on rank 0, [17, 23, 57] elsewhere: the same 22287 elements, different tensors."""
+    rank = comm.Get_rank()
+    shape = (17, 1311) if rank == 0 else (17, 23, 57)
+    for backend in ("cpu", "host", "auto"):
+        x = np.full(shape, float(rank), np.float32)
+        with pytest.raises(mpigpu.MismatchError) as info:
+            mpigpu.allreduce(x, backend=backend)
+        message = str(info.value)
+        others = "rank 1" if comm.Get_size() == 2 else "ranks " + ",".join(map(str, range(1, comm.Get_size())))
+        assert f"shape: [17, 1311] on rank 0; [17, 23, 57] on {others}" in message, message
+        assert "count" not in message, "the counts agree: only the shape differs"
+        assert len(set(comm.allgather(message))) == 1, "every rank must get the same message"
+        assert np.all(x == rank), "a refused call leaves the data unchanged"
+
+
+@pytest.mark.mpi(min_size=4)
+def test_shape_mismatch_names_every_group_of_ranks(comm) -> None:
+    rank = comm.Get_rank()
+    x = np.ones((6, 4) if rank % 2 else (4, 6), np.float64)
+    with pytest.raises(mpigpu.MismatchError) as info:
+        mpigpu.allreduce(x, "sum")
+    odd = ",".join(str(r) for r in range(1, comm.Get_size(), 2))
+    even = ",".join(str(r) for r in range(0, comm.Get_size(), 2))
+    assert f"shape: [4, 6] on ranks {even}; [6, 4] on ranks {odd}" in str(info.value)
+    y = np.ones((4, 6), np.float64)  # the communicator still works, and equal shapes pass
+    mpigpu.allreduce(y, "sum")
+    assert np.all(y == comm.Get_size())

@@ -280,10 +280,15 @@ def test_several_fields_differing_are_all_named(comm) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_shape_may_differ_when_counts_agree(comm) -> None:
-    """The signature is the element count: (2, 3) on one rank and (6,) on another reduce fine."""
+def test_shape_must_agree_not_only_the_count(comm) -> None:
+    """(2, 3) on one rank and (6,) on another: a MismatchError naming both shapes (issue 12: different
+    shapes mean different tensors); the same data reshaped alike on every rank reduces."""
     x = np.ones((2, 3) if comm.Get_rank() == 0 else (6,), np.float32)
-    mpigpu.allreduce(x, "sum")
+    with pytest.raises(mpigpu.MismatchError, match=r"shape: \[2, 3\] on rank 0; \[6\] on rank"):
+        mpigpu.allreduce(x, "sum")
+    assert np.all(x == 1)
+    y = x.reshape(-1)
+    mpigpu.allreduce(y, "sum")
     assert np.all(x == comm.Get_size())
 
 

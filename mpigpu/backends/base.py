@@ -54,6 +54,11 @@ class Backend(abc.ABC):
         """None if this backend reduces ``dtype`` with ``op``, else the reason it cannot."""
         return None
 
+    @classmethod
+    def supports_on(cls, ctx: Context, dtype: DType, op: Op) -> str | None:
+        """``supports``, with limits that depend on the communicator's layout (the same on every rank)."""
+        return cls.supports(dtype, op)
+
     @abc.abstractmethod
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
         """Reduce ``x`` across ranks into ``out`` (which may be ``x`` itself)."""

@@ -1,5 +1,10 @@
 """NumPy arrays through the MPI library's own MPI_Allreduce: the path for machines with no GPU,
-and the latency path for small host messages."""
+and the latency path for small host messages.
+
+Only order-independent reductions are handed to MPI as they are (MPICH combines operands in a
+different order on each rank): float min/max travel as order-preserving integer keys reduced with
+MPI's integer MIN/MAX, integer avg as 64-bit parts summed exactly (mpigpu.ops), and any NaN a float
+sum or product leaves is made the canonical NaN, whose bits then match on every rank."""
 
 from __future__ import annotations
 
@@ -9,14 +14,14 @@ import numpy as np
 
 from mpigpu._mpi import MPI
 from mpigpu.backends.base import Availability, Backend
-from mpigpu.ops import Op, finish_avg
+from mpigpu.ops import Op, canonicalize_nan, finish_avg, from_keys, int_avg_join, int_avg_parts, to_keys
 
 if TYPE_CHECKING:
     from mpigpu._cuda import StreamRef
     from mpigpu.arrays import ArrayView
     from mpigpu.context import Context
 
-__all__ = ["CpuBackend", "mpi_datatype", "mpi_op"]
+__all__ = ["CpuBackend", "key_datatype", "mpi_datatype", "mpi_op"]
 
 
 def mpi_datatype(name: str) -> Any:
@@ -29,10 +34,25 @@ def mpi_datatype(name: str) -> Any:
     }[name]  # fmt: skip
 
 
+def key_datatype(itemsize: int) -> Any:
+    """The unsigned MPI datatype of ``to_keys`` keys (and bits) of floats of ``itemsize`` bytes."""
+    mpi = MPI()
+    return {2: mpi.UINT16_T, 4: mpi.UINT32_T, 8: mpi.UINT64_T}[itemsize]
+
+
 def mpi_op(op: Op) -> Any:
     """The MPI operation that combines like ``op`` (avg combines as sum)."""
     mpi = MPI()
     return {Op.SUM: mpi.SUM, Op.MIN: mpi.MIN, Op.MAX: mpi.MAX, Op.PROD: mpi.PROD}[op.base]
+
+
+def _same_nan(dst: np.ndarray, probe: np.ndarray) -> None:
+    """Make every NaN in ``dst`` the canonical NaN: MPI's operand order picks which NaN's sign and
+    payload survive a sum. ``probe`` (dst or its float32 accumulator) holds a NaN wherever dst does;
+    its sum is NaN if any element is (or if +inf meets -inf: harmless, the fix-up then finds none)."""
+    with np.errstate(all="ignore"):
+        if np.isnan(np.add.reduce(probe)):
+            canonicalize_nan(dst)
 
 
 class CpuBackend(Backend):
@@ -60,6 +80,16 @@ class CpuBackend(Backend):
         assert x.host is not None and out.host is not None
         comm, nranks, dtype = self.ctx.comm, self.ctx.size, x.dtype
         src, dst = x.host.reshape(-1), out.host.reshape(-1)
+        if dtype.is_float and op in (Op.MIN, Op.MAX):  # keys: MPI's integer MIN/MAX is order-independent
+            keys = to_keys(src, op)
+            comm.Allreduce(MPI().IN_PLACE, [keys, key_datatype(dtype.itemsize)], mpi_op(op))
+            from_keys(keys, dst)
+            return
+        if op is Op.AVG and not dtype.is_float:  # exact: 64-bit parts cannot overflow
+            parts = int_avg_parts(src, nranks)
+            comm.Allreduce(MPI().IN_PLACE, [parts, MPI().UINT64_T], MPI().SUM)
+            int_avg_join(parts, nranks, dst)
+            return
         if dtype.is_half:  # reduce in float32, round once
             acc = self._accumulator(src.size)
             acc[...] = src
@@ -69,6 +99,7 @@ class CpuBackend(Backend):
                     finish_avg(acc, nranks, dtype, dst)
                 else:
                     dst[...] = acc.astype(dtype.np)
+            _same_nan(dst, acc)
             return
         kind = mpi_datatype(dtype.name)
         if x.same_memory(out):
@@ -77,6 +108,8 @@ class CpuBackend(Backend):
             comm.Allreduce([src, kind], [dst, kind], mpi_op(op))
         if op is Op.AVG:
             finish_avg(dst, nranks, dtype, dst)
+        if dtype.is_float:
+            _same_nan(dst, dst)
 
     def describe(self) -> dict[str, Any]:
         return {"transport": "MPI_Allreduce"}

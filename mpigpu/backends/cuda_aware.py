@@ -3,7 +3,10 @@
 MPI reads device memory outside any stream order, so the caller's stream is synchronised first
 (the producer is done before MPI reads). MPI has no 16-bit float types: float16/bfloat16 are widened
 to a reused float32 device buffer, reduced, then rounded once on the way back. Averaging divides on
-the device afterwards. Runs only where CUDA-awareness was detected (mpigpu.detect) or forced with
+the device afterwards. Float min/max travel as order-preserving integer keys and integer avg as
+64-bit parts summed exactly (device_scratch.py), and a float sum or product has its NaNs made the
+canonical NaN (MPI's operand order may differ per rank): mpigpu's semantics, the same bits on every
+rank. Runs only where CUDA-awareness was detected (mpigpu.detect) or forced with
 MPIGPU_CUDA_AWARE=1 and not contradicted: a device pointer never reaches an MPI that cannot take it.
 """
 
@@ -14,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from mpigpu._mpi import MPI
 from mpigpu.backends.base import Availability, Backend
 from mpigpu.backends.cpu import mpi_datatype, mpi_op
+from mpigpu.backends.device_scratch import DeviceScratch, by_keys_or_parts
 from mpigpu.ops import Op
 
 if TYPE_CHECKING:
@@ -49,6 +53,7 @@ class CudaAwareBackend(Backend):
         super().__init__(ctx)
         self._wide: Any = None  # reused float32 device buffer for the half types
         self._wide_free: Any = None  # event: the last call's narrowing finished reading _wide
+        self._scratch = DeviceScratch()  # keys of the half types, parts of integer averages
 
     def _kernels(self) -> Any:
         from mpigpu.kernels.compile import load_module
@@ -72,6 +77,14 @@ class CudaAwareBackend(Backend):
         stream = stream or StreamRef(0)
         runtime = cupy().cuda.runtime
         n, count = self.ctx.size, x.size
+
+        def reduce(ptr: int, items: int, kind: str, how: Op) -> None:
+            runtime.streamSynchronize(stream.handle)  # MPI must not read before the kernel wrote
+            buf = mpi.buffer.fromaddress(ptr, items * (8 if kind == "uint64" else 4))
+            self.ctx.comm.Allreduce(mpi.IN_PLACE, [buf, items, getattr(mpi, kind.upper() + "_T")], mpi_op(how))
+
+        if by_keys_or_parts(self._kernels, self._scratch, x, out, op, n, stream, reduce):
+            return
         if x.dtype.is_half:
             wide = self._wide_buffer(count)
             kernels = self._kernels()
@@ -97,9 +110,10 @@ class CudaAwareBackend(Backend):
         else:
             send = mpi.buffer.fromaddress(x.ptr, x.nbytes, readonly=True)
             self.ctx.comm.Allreduce([send, count, kind], [recv, count, kind], mpi_op(op))
-        if op is Op.AVG:
-            kernel = self._kernels().kernel(f"finish_avg_{x.dtype.name}")
-            launch(stream, kernel, count, out.ptr, i64(count), i32(n))
+        if x.dtype.is_float:  # avg: divide; every float op: NaN made canonical (the same bits everywhere)
+            name = "finish_avg" if op is Op.AVG else "canonical_nan"
+            kernel = self._kernels().kernel(f"{name}_{x.dtype.name}")
+            launch(stream, kernel, count, out.ptr, i64(count), *((i32(n),) if op is Op.AVG else ()))
 
     def close(self) -> None:
         if self._wide_free is not None:
@@ -108,6 +122,7 @@ class CudaAwareBackend(Backend):
             cupy().cuda.runtime.eventDestroy(self._wide_free)
             self._wide_free = None
         self._wide = None
+        self._scratch.close()
 
     def describe(self) -> dict[str, Any]:
         return {"mpi": self.ctx.mpi_lib.version, "rule": self.ctx.cuda_aware.rule}

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from mpigpu.backends.base import Availability, Backend
-from mpigpu.errors import BackendUnavailable, ConfigError, MpigpuError
-from mpigpu.ops import Op, finish_avg
+from mpigpu.errors import BackendUnavailable, ConfigError, InvalidArgument, MpigpuError
+from mpigpu.ops import Op, finish_avg, from_keys, int_avg_rows, minmax_rows, to_keys
 
 if TYPE_CHECKING:
     from mpigpu._cuda import StreamRef
@@ -133,6 +133,8 @@ def reduce_rows(
     final: dst holds ``dtype`` values, finished (avg divided by ``nranks``, half types rounded once);
     otherwise dst holds the unfinished accumulator (float32 for half types). ``scratch`` is a float32
     buffer of at least one block, used for the half types."""
+    if _by_semantics(rows, op, dtype, nranks, dst, final):
+        return
     count = dst.size
     step = max(1, CPU_BLOCK // dtype.itemsize)
     if dtype.is_float:  # overflow to inf and NaN are IEEE results, not errors
@@ -178,12 +180,41 @@ def reduce_stacked(
 ) -> None:
     """Like reduce_rows, for rows that are one strided 2-D array (ranks x count): a single NumPy
     reduction along the rank axis, in rank order (the latency route, where calls are what costs)."""
+    if _by_semantics(stacked, op, dtype, nranks, dst, final):
+        return
     acc_np = np.dtype(np.float32) if dtype.is_half else dtype.np
     acc = dst if dst.dtype == acc_np else scratch[: dst.size]
     with np.errstate(all="ignore"):
-        _UFUNC[op.base].reduce(stacked, axis=0, dtype=acc_np, out=acc)
+        _UFUNC[op.base].reduce(stacked, axis=0, dtype=acc_np, out=acc, **_start(op, acc_np))
         if final and (op is Op.AVG or acc is not dst):
             _finish(acc, op, dtype, nranks, dst)
+
+
+# -- semantics NumPy's ufuncs lack (mpigpu.ops): float min/max, exact integer avg ----------------
+INT_AVG_NODES = (
+    "integer avg across several nodes is not supported by the host backend (its per-node partial is held "
+    "in the element type, where the exact sum does not fit); use backend 'cpu' for NumPy arrays, 'nccl' "
+    "or 'cuda-aware' for GPU arrays, or backend='auto', which picks one of them"
+)
+
+
+def _by_semantics(
+    rows: Sequence[np.ndarray] | np.ndarray, op: Op, dtype: DType, nranks: int, dst: np.ndarray, final: bool
+) -> bool:
+    """Reduce the ops whose NumPy ufunc does not follow mpigpu's semantics; False for the others."""
+    if dtype.is_float and op in (Op.MIN, Op.MAX):
+        minmax_rows(rows, op, dst)  # NaN propagates, -0.0 < +0.0, canonical NaN
+        return True
+    if op is Op.AVG and not dtype.is_float:
+        assert final, INT_AVG_NODES
+        int_avg_rows(rows, nranks, dst)  # exact: no wrap-around
+        return True
+    return False
+
+
+def _start(op: Op, acc: np.dtype) -> dict[str, Any]:
+    """NumPy's add.reduce starts from +0.0, which turns a sum of -0.0s into +0.0; -0.0 is the identity."""
+    return {"initial": -0.0} if op.base is Op.SUM and acc.kind == "f" else {}
 
 
 def finish(acc: np.ndarray, op: Op, dtype: DType, nranks: int, dst: np.ndarray) -> None:
@@ -217,11 +248,16 @@ def internode(comm: Any, buf: np.ndarray, op: Op, gather: np.ndarray) -> None:
     members = comm.Get_size()
     if members == 1:
         return
+    if op in (Op.MIN, Op.MAX) and buf.dtype.kind == "f":  # as keys: MPI's integer MIN/MAX is exact
+        keys = to_keys(buf, op)
+        internode(comm, keys, op, gather)
+        from_keys(keys, buf)
+        return
     if members <= 2 or buf.nbytes * members <= GATHER_MAX or buf.size < members:
         rows = gather[: members * buf.nbytes].view(buf.dtype).reshape(members, buf.size)
         comm.Allgather(buf, rows)
         with np.errstate(all="ignore"):
-            _UFUNC[op.base].reduce(rows, axis=0, dtype=buf.dtype, out=buf)  # in node order
+            _UFUNC[op.base].reduce(rows, axis=0, dtype=buf.dtype, out=buf, **_start(op, buf.dtype))  # node order
         return
     ranges = split_even(buf.size, members)
     counts = [b - a for a, b in ranges]
@@ -640,7 +676,16 @@ class HostBackend(Backend):
         )
         return Availability(True, f"node-shared memory (MPI-3 window), {where}")
 
+    @classmethod
+    def supports_on(cls, ctx: Context, dtype: DType, op: Op) -> str | None:
+        if op is Op.AVG and not dtype.is_float and ctx.layout.num_nodes > 1:
+            return INT_AVG_NODES
+        return cls.supports(dtype, op)
+
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
+        problem = self.supports_on(self.ctx, x.dtype, op)  # the same verdict on every rank: no collective
+        if problem:
+            raise InvalidArgument(problem)
         if self._closed:
             raise BackendUnavailable(
                 "this host backend was closed by mpigpu.finalize(); mpigpu.allreduce() starts a new one"

@@ -1,6 +1,10 @@
 """NCCL through CuPy's bindings: one communicator per MPI communicator, bootstrapped over MPI (rank 0
 broadcasts the unique id), created once and reused. Calls are enqueued on the caller's stream, so
-they are stream-ordered with no host synchronisation; avg is NCCL's own ncclAvg."""
+they are stream-ordered with no host synchronisation; float avg is NCCL's own ncclAvg.
+
+Float min/max and integer avg do not go to NCCL as they are (its float max drops NaN, its integer
+avg wraps): they travel as order-preserving integer keys (ncclMin/ncclMax on uint32/uint64) or as
+64-bit parts summed exactly (device_scratch.py), so they follow mpigpu's semantics (mpigpu.ops)."""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mpigpu.backends.base import Availability, Backend
-from mpigpu.errors import BackendUnavailable
+from mpigpu.backends.device_scratch import DeviceScratch, by_keys_or_parts, needs_keys_or_parts
+from mpigpu.errors import BackendUnavailable, InvalidArgument
 
 if TYPE_CHECKING:
     from mpigpu._cuda import StreamRef
@@ -29,6 +34,9 @@ def distinct_gpus(ctx: Context) -> str | None:
     if len(set(owners)) != len(owners):
         return "several ranks share a GPU (MPIGPU_ALLOW_SHARED_GPU=1); NCCL needs one GPU per rank"
     return None
+
+
+_NCCL_UINT = {"uint32": 3, "uint64": 5}  # ncclDataType_t
 
 
 class NcclBackend(Backend):
@@ -61,19 +69,32 @@ class NcclBackend(Backend):
         ctx.activate_gpu()
         uid = nccl.get_unique_id() if ctx.rank == 0 else None
         uid = ctx.comm.bcast(uid, root=0)
+        self._scratch = DeviceScratch()  # keys of the half types, parts of integer averages
         try:
             self._comm: Any = nccl.NcclCommunicator(ctx.size, uid, ctx.rank)
         except nccl.NcclError as exc:
             raise BackendUnavailable(f"NCCL could not create a communicator of {ctx.size} ranks: {exc}") from exc
 
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
+        from mpigpu._cuda import StreamRef
+
         assert x.dtype.nccl is not None
-        handle = stream.handle if stream is not None else 0
+        stream = stream or StreamRef(0)
+        handle = stream.handle
+
+        def reduce(ptr: int, count: int, kind: str, how: Op) -> None:
+            self._comm.allReduce(ptr, ptr, count, _NCCL_UINT[kind], how.nccl, handle)
+
+        if by_keys_or_parts(self._kernels, self._scratch, x, out, op, self.ctx.size, stream, reduce):
+            return
         self._comm.allReduce(x.ptr, out.ptr, x.size, x.dtype.nccl, op.nccl, handle)
 
     def bind(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[[StreamRef | None], None]:
-        """The communicator, pointers, count, datatype and op fixed: a call is the NCCL launch."""
+        """The communicator, pointers, count, datatype and op fixed: a call is the NCCL launch.
+        Float min/max and integer avg keep their key/part passes (the full ``allreduce``)."""
         assert x.dtype.nccl is not None
+        if needs_keys_or_parts(x.dtype, op):
+            return super().bind(x, out, op)
         launch, args = self._comm.allReduce, (x.ptr, out.ptr, x.size, x.dtype.nccl, op.nccl)
 
         def call(stream: StreamRef | None) -> None:
@@ -84,6 +105,11 @@ class NcclBackend(Backend):
     # -- CUDA graphs (mpigpu.persistent.Graph) --------------------------------------------------------
     def build_graph(self, x: ArrayView, out: ArrayView, op: Op) -> Any:
         """A cuda.core Graph of this call (local): the NCCL launch captured on a private stream."""
+        if needs_keys_or_parts(x.dtype, op):  # their scratch buffer's events cannot be captured
+            raise InvalidArgument(
+                f"a CUDA graph of nccl {op.value} on {x.dtype.name} is not supported (it needs mpigpu's "
+                "key/part passes around NCCL): use start()/wait(), or the ipc backend"
+            )
         from mpigpu._cuda import require_cuda_core  # noqa: F401 - a clear error without cuda.core
 
         device = self.ctx.activate_gpu()
@@ -101,10 +127,20 @@ class NcclBackend(Backend):
 
         graph.launch(core_stream(0 if stream is None else stream.handle))
 
+    def _kernels(self) -> Any:
+        from mpigpu.kernels.compile import load_module
+
+        assert self.ctx.gpu is not None
+        major, minor = self.ctx.gpu.compute_capability
+        return load_module("arith.cu", f"{major}{minor}")
+
     def close(self) -> None:
         comm, self._comm = getattr(self, "_comm", None), None
         if comm is not None:
             comm.destroy()
+        scratch = getattr(self, "_scratch", None)
+        if scratch is not None:
+            scratch.close()
 
     def describe(self) -> dict[str, Any]:
         return {"nccl": self.ctx.nccl.version}

@@ -16,6 +16,7 @@ __device__ __forceinline__ float half_to_float(half_t h) {
 }
 __device__ __forceinline__ half_t float_to_half(float f) {
     half_t h;
+    if (f != f) { h.bits = 0x7e00; return h; }  // the canonical NaN (cvt would give 0x7fff)
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
     return h;
 }
@@ -23,7 +24,7 @@ __device__ __forceinline__ float bf16_to_float(bf16_t b) { return __uint_as_floa
 __device__ __forceinline__ bf16_t float_to_bf16(float f) {
     unsigned u = __float_as_uint(f);
     bf16_t b;
-    if ((u & 0x7fffffffu) > 0x7f800000u) { b.bits = (unsigned short)((u >> 16) | 0x40u); return b; }  // NaN stays NaN
+    if ((u & 0x7fffffffu) > 0x7f800000u) { b.bits = 0x7fc0; return b; }  // NaN: the canonical NaN
     u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
     b.bits = (unsigned short)(u >> 16);
     return b;
@@ -64,36 +65,41 @@ template <typename A> __device__ __forceinline__ A combine(int op, A a, A b) {
         default: return a + b;  // sum, avg
     }
 }
-// IEEE min/max that propagate NaN like NumPy's minimum/maximum.
+// Float min/max under mpigpu's semantics (mpigpu/ops.py): a NaN operand gives the canonical NaN;
+// -0.0 < +0.0. A total order, so the result does not depend on the order of the operands.
+__device__ __forceinline__ bool is_negative(float v) { return (__float_as_uint(v) >> 31) != 0; }
+__device__ __forceinline__ bool is_negative(double v) { return __double_as_longlong(v) < 0; }
+template <typename F> __device__ __forceinline__ F float_max(F a, F b, F nan) {
+    if (a != a || b != b) return nan;
+    if (a == b) return is_negative(a) ? b : a;  // equal values differ in bits only as -0.0 / +0.0
+    return a > b ? a : b;
+}
+template <typename F> __device__ __forceinline__ F float_min(F a, F b, F nan) {
+    if (a != a || b != b) return nan;
+    if (a == b) return is_negative(a) ? a : b;
+    return a < b ? a : b;
+}
 template <> __device__ __forceinline__ float combine<float>(int op, float a, float b) {
     switch (op) {
-        case OP_MIN: return (a != a || b != b) ? __int_as_float(0x7fc00000) : fminf(a, b);
-        case OP_MAX: return (a != a || b != b) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
+        case OP_MIN: return float_min(a, b, __int_as_float(0x7fc00000));
+        case OP_MAX: return float_max(a, b, __int_as_float(0x7fc00000));
         case OP_PROD: return __fmul_rn(a, b);
         default: return __fadd_rn(a, b);
     }
 }
 template <> __device__ __forceinline__ double combine<double>(int op, double a, double b) {
     switch (op) {
-        case OP_MIN: return (a != a || b != b) ? __longlong_as_double(0x7ff8000000000000LL) : fmin(a, b);
-        case OP_MAX: return (a != a || b != b) ? __longlong_as_double(0x7ff8000000000000LL) : fmax(a, b);
+        case OP_MIN: return float_min(a, b, __longlong_as_double(0x7ff8000000000000LL));
+        case OP_MAX: return float_max(a, b, __longlong_as_double(0x7ff8000000000000LL));
         case OP_PROD: return __dmul_rn(a, b);
         default: return __dadd_rn(a, b);
     }
 }
 
-// avg: IEEE division for floats; C division (truncation toward zero) for integers.
-template <typename A> __device__ __forceinline__ A divide_by(A v, int n) { return v / (A)n; }
-template <> __device__ __forceinline__ float divide_by<float>(float v, int n) { return __fdiv_rn(v, (float)n); }
-template <> __device__ __forceinline__ double divide_by<double>(double v, int n) { return __ddiv_rn(v, (double)n); }
-
-// Integer sums wrap in the element type (as in C and MPI), so narrow integer results are
-// wrapped before averaging: finish() takes the accumulated value and the op.
+// avg: IEEE division for floats (below); for integers the exact mean of IntMean.
+// Integer results of sum and prod wrap in the element type (as in C and MPI). Integer avg does not
+// go through finish(): it is accumulated exactly by IntMean.
 template <typename T> __device__ __forceinline__ T finish(int op, typename Acc<T>::type acc, int n) {
-    if (op == OP_AVG) {
-        T wrapped = from_acc<T>(acc);
-        return from_acc<T>(divide_by(to_acc<T>(wrapped), n));
-    }
     return from_acc<T>(acc);
 }
 template <> __device__ __forceinline__ half_t finish<half_t>(int op, float acc, int n) {
@@ -107,6 +113,73 @@ template <> __device__ __forceinline__ float finish<float>(int op, float acc, in
 }
 template <> __device__ __forceinline__ double finish<double>(int op, double acc, int n) {
     return op == OP_AVG ? __ddiv_rn(acc, (double)n) : acc;
+}
+
+// Exact integer average over n ranks (mpigpu.ops.int_avg_parts/int_avg_join): each value is split as
+// v = q*n + r with 0 <= r < n (floor division). The sum of the q is in T's range and is kept modulo
+// 2^64 (wrapping partial sums are harmless); the sum of the r is below n*n. floor(mean) = sum(q) +
+// sum(r)/n; truncation toward zero (C's rule) adds 1 where floor is negative and n does not divide
+// sum(r). No step overflows, for any width: the mean of identical values is that value.
+template <typename T> struct IntMean {
+    static constexpr bool is_signed = (T)(-1) < (T)0;
+    u64 q = 0, r = 0;
+    __device__ __forceinline__ void add(T v, int n) {
+        if constexpr (is_signed) {
+            i64 qq = (i64)v / n, rr = (i64)v % n;
+            if (rr < 0) { qq -= 1; rr += n; }
+            q += (u64)qq;
+            r += (u64)rr;
+        } else {
+            q += (u64)v / (u64)n;
+            r += (u64)v % (u64)n;
+        }
+    }
+    __device__ __forceinline__ T result(int n) const {
+        u64 mean = q + r / (u64)n;
+        if constexpr (is_signed) {
+            if ((i64)mean < 0 && r % (u64)n != 0) mean += 1;
+            return (T)(i64)mean;
+        } else {
+            return (T)mean;
+        }
+    }
+};
+
+// Float bits and the order-preserving keys of mpigpu.ops.to_keys/from_keys, for transports whose
+// integer MIN/MAX is exact (NCCL, MPI). B holds the bits, K the key (32 bits for the half types:
+// NCCL has no 16-bit integers). NaN becomes the canonical NaN, positive for max (above +inf),
+// negative for min (below -inf); back from a key, any NaN is the canonical (positive) one.
+template <typename T> struct FloatKey;
+template <> struct FloatKey<half_t> {
+    typedef unsigned short B; typedef unsigned K;
+    static constexpr u64 SIGN = 0x8000, EXP = 0x7c00, NAN_BITS = 0x7e00;
+};
+template <> struct FloatKey<bf16_t> {
+    typedef unsigned short B; typedef unsigned K;
+    static constexpr u64 SIGN = 0x8000, EXP = 0x7f80, NAN_BITS = 0x7fc0;
+};
+template <> struct FloatKey<float> {
+    typedef unsigned B; typedef unsigned K;
+    static constexpr u64 SIGN = 0x80000000ull, EXP = 0x7f800000ull, NAN_BITS = 0x7fc00000ull;
+};
+template <> struct FloatKey<double> {
+    typedef u64 B; typedef u64 K;
+    static constexpr u64 SIGN = 0x8000000000000000ull, EXP = 0x7ff0000000000000ull, NAN_BITS = 0x7ff8000000000000ull;
+};
+template <typename T> __device__ __forceinline__ typename FloatKey<T>::K to_key(typename FloatKey<T>::B bits, int op) {
+    typedef FloatKey<T> F;
+    const u64 all = F::SIGN | (F::SIGN - 1);
+    u64 b = bits;
+    if ((b & (F::SIGN - 1)) > F::EXP) b = op == OP_MAX ? F::NAN_BITS : (F::NAN_BITS | F::SIGN);
+    return (typename F::K)((b & F::SIGN) ? (~b & all) : (b | F::SIGN));
+}
+template <typename T> __device__ __forceinline__ typename FloatKey<T>::B from_key(typename FloatKey<T>::K key) {
+    typedef FloatKey<T> F;
+    const u64 all = F::SIGN | (F::SIGN - 1);
+    u64 k = key;
+    u64 b = (k & F::SIGN) ? (k ^ F::SIGN) : (~k & all);
+    if ((b & (F::SIGN - 1)) > F::EXP) b = F::NAN_BITS;
+    return (typename F::B)b;
 }
 
 // Instantiate a macro once per supported element type: X(name, C type).

@@ -62,6 +62,16 @@ template <typename T> __device__ __forceinline__ T load_cv(const char* p) {
 template <typename T, bool FINAL>
 __device__ void reduce_slots(const char* slots, i64 stride, int n, i64 count, int op, int nranks, char* dst) {
     typedef typename Acc<T>::type A;
+    if constexpr (!IsFloat<T>::value && FINAL) {
+        if (op == OP_AVG) {  // exact (IntMean); one node only: the host backend refuses it across nodes
+            GRID_STRIDE(i, count) {
+                IntMean<T> mean;
+                for (int r = 0; r < n; ++r) mean.add(load_cv<T>(slots + (i64)r * stride + i * (i64)sizeof(T)), nranks);
+                reinterpret_cast<T*>(dst)[i] = mean.result(nranks);
+            }
+            return;
+        }
+    }
     constexpr int V = 16 / sizeof(T);
     const i64 vecs = count / V;
     GRID_STRIDE(v, vecs) {

@@ -191,14 +191,26 @@ template <typename T> __device__ __forceinline__ void store_pack(char* base, i64
 // r = finish(v[0] (op) v[1] (op) ... (op) v[n-1]): rank order, accumulate type, rounded once.
 template <typename T, int OP> __device__ __forceinline__ void combine_packs(Pack<T>& r, const Pack<T>* v, int n) {
     typedef typename Acc<T>::type A;
+    if constexpr (OP == OP_AVG && !IsFloat<T>::value) {  // exact, no wrap-around (common.cuh)
 #pragma unroll
-    for (int i = 0; i < 16 / (int)sizeof(T); ++i) {
-        A acc = to_acc<T>(v[0].e[i]);
+        for (int i = 0; i < 16 / (int)sizeof(T); ++i) {
+            IntMean<T> mean;
 #pragma unroll
-        for (int q = 1; q < IPC_MAX_RANKS; ++q) {
-            if (q < n) acc = combine<A>(OP, acc, to_acc<T>(v[q].e[i]));
+            for (int q = 0; q < IPC_MAX_RANKS; ++q) {
+                if (q < n) mean.add(v[q].e[i], n);
+            }
+            r.e[i] = mean.result(n);
         }
-        r.e[i] = finish<T>(OP, acc, n);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 16 / (int)sizeof(T); ++i) {
+            A acc = to_acc<T>(v[0].e[i]);
+#pragma unroll
+            for (int q = 1; q < IPC_MAX_RANKS; ++q) {
+                if (q < n) acc = combine<A>(OP, acc, to_acc<T>(v[q].e[i]));
+            }
+            r.e[i] = finish<T>(OP, acc, n);
+        }
     }
 }
 

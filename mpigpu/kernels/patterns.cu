@@ -59,10 +59,18 @@ __device__ void count_wrong_impl(const T* got, i64 count, i64 offset, int patter
         const double value = to_double(got[j]);
         bool ok;
         if constexpr (!IsFloat<T>::value) {
-            // Integers: accumulate in the element type (wrapping), then C division for avg.
-            T acc = rank_value<T>(pattern, op, 0, n, i);
-            for (int r = 1; r < n; ++r) acc = combine<T>(op == OP_AVG ? OP_SUM : op, acc, rank_value<T>(pattern, op, r, n, i));
-            ok = value == to_double(finish<T>(op, acc, n));
+            // Integers: accumulate in the element type (wrapping); avg is the exact mean, truncated.
+            T expect;
+            if (op == OP_AVG) {
+                IntMean<T> mean;
+                for (int r = 0; r < n; ++r) mean.add(rank_value<T>(pattern, op, r, n, i), n);
+                expect = mean.result(n);
+            } else {
+                T acc = rank_value<T>(pattern, op, 0, n, i);
+                for (int r = 1; r < n; ++r) acc = combine<T>(op, acc, rank_value<T>(pattern, op, r, n, i));
+                expect = finish<T>(op, acc, n);
+            }
+            ok = value == to_double(expect);
         } else {
             double ref = to_double(rank_value<T>(pattern, op, 0, n, i));
             double mag = fabs(ref);
