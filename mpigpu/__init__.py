@@ -26,6 +26,7 @@ from mpigpu.handles import Handle, allreduce_async
 from mpigpu.integrations.torch import BackwardAverager
 from mpigpu.ipc import IpcGraph, ipc_buffer, ipc_graph
 from mpigpu.ops import Op
+from mpigpu.persistent import Graph, Request, allreduce_init
 from mpigpu.plan import Choice
 from mpigpu.timing import Result
 
@@ -40,6 +41,7 @@ __all__ = [
     "ConfigError",
     "DeviceError",
     "GpuInfo",
+    "Graph",
     "Handle",
     "InvalidArgument",
     "IpcGraph",
@@ -48,10 +50,12 @@ __all__ = [
     "MissingDependency",
     "MpigpuError",
     "Op",
+    "Request",
     "Result",
     "__version__",
     "allreduce",
     "allreduce_async",
+    "allreduce_init",
     "explain",
     "finalize",
     "install_abort_handler",

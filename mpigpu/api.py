@@ -20,9 +20,9 @@ from mpigpu.plan import Choice, choose, choose_cached
 __all__ = ["Prepared", "agree", "allreduce", "announce_rejection", "explain", "prepare", "validate"]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a setattr call per field, on every call
 class Prepared:
-    """A validated call: views, the chosen backend and the stream, ready to run."""
+    """A validated call: views, the chosen backend and the stream, ready to run (treat as read-only)."""
 
     ctx: Context
     x: ArrayView
@@ -54,9 +54,14 @@ def _output_for(x: ArrayView) -> tuple[ArrayView, Any, Any]:
     return as_view(holder, name="out"), holder, finish
 
 
+_OPS: dict[str, Op] = {o.value: o for o in Op}  # "sum" -> Op.SUM; Op.SUM itself hashes as "sum"
+
+
 def validate(ctx: Context, x: Any, op: Any, out: Any, backend: str, stream: Any) -> Prepared:
     """Check this rank's arguments and choose the backend (local: no communication)."""
-    op_ = parse_op(op)
+    op_ = _OPS.get(op) if type(op) is str or type(op) is Op else None  # the common spellings: a lookup
+    if op_ is None:
+        op_ = parse_op(op)
     if not isinstance(backend, str):
         raise InvalidArgument(f"backend must be a string such as 'auto' or 'nccl', not {type(backend).__name__}")
     xv = as_view(x, name="x")

@@ -223,9 +223,11 @@ def _dlpack_device(obj: Any) -> tuple[int, int] | None:
 
 def as_view(obj: Any, *, name: str = "x") -> ArrayView:
     """Describe ``obj`` without copying it, or raise InvalidArgument saying what to pass instead."""
-    if isinstance(obj, ArrayView):
-        return obj
     kind = type(obj)
+    if kind is np.ndarray:  # the most common host array first: no framework probing
+        return _from_numpy(obj, obj, "numpy")
+    if kind is ArrayView:
+        return obj
     if kind.__name__ == "ndarray" and kind.__module__.startswith("cupy"):
         return _cupy_view(obj)
     if kind.__name__ == "Tensor" and kind.__module__.startswith("torch") and obj.is_cuda:

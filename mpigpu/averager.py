@@ -26,6 +26,7 @@ same order.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -34,15 +35,15 @@ from typing import Any
 import numpy as np
 
 from mpigpu._cuda import StreamRef, resolve_stream
-from mpigpu.api import allreduce
 from mpigpu.arrays import as_view, framework_of
 from mpigpu.config import parse_count
 from mpigpu.context import Context
 from mpigpu.dtypes import DType, parse_dtype
 from mpigpu.errors import InvalidArgument, MismatchError, MpigpuError
-from mpigpu.handles import ENQUEUE_BACKENDS, Handle, allreduce_async, reject
+from mpigpu.handles import reject
 from mpigpu.ops import Op, parse_op
 from mpigpu.packing import DevicePacker, pack_host, unpack_host
+from mpigpu.persistent import Request, allreduce_init
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Averager", "Spec", "plan_buckets"]
 
@@ -202,7 +203,8 @@ class _Bucket:
         self.packer = DevicePacker(len(members), self.dtype, wire, arch) if self.device is not None else None
         # state of the current step
         self.stream: int = 0  # the caller's stream (GPU)
-        self.handle: Handle | None = None
+        self.request: Request | None = None  # the bucket's persistent allreduce (made once, with the bucket)
+        self.started = False  # its start of this step is not yet waited for
         self.unpack: list[Any] = []  # (host array or address, offset, count) to copy back
         self.adopt: list[int] = []  # member positions whose p.grad becomes the bucket slot
         self.fixed: tuple[list[Any], list[Any]] | None = None  # (pack, unpack) of the construction-time arrays
@@ -255,6 +257,8 @@ class Averager:
         self._scale = float(self._ctx.size) if self.compression is not None and self.op is Op.SUM else 1.0
         plan = plan_buckets(self.specs, self.bucket_bytes)
         self._buckets = [self._new_bucket(b, members) for b, members in enumerate(plan)]
+        for b in self._buckets:  # collective, in bucket order on every rank
+            b.request = allreduce_init(b.buffer, self._wire_op, comm=comm, backend=backend)
         self._side: Any = None  # the GPU stream the allreduces run on, so packing can overlap them
         self._events: list[int] = []
         if any(b.device is not None for b in self._buckets):
@@ -420,6 +424,8 @@ class Averager:
         for b in self._buckets:
             if b.packer is not None:
                 b.packer.close()
+            if b.request is not None:
+                b.request.free()
 
     # -- one step, bucket by bucket (integrations.torch drives these from backward hooks) ----------
     def _begin(self, arrays: Sequence[Any] | None) -> None:
@@ -527,24 +533,28 @@ class Averager:
             runtime.eventRecord(event, b.stream)
             runtime.streamWaitEvent(int(self._side.ptr), event, 0)
             stream = StreamRef(int(self._side.ptr))
-        call = allreduce if blocking else allreduce_async
+        assert b.request is not None
+        # The request was agreed across ranks once, but a rank may reject this step's arrays (_collect):
+        # each start keeps the cross-rank check, where reject() on such a rank takes part in it.
         try:
-            result = call(b.buffer, self._wire_op, comm=self._comm, backend=self._backend, stream=stream)
+            if blocking:
+                b.request._call(stream, check=True)
+            else:
+                b.request._start(stream, check=True)
+                b.started = True
         except MismatchError as exc:
             self._errors.append(exc)
-            result = None
         except MpigpuError as exc:  # rejected here: the other ranks get MismatchError for this bucket
             self._reject(b.index + 1, exc)
             raise
-        b.handle = None if blocking else result
 
     def _wait(self, b: _Bucket) -> None:
-        handle, b.handle = b.handle, None
-        if handle is None:
+        if not b.started:
             return
+        b.started = False
+        assert b.request is not None
         try:
-            if b.device is None or handle.backend not in ENQUEUE_BACKENDS:
-                handle.wait()  # enqueued GPU work is ordered through the side stream instead
+            b.request.wait()  # enqueued GPU work (nccl, ipc) does not block: it is ordered through the side stream
         except MismatchError as exc:
             self._errors.append(exc)
 
@@ -569,6 +579,9 @@ class Averager:
         the other ranks raise MismatchError for each instead of waiting."""
         for _ in self._buckets[first:]:
             reject(self._ctx, exc)
+        for b in self._buckets[:first]:  # complete the buckets already started, so their requests can start again
+            with contextlib.suppress(MpigpuError):
+                self._wait(b)
         self._step = None
 
 

@@ -14,6 +14,7 @@ import operator
 from typing import TYPE_CHECKING, Any
 
 from mpigpu.errors import BackendUnavailable, InvalidArgument
+from mpigpu.persistent import Graph
 
 if TYPE_CHECKING:
     from mpigpu.dtypes import DType
@@ -63,58 +64,18 @@ def ipc_buffer(shape: int | tuple[int, ...], dtype: Any = "float32", *, comm: An
     return cp.ndarray(dims, dtype=kind.np, memptr=cp.cuda.MemoryPointer(memory, 0))
 
 
-class IpcGraph:
-    """One ipc allreduce of fixed arrays, captured as a CUDA graph. ``launch()`` replays it."""
-
-    def __init__(self, prepared: Any, backend: Any, graph: Any) -> None:
-        self._prepared = prepared
-        self._backend = backend
-        self._graph = graph  # None for an empty array: nothing to replay
-        self._closed = False
-
-    def launch(self, stream: Any = None) -> Any:
-        """Replay on ``stream`` (default: the array framework's current stream); return the result
-        array as ``allreduce`` would. Collective: every rank replays in the same order relative to
-        its other allreduce calls on the communicator. No argument check runs here."""
-        from mpigpu._cuda import resolve_stream
-
-        if self._closed:
-            raise InvalidArgument("this IpcGraph was closed")
-        prepared = self._prepared
-        x = prepared.x
-        if self._graph is not None:
-            prepared.ctx.activate_gpu()
-            ref = resolve_stream(stream, x.framework, x.device) if stream is not None else prepared.stream
-            self._backend.launch_graph(self._graph, ref)
-        if prepared.finish is not None:
-            return prepared.finish(prepared.result)
-        return prepared.result
-
-    def close(self) -> None:
-        """Destroy the graph (idempotent)."""
-        self._closed = True
-        graph, self._graph = self._graph, None
-        if graph is not None:
-            graph.close()
+IpcGraph = Graph  # the captured call; the class lives with the persistent requests it is made from
 
 
-def ipc_graph(x: Any, op: str = "avg", *, out: Any = None, comm: Any = None, stream: Any = None) -> IpcGraph:
+def ipc_graph(x: Any, op: str = "avg", *, out: Any = None, comm: Any = None, stream: Any = None) -> Graph:
     """Capture ``allreduce(x, op, out=out, backend="ipc")`` for later replays (collective).
 
     The arguments are checked across ranks once, here. ``stream`` is the default stream of
     ``launch()``. Keep ``x`` and ``out`` alive while the graph is in use."""
-    from mpigpu.api import prepare
-    from mpigpu.backends.ipc_memory import agree
+    from mpigpu.persistent import allreduce_init
 
-    prepared = prepare(x, op, out=out, comm=comm, backend="ipc", stream=stream)
-    ctx = prepared.ctx
-    if prepared.x.size == 0:
-        return IpcGraph(prepared, None, None)
-    backend = ctx.backend("ipc")
-    graph = agree(
-        ctx.layout.node_comm,
-        "capturing the ipc allreduce in a CUDA graph",
-        lambda: backend.build_graph(prepared.x, prepared.out, prepared.op),  # type: ignore[attr-defined]
-        lambda g: g.close(),
-    )
-    return IpcGraph(prepared, backend, graph)
+    request = allreduce_init(x, op, out=out, comm=comm, backend="ipc", stream=stream)
+    try:
+        return request.graph()
+    finally:
+        request.free()

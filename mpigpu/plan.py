@@ -168,9 +168,10 @@ _CACHE_LIMIT = 4096
 
 
 def choose_cached(ctx: Context, view: ArrayView, op: Op, requested: str) -> Choice:
-    """``choose``, remembered per (placement, bytes, dtype, op, request) on the context: the
-    decision depends on nothing else, and repeated calls (a training loop) then cost a lookup."""
-    key = (view.device is not None, view.nbytes, view.dtype.name, op, requested)
+    """``choose``, remembered per (placement, shape, dtype, op, request) on the context: the
+    decision depends on nothing else (bytes follow from shape and dtype), and repeated calls (a
+    training loop) then cost a lookup."""
+    key = (view.device is not None, view.shape, view.dtype.name, op, requested)
     cache = ctx.plan_cache
     choice = cache.get(key)
     if choice is None:

@@ -9,7 +9,9 @@ paths) or written (host arrays).
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -55,6 +57,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
         """Reduce ``x`` across ranks into ``out`` (which may be ``x`` itself)."""
+
+    def bind(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[[StreamRef | None], None]:
+        """``allreduce(x, out, op, stream)`` with all but the stream fixed, for a persistent request
+        (mpigpu.persistent). Backends override it to do once what every call would repeat."""
+        return partial(self.allreduce, x, out, op)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the backend holds (idempotent)."""

@@ -4,6 +4,7 @@ they are stream-ordered with no host synchronisation; avg is NCCL's own ncclAvg.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mpigpu.backends.base import Availability, Backend
@@ -69,6 +70,36 @@ class NcclBackend(Backend):
         assert x.dtype.nccl is not None
         handle = stream.handle if stream is not None else 0
         self._comm.allReduce(x.ptr, out.ptr, x.size, x.dtype.nccl, op.nccl, handle)
+
+    def bind(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[[StreamRef | None], None]:
+        """The communicator, pointers, count, datatype and op fixed: a call is the NCCL launch."""
+        assert x.dtype.nccl is not None
+        launch, args = self._comm.allReduce, (x.ptr, out.ptr, x.size, x.dtype.nccl, op.nccl)
+
+        def call(stream: StreamRef | None) -> None:
+            launch(*args, 0 if stream is None else stream.handle)
+
+        return call
+
+    # -- CUDA graphs (mpigpu.persistent.Graph) --------------------------------------------------------
+    def build_graph(self, x: ArrayView, out: ArrayView, op: Op) -> Any:
+        """A cuda.core Graph of this call (local): the NCCL launch captured on a private stream."""
+        from mpigpu._cuda import require_cuda_core  # noqa: F401 - a clear error without cuda.core
+
+        device = self.ctx.activate_gpu()
+        builder = device.create_graph_builder().begin_building()
+        try:
+            self._comm.allReduce(x.ptr, out.ptr, x.size, x.dtype.nccl, op.nccl, int(builder.stream.handle))
+            builder.end_building()
+            return builder.complete()
+        finally:
+            builder.close()
+
+    def launch_graph(self, graph: Any, stream: StreamRef | None) -> None:
+        """Replay a graph from ``build_graph`` on ``stream`` (stream order is NCCL's order)."""
+        from mpigpu._cuda import core_stream
+
+        graph.launch(core_stream(0 if stream is None else stream.handle))
 
     def close(self) -> None:
         comm, self._comm = getattr(self, "_comm", None), None
