@@ -1,5 +1,6 @@
 """``python -m mpigpu.bench_training`` under mpiexec (2 ranks, host, gloo as the DDP anchor): the
-training-step table and JSON, every mpigpu row within the DDP tolerance of samples/torch_data_parallel.py
+training-step table and JSON, every mpigpu row (BackwardAverager with its default buckets: a small
+first one, as DDP's) within the DDP tolerance of samples/torch_data_parallel.py
 (1e-5 x max |p|) while the row without averaging is not; ResNet-50 and GPT-2 without torchvision and
 transformers (hidden by the test, so it holds where they are installed too): refused when named,
 skipped under ``--model all``; the fusion and accuracy sections. Serial tests: each launches mpiexec."""
@@ -50,17 +51,20 @@ def test_training_step_matches_ddp_and_skips_missing_models(tmp_path) -> None:
     out = tmp_path / "training.json"
     env = _hide(tmp_path / "hidden", "torchvision", "transformers")
     args = ["-m", "mpigpu.bench_training", "--device", "cpu", "--skip", "fusion", "--model", "all",
-            "--width", "48", "--depth", "3", "--batch", "8", "--iters", "3", "--warmup", "2",
-            "--bucket-bytes", "10K", "--overlap-bucket-bytes", "10K", "--json", str(out)]  # fmt: skip
+            "--width", "256", "--depth", "6", "--batch", "8", "--iters", "3", "--warmup", "2",
+            "--bucket-bytes", "512K", "--json", str(out)]  # fmt: skip
     done = run_mpi(2, args, timeout=600, env=env)
     _ok(done, "# training step: resnet50 skipped: --model resnet50 needs torchvision",
         "# training step: gpt2 skipped: --model gpt2 needs transformers", "DDP (gloo, defaults)",
-        "BackwardAverager, 3 bucket(s)", "Averager after backward, 3 bucket(s)",
+        "BackwardAverager, 2 bucket(s)", "Averager after backward, 6 bucket(s)",
         "hidden by BackwardAverager")  # fmt: skip
     document = json.loads(out.read_text())
     assert len(document["skipped"]) == 2
     [step] = document["training"]
-    assert step["model"] == "mlp" and step["parameters"] == 3 * (48 * 48 + 48)
+    assert step["model"] == "mlp" and step["parameters"] == 6 * (256 * 256 + 256)
+    # BackwardAverager's defaults (DDP's): the 6 layers (257 KiB each) in a first bucket of <= 1 MiB
+    # (the last 3 layers) and one of <= 25 MiB; the Averager after backward: one layer per 512K bucket
+    assert step["buckets"] == {"backward_averager": 2, "averager_after": 6}
     assert set(step["seconds"]) == ROWS and all(s > 0 for s in step["seconds"].values())
     assert step["overhead_s"]["none"] == 0.0
     assert step["communication_s"] == pytest.approx(step["seconds"]["averager_after"] - step["seconds"]["none"])
