@@ -339,8 +339,10 @@ class Averager:
 
         cp = cupy()
         self._ctx.activate_gpu()
-        self._side = cp.cuda.Stream(non_blocking=True)
         runtime = cp.cuda.runtime
+        # The greatest priority (CUDA clamps -1024 to the device's): when backward's kernels and a bucket's
+        # reduction are both ready, the scheduler gives the reduction's blocks the free SMs first.
+        self._side = cp.cuda.ExternalStream(runtime.streamCreateWithPriority(runtime.streamNonBlocking, -1024))
         self._events = [runtime.eventCreateWithFlags(runtime.eventDisableTiming) for _ in range(len(self._buckets) + 1)]
 
     # -- public -----------------------------------------------------------------------------------
@@ -435,6 +437,11 @@ class Averager:
                 b.packer.close()
             if b.request is not None:
                 b.request.free()
+        if self._side is not None:  # after the requests, which may refer to it
+            from mpigpu._cuda import cupy
+
+            cupy().cuda.runtime.streamDestroy(int(self._side.ptr))
+            self._side = None
 
     # -- one step, bucket by bucket (integrations.torch drives these from backward hooks) ----------
     def _begin(self, arrays: Sequence[Any] | None) -> None:
