@@ -74,19 +74,23 @@ class Spec:
         return f"{self.dtype.name} {self.shape} on {place}"
 
 
-def plan_buckets(specs: Sequence[Spec], bucket_bytes: int) -> list[list[int]]:
+def plan_buckets(specs: Sequence[Spec], bucket_bytes: int, first_bytes: int | None = None) -> list[list[int]]:
     """Indices of ``specs`` grouped by (device, dtype), in order, into buckets of at most
-    ``bucket_bytes``; buckets ordered by their first array. Deterministic: equal on every rank."""
+    ``bucket_bytes`` (the first of each group at most ``first_bytes``, if smaller: DDP's small first
+    bucket, sent early); buckets ordered by their first array. Deterministic: equal on every rank."""
+    first_cap = bucket_bytes if first_bytes is None else min(first_bytes, bucket_bytes)
     open_: dict[tuple[int | None, str], list[int]] = {}
     filled: dict[tuple[int | None, str], int] = {}
+    first: dict[tuple[int | None, str], list[int]] = {}
     buckets: list[list[int]] = []
     for index, spec in enumerate(specs):
         key = (spec.device, spec.dtype.name)
         members = open_.get(key)
-        if members and filled[key] + spec.nbytes > bucket_bytes:
+        if members and filled[key] + spec.nbytes > (first_cap if members is first.get(key) else bucket_bytes):
             members = None
         if members is None:
             members = open_[key] = []
+            first.setdefault(key, members)
             filled[key] = 0
             buckets.append(members)
         members.append(index)
@@ -228,6 +232,7 @@ class Averager:
                   whose ``.grad`` is averaged (parameters with ``requires_grad=False`` are skipped).
     op:           "avg" (default) or any other op of ``allreduce``.
     bucket_bytes: bucket size cap (default 128 MiB; accepts "25M").
+    first_bucket_bytes: a smaller cap for the first bucket of each dtype (default: bucket_bytes).
     compression:  None, "float16" or "bfloat16": float32 arrays travel in 16 bits (op avg or sum).
     backend, comm: as for ``allreduce``.
 
@@ -240,6 +245,7 @@ class Averager:
         *,
         op: str | Op = "avg",
         bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
+        first_bucket_bytes: int | str | None = None,
         compression: str | None = None,
         backend: str = "auto",
         comm: Any = None,
@@ -247,7 +253,8 @@ class Averager:
         self._ctx = Context.get(comm)
         self._comm, self._backend = comm, backend
         try:
-            self._configure(list(arrays.parameters() if _is_module(arrays) else arrays), op, bucket_bytes, compression)
+            items = list(arrays.parameters() if _is_module(arrays) else arrays)
+            self._configure(items, op, bucket_bytes, first_bucket_bytes, compression)
             problem = None
         except MpigpuError as exc:
             problem = exc
@@ -255,7 +262,7 @@ class Averager:
         # compressed: avg on the wire, and a float32 scale on the way back for sums (no 16-bit overflow)
         self._wire_op = Op.AVG if self.compression is not None else self.op
         self._scale = float(self._ctx.size) if self.compression is not None and self.op is Op.SUM else 1.0
-        plan = plan_buckets(self.specs, self.bucket_bytes)
+        plan = plan_buckets(self.specs, self.bucket_bytes, self.first_bucket_bytes)
         self._buckets = [self._new_bucket(b, members) for b, members in enumerate(plan)]
         for b in self._buckets:  # collective, in bucket order on every rank
             b.request = allreduce_init(b.buffer, self._wire_op, comm=comm, backend=backend)
@@ -267,10 +274,11 @@ class Averager:
         self._errors: list[MpigpuError] = []
 
     # -- construction -----------------------------------------------------------------------------
-    def _configure(self, items: list[Any], op: Any, bucket_bytes: Any, compression: Any) -> None:
+    def _configure(self, items: list[Any], op: Any, bucket_bytes: Any, first_bytes: Any, compression: Any) -> None:
         """Parse and check this rank's arguments (local)."""
         self.op = parse_op(op)
         self.bucket_bytes = parse_count(bucket_bytes, what="bucket_bytes")
+        self.first_bucket_bytes = None if first_bytes is None else parse_count(first_bytes, what="first_bucket_bytes")
         self.compression = _parse_compression(compression)
         if self.compression is not None and self.op not in (Op.AVG, Op.SUM):
             raise InvalidArgument(f"compression works with op 'avg' or 'sum', not {self.op.value!r}")
@@ -298,7 +306,8 @@ class Averager:
         if problem is not None:
             mine: Any = ("error", f"{type(problem).__name__}: {problem}")
         else:
-            settings = (self.op.value, self.bucket_bytes, getattr(self.compression, "name", None), self._backend)
+            compression = getattr(self.compression, "name", None)
+            settings = (self.op.value, self.bucket_bytes, self.first_bucket_bytes, compression, self._backend)
             mine = (settings, [(s.shape, s.dtype.name, s.device is not None, s.strides) for s in self.specs])
         everyone = ctx.comm.allgather(mine)
         if problem is not None:
@@ -330,8 +339,10 @@ class Averager:
 
         cp = cupy()
         self._ctx.activate_gpu()
-        self._side = cp.cuda.Stream(non_blocking=True)
         runtime = cp.cuda.runtime
+        # The greatest priority (CUDA clamps -1024 to the device's): when backward's kernels and a bucket's
+        # reduction are both ready, the scheduler gives the reduction's blocks the free SMs first.
+        self._side = cp.cuda.ExternalStream(runtime.streamCreateWithPriority(runtime.streamNonBlocking, -1024))
         self._events = [runtime.eventCreateWithFlags(runtime.eventDisableTiming) for _ in range(len(self._buckets) + 1)]
 
     # -- public -----------------------------------------------------------------------------------
@@ -426,6 +437,11 @@ class Averager:
                 b.packer.close()
             if b.request is not None:
                 b.request.free()
+        if self._side is not None:  # after the requests, which may refer to it
+            from mpigpu._cuda import cupy
+
+            cupy().cuda.runtime.streamDestroy(int(self._side.ptr))
+            self._side = None
 
     # -- one step, bucket by bucket (integrations.torch drives these from backward hooks) ----------
     def _begin(self, arrays: Sequence[Any] | None) -> None:
@@ -602,7 +618,7 @@ def _layout_difference(everyone: list[Any]) -> str:
         counts.setdefault(len(arrays), []).append(rank)
     prefix = "Averager: ranks passed different "
     if len(settings) > 1:
-        return prefix + "settings (op, bucket_bytes, compression, backend): " + ranks(settings)
+        return prefix + "settings (op, bucket_bytes, first_bucket_bytes, compression, backend): " + ranks(settings)
     if len(counts) > 1:
         return prefix + "numbers of arrays: " + ranks(counts)
     for index in range(len(everyone[0][1])):

@@ -2,19 +2,27 @@
 
 1. Fusion, on a ResNet-50-shaped gradient list (161 float32 tensors, 25,557,032 parameters): the
    Averager (packing copies; and with the gradients living in its buckets) against one allreduce
-   per tensor and against one flat allreduce of the same bytes.
-2. Overlap (needs PyTorch): how much of the communication BackwardAverager hides behind backward()
-   in a multi-layer perceptron, from three timings: backward alone, backward then averaging, and
-   backward with the averaging started by hooks.
+   per tensor and against one flat allreduce of the same bytes (mean per step, slowest rank).
+2. Training step (PyTorch), ``--model mlp|resnet50|gpt2``: forward, backward, averaging and SGD
+   with momentum (bf16 autocast on a GPU), with no communication, with DistributedDataParallel (NCCL
+   on GPUs, gloo on the host) as the anchor, with BackwardAverager, and with the Averager after
+   backward; every row from the same parameters, data and seeds. Median ms per step (slowest
+   rank), the cost over no communication, the fraction of the communication BackwardAverager hides
+   behind backward(), and the largest parameter difference to DDP after the steps (exit status 1
+   if an mpigpu row is outside --tolerance).
 3. ``--accuracy``: float16 and bfloat16 compression against float32 averaging, on the same
    gradient list filled with Gaussian values whose scale differs per tensor (1e-6 .. 1e-1).
 
-Times are per training step, mean over ``--iters`` after ``--warmup``, slowest rank.
+ResNet-50 needs torchvision, GPT-2 transformers (both built from a seed, no downloads): a model
+named in --model that cannot be built is refused (exit status 2), one in ``--model all`` is skipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -127,53 +135,154 @@ def measure_fusion(args: argparse.Namespace, ctx: Any, on_gpu: bool, sync: Calla
     }
 
 
-def measure_overlap(args: argparse.Namespace, ctx: Any, on_gpu: bool, sync: Callable[[], Any]) -> dict[str, Any]:
-    """Backward alone, backward then averaging, backward with hook-started averaging (PyTorch)."""
+ROWS = ("none", "ddp", "backward_averager", "averager_after")  # the table's order
+_RUN_ORDER = ("ddp", "none", "backward_averager", "averager_after")  # DDP first: the others compare with it
+_AVERAGING = ("backward_averager", "averager_after")
+
+
+def _timed_steps(step: Callable[[], Any], args: argparse.Namespace, comm: Any, on_gpu: bool) -> list[float]:
+    """Seconds of each of ``args.iters`` steps after ``args.warmup``, on this rank. On a GPU, from
+    CUDA events recorded between consecutive steps on the compute stream (no host synchronisation
+    inside the loop, so the host runs ahead as in training); on the host, from the clock."""
+    import torch
+
+    for _ in range(args.warmup):
+        step()
+    if on_gpu:
+        torch.cuda.synchronize()
+    comm.Barrier()
+    if on_gpu:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters + 1)]
+        events[0].record()
+        for i in range(args.iters):
+            step()
+            events[i + 1].record()
+        torch.cuda.synchronize()
+        return [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(args.iters)]
+    seconds, last = [], time.perf_counter()
+    for _ in range(args.iters):
+        step()
+        moment = time.perf_counter()
+        seconds.append(moment - last)
+        last = moment
+    return seconds
+
+
+def _largest_difference(params: list[Any], reference: list[Any]) -> float:
+    """max |p - q| over all parameters (inf if any is not finite)."""
+    import torch
+
+    worst = 0.0
+    for p, q in zip(params, reference, strict=True):
+        d = (p.detach().float() - q.float()).abs().max()
+        if not bool(torch.isfinite(d)):
+            return math.inf
+        worst = max(worst, float(d))
+    return worst
+
+
+def _train_row(row: str, made: Any, args: argparse.Namespace, comm: Any, on_gpu: bool) -> tuple[list[float], Any, int]:
+    """Train a fresh copy of ``made.module`` for warmup + iters steps the way ``row`` says; return
+    the step times, the final parameters and the number of buckets (0 for no averaging or DDP)."""
+    import copy
+
     import torch
 
     from mpigpu.averager import Averager
     from mpigpu.integrations.torch import BackwardAverager
 
-    comm = ctx.comm
+    torch.manual_seed(args.seed + comm.Get_rank())  # dropout (GPT-2) draws the same masks in every row
+    model = copy.deepcopy(made.module)
+    wrapped = model
+    if row == "ddp":
+        ids = [torch.cuda.current_device()] if on_gpu else None
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    hooked = after = None
+    if row == "backward_averager":
+        hooked = BackwardAverager(
+            model, optimizer=optimizer, bucket_bytes=args.overlap_bucket_bytes, backend=args.backend
+        )
+    elif row == "averager_after":
+        after = Averager(model, bucket_bytes=args.bucket_bytes, backend=args.backend)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=args.set_to_none)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
+            loss = made.loss(wrapped, made.inputs)
+        loss.backward()  # BackwardAverager: buckets are averaged while this runs
+        if after is not None:
+            after()
+        optimizer.step()  # BackwardAverager: its finish() runs first (the optimizer hook)
+
+    try:
+        seconds = _timed_steps(step, args, comm, on_gpu)
+        buckets = len((hooked or after).buckets) if (hooked or after) is not None else 0
+    finally:
+        if hooked is not None:
+            hooked.close()
+        if after is not None:
+            after.close()
+    return seconds, list(model.parameters()), buckets
+
+
+def measure_training(args: argparse.Namespace, ctx: Any, on_gpu: bool, name: str) -> dict[str, Any]:
+    """One training step of model ``name`` (forward, backward, averaging, SGD with momentum; bf16
+    autocast on a GPU) without communication, with DDP, with BackwardAverager and with the Averager
+    after backward: every row from the same parameters, on the same data, with the same seeds."""
+    import torch
+
+    from mpigpu.training_models import build
+
     device = torch.device("cuda", ctx.gpu.index) if on_gpu else torch.device("cpu")
-    torch.manual_seed(0)
-    layers: list[Any] = []
-    for _ in range(args.depth):
-        layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers).to(device)
-    x = torch.randn(args.batch, args.width, device=device)
-
-    def backward() -> None:
-        model.zero_grad(set_to_none=False)
-        model(x).square().mean().backward()
-
-    plain = Averager(model.parameters(), bucket_bytes=args.overlap_bucket_bytes, backend=args.backend)
-
-    def backward_then_average() -> None:
-        backward()
-        plain()
-
-    hooked = BackwardAverager(model, bucket_bytes=args.overlap_bucket_bytes, backend=args.backend)
-
-    def backward_overlapped() -> None:
-        backward()
-        hooked.finish()
-
-    with hooked.no_sync():  # the hooks stay idle while the first two are timed
-        t_backward = _step_time(backward, args, comm, sync)
-        t_sequential = _step_time(backward_then_average, args, comm, sync)
-    plain.close()
-    t_overlapped = _step_time(backward_overlapped, args, comm, sync)
-    hooked.close()
-    communication = t_sequential - t_backward
-    hidden = (t_sequential - t_overlapped) / communication if communication > 0 else float("nan")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    comm = ctx.comm.Dup()  # the benchmark's own collectives never pair with mpigpu's
+    try:
+        made = build(name, args, device, ctx.rank)
+        seconds: dict[str, list[float]] = {}
+        buckets: dict[str, int] = {}
+        difference: dict[str, float] = {}
+        reference: list[Any] = []
+        for row in _RUN_ORDER:
+            seconds[row], params, buckets[row] = _train_row(row, made, args, comm, on_gpu)
+            if row == "ddp":
+                reference = [p.detach().clone() for p in params]
+            difference[row] = max(comm.allgather(_largest_difference(params, reference)))
+            del params
+            gc.collect()  # the row's model (and DDP, while its process group still exists) before the next
+        scale = max(comm.allgather(max(float(p.abs().max()) for p in reference)))
+        median = {row: max(comm.allgather(statistics.median(seconds[row]))) for row in ROWS}
+        mean = {row: max(comm.allgather(statistics.fmean(seconds[row]))) for row in ROWS}
+    finally:
+        comm.Free()
+    overhead = {row: median[row] - median["none"] for row in ROWS}
+    communication = overhead["averager_after"]
+    hidden = (median["averager_after"] - median["backward_averager"]) / communication if communication > 0 else None
+    tolerance = args.tolerance * scale
     return {
-        "model": f"MLP {args.depth} x Linear({args.width}, {args.width}), batch {args.batch}",
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "buckets": len(hooked.buckets),
-        "seconds": {"backward": t_backward, "backward_then_average": t_sequential, "overlapped": t_overlapped},
+        "model": name,
+        "description": made.description,
+        "parameters": sum(p.numel() for p in made.module.parameters() if p.requires_grad),
+        "optimizer": f"SGD lr {args.lr} momentum 0.9, zero_grad(set_to_none={args.set_to_none})",
+        "autocast": "bfloat16" if on_gpu else None,
+        "ddp_backend": "nccl" if on_gpu else "gloo",
+        "mpigpu_backend": args.backend,
+        "steps": {"timed": args.iters, "warmup": args.warmup},
+        "buckets": {row: buckets[row] for row in _AVERAGING},
+        "bucket_bytes": {"backward_averager": args.overlap_bucket_bytes, "averager_after": args.bucket_bytes},
+        "seconds": median,  # median over the timed steps, slowest rank
+        "mean_seconds": mean,
+        "overhead_s": overhead,
         "communication_s": communication,
         "hidden_fraction": hidden,
+        "overhead_vs_ddp": {
+            row: (overhead[row] / overhead["ddp"] if overhead["ddp"] > 0 else None) for row in _AVERAGING
+        },
+        "max_param_difference": difference,
+        "param_scale": scale,
+        "tolerance": tolerance,
+        "verified": {row: difference[row] <= tolerance for row in _AVERAGING},
     }
 
 
@@ -205,45 +314,103 @@ def measure_accuracy(args: argparse.Namespace, ctx: Any) -> dict[str, Any]:
 def build_parser() -> Parser:
     parser = Parser(
         prog=prog("mpigpu.bench_training"),
-        description=__doc__.split("\n\n")[0] + "\n\n" + "\n\n".join(__doc__.split("\n\n")[1:4]),
+        description=__doc__.split("\n\n")[0] + "\n\n" + "\n\n".join(__doc__.split("\n\n")[1:5]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto", help="default: GPU if present")
-    parser.add_argument("--backend", default="auto", help="backend for every allreduce (default auto)")
+    parser.add_argument("--backend", default="auto", help="backend of mpigpu's allreduces (default auto)")
     parser.add_argument("--iters", type=positive_int, default=20, help="timed steps (default 20)")
     parser.add_argument("--warmup", type=nonneg_int, default=3, help="untimed steps first (default 3)")
-    parser.add_argument("--scale", type=float, default=1.0, help="shrink the ResNet-50 tensors (default 1 = full)")
-    parser.add_argument("--bucket-bytes", default="128M", help="Averager bucket cap (default 128M)")
-    parser.add_argument("--overlap-bucket-bytes", default="25M", help="bucket cap for the overlap test (25M)")
-    parser.add_argument("--width", type=positive_int, default=4096, help="overlap MLP width (default 4096)")
-    parser.add_argument("--depth", type=positive_int, default=8, help="overlap MLP layers (default 8)")
-    parser.add_argument("--batch", type=positive_int, default=1024, help="overlap MLP batch (default 1024)")
-    parser.add_argument("--skip", choices=["fusion", "overlap"], action="append", default=[], help="skip a part")
+    parser.add_argument("--skip", choices=["fusion", "step"], action="append", default=[], help="skip a part")
     parser.add_argument("--accuracy", action="store_true", help="also measure compression accuracy (host)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
+    fusion = parser.add_argument_group("fusion (the ResNet-50 gradient list)")
+    fusion.add_argument("--scale", type=float, default=1.0, help="shrink the ResNet-50 tensors (default 1 = full)")
+    fusion.add_argument("--bucket-bytes", default="128M", help="Averager bucket cap, also for the step (128M)")
+    step = parser.add_argument_group("training step")
+    step.add_argument("--model", type=_model_list, default=None,
+                      help="mlp, resnet50, gpt2, a comma list, or all (default mlp); an explicitly named model "
+                      "that cannot be built here is refused (exit 2), 'all' skips it with one line")  # fmt: skip
+    step.add_argument("--overlap-bucket-bytes", default="25M", help="BackwardAverager bucket cap (default 25M)")
+    step.add_argument("--width", type=positive_int, default=None, help="MLP width (default 4096 GPU, 256 host)")
+    step.add_argument("--depth", type=positive_int, default=8, help="MLP layers (default 8)")
+    step.add_argument("--batch", type=positive_int, default=None,
+                      help="samples per rank (default: MLP 1024 GPU / 32 host, ResNet-50 64, GPT-2 8)")  # fmt: skip
+    step.add_argument("--image-size", type=positive_int, default=224, help="ResNet-50 image side (default 224)")
+    step.add_argument("--seq-len", type=positive_int, default=512, help="GPT-2 tokens per sample (default 512)")
+    step.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (momentum 0.9; default 0.01)")
+    step.add_argument("--seed", type=nonneg_int, default=0, help="model and data seed (default 0)")
+    step.add_argument("--set-to-none", action="store_true", help="zero_grad(set_to_none=True) (default: False)")
+    step.add_argument("--tolerance", type=float, default=1e-5,
+                      help="largest |p - p_DDP| allowed over max |p| (default 1e-5, the DDP test's)")  # fmt: skip
     return parser
 
 
+def _model_list(text: str) -> list[str]:
+    """--model: ``all`` as it stands (its missing models are skipped), or a comma list of names."""
+    from mpigpu.training_models import MODELS
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    for name in names:
+        if name not in (*MODELS, "all") or (name == "all" and len(names) > 1):
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(MODELS)}, a comma list, or all")
+    if not names:
+        raise argparse.ArgumentTypeError("empty list of models")
+    return names
+
+
+def _print_fusion(fusion: dict[str, Any]) -> None:
+    t = fusion["seconds"]
+    print(f"# fusion: {fusion['tensors']} float32 tensors, {fusion['parameters']} parameters, "
+          f"{fusion['buckets']} bucket(s) of <= {fusion['bucket_bytes']}")  # fmt: skip
+    for name, seconds in t.items():
+        print(f"  {name:<20} {seconds * 1e3:10.3f} ms per step")
+    print(f"  Averager vs one allreduce per tensor: {fusion['speedup_vs_per_tensor']:.1f}x faster "
+          f"({fusion['speedup_vs_per_tensor_views']:.1f}x with bucket views; target >= 10x)")  # fmt: skip
+    print(f"  Averager vs one flat allreduce: {fusion['speed_vs_flat']:.2f}x its speed "
+          f"({fusion['speed_vs_flat_views']:.2f}x with bucket views; target >= 0.9x)")  # fmt: skip
+
+
+def _print_training(r: dict[str, Any]) -> None:
+    wire = f"{r['autocast']} autocast" if r["autocast"] else "float32"
+    print(f"# training step: {r['description']}; {r['parameters']:,} parameters; {r['optimizer']}; {wire}")
+    print(f"#   median ms per step of {r['steps']['timed']} after {r['steps']['warmup']}, slowest rank; "
+          f"parameters compared with DDP's after all {r['steps']['timed'] + r['steps']['warmup']} steps")  # fmt: skip
+    labels = {
+        "none": "no communication",
+        "ddp": f"DDP ({r['ddp_backend']}, defaults)",
+        "backward_averager": f"BackwardAverager, {r['buckets']['backward_averager']} bucket(s)",
+        "averager_after": f"Averager after backward, {r['buckets']['averager_after']} bucket(s)",
+    }
+    print(f"  {'':<38} {'ms/step':>9} {'vs none':>9}   max |p - p_DDP|")
+    for row in ROWS:
+        d = r["max_param_difference"][row]
+        if row == "ddp":
+            verdict = "(the reference)"
+        elif row == "none":
+            verdict = "(not averaged)"
+        else:
+            verdict = "ok" if r["verified"][row] else "FAIL: outside the tolerance"
+        print(f"  {labels[row]:<38} {r['seconds'][row] * 1e3:9.3f} {r['overhead_s'][row] * 1e3:+9.3f}   "
+              f"{d:.2e} {verdict}")  # fmt: skip
+    hidden = r["hidden_fraction"]
+    hidden_text = f"{hidden * 100:.0f}%" if hidden is not None else "n/a (no communication cost measured)"
+    print(f"  communication {r['communication_s'] * 1e3:.3f} ms per step (Averager after backward - no "
+          f"communication); hidden by BackwardAverager: {hidden_text}")  # fmt: skip
+    ratios = r["overhead_vs_ddp"]
+    if ratios["backward_averager"] is not None:
+        print(f"  cost over no communication, relative to DDP's: BackwardAverager {ratios['backward_averager']:.2f}x, "
+              f"Averager after backward {ratios['averager_after']:.2f}x")  # fmt: skip
+    print(
+        f"  tolerance {r['tolerance']:.2e} (= {r['tolerance'] / r['param_scale']:.0e} x max |p| {r['param_scale']:.3f})"
+    )
+
+
 def _print_report(results: dict[str, Any]) -> None:
-    fusion = results.get("fusion")
-    if fusion:
-        t = fusion["seconds"]
-        print(f"# fusion: {fusion['tensors']} float32 tensors, {fusion['parameters']} parameters, "
-              f"{fusion['buckets']} bucket(s) of <= {fusion['bucket_bytes']}")  # fmt: skip
-        for name, seconds in t.items():
-            print(f"  {name:<20} {seconds * 1e3:10.3f} ms per step")
-        print(f"  Averager vs one allreduce per tensor: {fusion['speedup_vs_per_tensor']:.1f}x faster "
-              f"({fusion['speedup_vs_per_tensor_views']:.1f}x with bucket views; target >= 10x)")  # fmt: skip
-        print(f"  Averager vs one flat allreduce: {fusion['speed_vs_flat']:.2f}x its speed "
-              f"({fusion['speed_vs_flat_views']:.2f}x with bucket views; target >= 0.9x)")  # fmt: skip
-    overlap = results.get("overlap")
-    if overlap:
-        t = overlap["seconds"]
-        print(f"# overlap: {overlap['model']}, {overlap['parameters']} parameters, {overlap['buckets']} buckets")
-        for name, seconds in t.items():
-            print(f"  {name:<22} {seconds * 1e3:10.3f} ms per step")
-        print(f"  communication {overlap['communication_s'] * 1e3:.3f} ms per step; hidden behind backward(): "
-              f"{overlap['hidden_fraction'] * 100:.0f}%")  # fmt: skip
+    if results.get("fusion"):
+        _print_fusion(results["fusion"])
+    for r in results.get("training") or []:
+        _print_training(r)
     accuracy = results.get("accuracy")
     if accuracy:
         print(f"# compression accuracy against a float64 average ({accuracy['gradient_scales']})")
@@ -251,6 +418,25 @@ def _print_report(results: dict[str, Any]) -> None:
             a = accuracy[kind]
             print(f"  {kind:<9} max relative error per tensor {a['max_rel_error_per_tensor']:.3e}, "
                   f"relative L2 error {a['rel_l2_error']:.3e}")  # fmt: skip
+
+
+def _models(args: argparse.Namespace, comm: Any, rank: int) -> tuple[list[str], list[str], str | None]:
+    """(models to train, one line per model skipped, the refusal if a model named explicitly cannot
+    be built). Every rank decides alike: a model counts as missing if it is missing on any rank."""
+    from mpigpu.training_models import MODELS, missing
+
+    if "step" in args.skip:
+        return [], [], None
+    asked = args.model or ["mlp"]
+    names = list(MODELS) if "all" in asked else list(dict.fromkeys(asked))
+    gaps = comm.allgather({name: missing(name) for name in names})
+    problems = {name: next((g[name] for g in gaps if g[name]), None) for name in names}
+    explicit = args.model is not None and "all" not in asked
+    for name in names:
+        if problems[name] and explicit:
+            return [], [], problems[name]
+    skipped = [f"# training step: {name} skipped: {problems[name]}" for name in names if problems[name]]
+    return [n for n in names if not problems[n]], skipped, None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -267,33 +453,50 @@ def run(args: argparse.Namespace) -> int:
         on_gpu = placements(ctx, args.device, auto_both=False) == [True]
     except InvalidArgument as exc:  # every rank alike: the GPUs are agreed at start-up
         return refuse("mpigpu.bench_training", exc, ctx.rank)
+    models, skipped, refusal = _models(args, ctx.comm, ctx.rank)
+    if refusal:
+        return refuse("mpigpu.bench_training", refusal, ctx.rank)
+    args.width = args.width or (4096 if on_gpu else 256)
     sync: Callable[[], Any] = ctx.activate_gpu().sync if on_gpu else (lambda: None)
     lines = header_lines(ctx)
     if ctx.rank == 0:
         print("\n".join(lines))
         print(f"# {'GPU' if on_gpu else 'host'} memory, backend {args.backend}, {args.iters} steps after {args.warmup}")
+        for line in skipped:
+            print(line)
         sys.stdout.flush()
     results: dict[str, Any] = {}
     if "fusion" not in args.skip:
         results["fusion"] = measure_fusion(args, ctx, on_gpu, sync)
-    if "overlap" not in args.skip:
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            results["overlap"] = None
-            if ctx.rank == 0:
-                print("# overlap: skipped, PyTorch is not installed")
-        else:
-            results["overlap"] = measure_overlap(args, ctx, on_gpu, sync)
+    if models:
+        results["training"] = _train_models(args, ctx, on_gpu, models)
     if args.accuracy:
         results["accuracy"] = measure_accuracy(args, ctx)
+    failed = [r["model"] for r in results.get("training", []) if not all(r["verified"].values())]
     if ctx.rank == 0:
         _print_report(results)
+        if failed:
+            print(f"# FAIL: parameters differ from DDP's by more than the tolerance for {', '.join(failed)}")
         if args.json is not None:
             document = {"header": lines, "ranks": ctx.size, "placement": "gpu" if on_gpu else "host",
-                        "backend": args.backend, "versions": versions(), "date": now(), **results}  # fmt: skip
+                        "backend": args.backend, "versions": versions(), "date": now(),
+                        "skipped": skipped, **results}  # fmt: skip
             write_json(args.json, document)
-    return 0
+    return 1 if failed else 0
+
+
+def _train_models(args: argparse.Namespace, ctx: Any, on_gpu: bool, models: list[str]) -> list[dict[str, Any]]:
+    """measure_training for each model, inside one torch.distributed process group (for DDP)."""
+    import torch.distributed as dist
+
+    from mpigpu.training_models import init_torch_distributed
+
+    init_torch_distributed(ctx.comm, "nccl" if on_gpu else "gloo")
+    try:
+        return [measure_training(args, ctx, on_gpu, name) for name in models]
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@
 #   bench_impi cuda-aware beside MPI_Allreduce on device buffers under Intel MPI, 16 MiB..1 GiB
 #   retest     RETEST="pytest paths" under both MPIs (a quick re-check after a fix)
 #   soak       thousands of random verified calls on GPU arrays; the cost of the argument check at 8 B
-#   train      Averager vs per-tensor and flat allreduce, overlap with backward()
+#   train      scripts/training-figures.sh: bench_training for the MLP (+ fusion), ResNet-50, GPT-2 beside DDP
 # Logs go to $OUT (or ./gpu-results): summary.txt, and logs.tgz with one log per step.
 # Exit status: non-zero if any step failed. The summary is printed last.
 set -u
@@ -149,7 +149,7 @@ stage_soak() {
 }
 
 stage_train() {
-  step train-ompi 150 0 "$OMPI -n $NGPU $PY -m mpigpu.bench_training --json $LOGS/training.json"
+  step train-ompi 240 0 "OUT=$OUT/training TRAIN_DEADLINE=225 scripts/training-figures.sh"
 }
 
 stage_retest() {  # RETEST="pytest paths" under Open MPI with all GPUs and Intel MPI with 2

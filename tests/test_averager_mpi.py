@@ -61,6 +61,18 @@ def test_plan_respects_the_cap_on_resnet50() -> None:
     assert len(plan_buckets(specs, 128 << 20)) == 1
 
 
+def test_plan_small_first_bucket_per_group() -> None:
+    specs = [_spec(10), _spec(10), _spec(10, "float64"), _spec(10), _spec(10), _spec(10, "float64"), _spec(30)]
+    # first float32 bucket <= 40 bytes (one array), then <= 100; float64 likewise: its own first bucket
+    assert plan_buckets(specs, 100, first_bytes=40) == [[0], [1, 3], [2], [4], [5], [6]]
+    assert plan_buckets(specs, 100, first_bytes=1000) == plan_buckets(specs, 100), "never larger than the cap"
+    # ResNet-50 in reverse (backward) order, DDP's caps: a first bucket of <= 1 MiB, then <= 25 MiB
+    specs = [Spec(s, F32, None) for s in resnet50_shapes()][::-1]
+    buckets = plan_buckets(specs, 25 << 20, first_bytes=1 << 20)
+    assert sum(specs[i].nbytes for i in buckets[0]) <= 1 << 20 < sum(specs[i].nbytes for i in buckets[0] + buckets[1])
+    assert sorted(i for b in buckets for i in b) == list(range(161))
+
+
 def test_dense_strides() -> None:
     assert _dense_strides((2, 3, 4, 5), (60, 1, 15, 3))  # channels_last
     assert _dense_strides((4, 1), (1, 7))  # an extent-1 dimension has any stride

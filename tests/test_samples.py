@@ -1,11 +1,9 @@
 """Every sample in samples/ runs under mpiexec on the CPU path (the GPU script runs them on GPUs,
-tests/gpu/test_training_gpu.py), and python -m mpigpu.bench_training runs and reports. The DDP
+tests/gpu/test_training_gpu.py; python -m mpigpu.bench_training in test_bench_training_mpi.py). The DDP
 equivalence check of samples/torch_data_parallel.py runs with 2 and 4 ranks, and must fail when the
 gradients are not averaged."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 from conftest import ROOT, run_mpi
@@ -49,22 +47,3 @@ def test_ddp_check_catches_missing_averaging() -> None:
     result = run_mpi(2, args, timeout=600)
     assert result.returncode != 0, result.stdout + result.stderr
     assert ": FAIL" in result.stdout and "# FAIL" in result.stdout
-
-
-def test_bench_training(tmp_path) -> None:
-    out = tmp_path / "training.json"
-    args = ["-m", "mpigpu.bench_training", "--scale", "0.005", "--iters", "2", "--warmup", "1", "--width", "32",
-            "--depth", "2", "--batch", "8", "--accuracy", "--json", str(out)]  # fmt: skip
-    result = run_mpi(2, args, timeout=600)
-    _ok(result, "Averager vs one allreduce per tensor", "Averager vs one flat allreduce", "compression accuracy")
-    document = json.loads(out.read_text())
-    fusion = document["fusion"]
-    assert fusion["tensors"] == 161 and fusion["speedup_vs_per_tensor"] > 0
-    assert set(fusion["seconds"]) >= {"per_tensor", "flat", "averager_copy", "averager_views"}
-    accuracy = document["accuracy"]
-    assert accuracy["float32"]["max_rel_error_per_tensor"] < 1e-6
-    assert 0 < accuracy["bfloat16"]["rel_l2_error"] < 1e-2
-    if document.get("overlap"):
-        assert document["overlap"]["communication_s"] == pytest.approx(
-            document["overlap"]["seconds"]["backward_then_average"] - document["overlap"]["seconds"]["backward"]
-        )

@@ -5,7 +5,7 @@
     optimizer.step()                                          # finish() runs first: grads averaged
 
 Parameters are bucketed in reverse order (the order backward produces their gradients), 25 MiB per
-bucket by default (DDP's). A hook on each parameter (``register_post_accumulate_grad_hook``,
+bucket by default and 1 MiB for the first (DDP's), so the first gradients leave early. A hook on each parameter (``register_post_accumulate_grad_hook``,
 PyTorch >= 2.1) counts the bucket's ready gradients; when a bucket is complete it is packed and its
 ``allreduce_async`` starts, while backward computes the next gradients. Buckets start strictly in
 order, so every rank issues the same collectives in the same order even if its gradients arrive in
@@ -31,9 +31,10 @@ from typing import Any
 from mpigpu.averager import Averager
 from mpigpu.errors import InvalidArgument, MpigpuError
 
-__all__ = ["DDP_BUCKET_BYTES", "BackwardAverager"]
+__all__ = ["DDP_BUCKET_BYTES", "DDP_FIRST_BUCKET_BYTES", "BackwardAverager"]
 
 DDP_BUCKET_BYTES = 25 << 20
+DDP_FIRST_BUCKET_BYTES = 1 << 20  # the last layers' gradients, ready first, leave early (DDP's first bucket)
 
 
 class BackwardAverager:
@@ -41,7 +42,8 @@ class BackwardAverager:
     ranks, bucket by bucket, during backward(). Collective to build, like ``Averager``.
 
     optimizer:    if given, ``finish()`` runs automatically before each ``optimizer.step()``.
-    bucket_bytes, compression, backend, comm: as for ``mpigpu.Averager``.
+    bucket_bytes, first_bucket_bytes, compression, backend, comm: as for ``mpigpu.Averager`` (the
+    defaults are DDP's: 25 MiB, the first bucket 1 MiB).
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class BackwardAverager:
         *,
         optimizer: Any = None,
         bucket_bytes: int | str = DDP_BUCKET_BYTES,
+        first_bucket_bytes: int | str | None = DDP_FIRST_BUCKET_BYTES,
         compression: str | None = None,
         backend: str = "auto",
         comm: Any = None,
@@ -61,7 +64,12 @@ class BackwardAverager:
         params: Iterable[Any] = model.parameters() if isinstance(model, torch.nn.Module) else model
         ordered = [p for p in params if p.requires_grad][::-1]  # backward produces gradients last-first
         self._averager = Averager(
-            ordered, bucket_bytes=bucket_bytes, compression=compression, backend=backend, comm=comm
+            ordered,
+            bucket_bytes=bucket_bytes,
+            first_bucket_bytes=first_bucket_bytes,
+            compression=compression,
+            backend=backend,
+            comm=comm,
         )
         buckets = self._averager._buckets
         self._bucket_of = [0] * len(ordered)
