@@ -5,8 +5,9 @@
     optimizer.step()                                          # finish() runs first: grads averaged
 
 Parameters are bucketed in reverse order (the order backward produces their gradients), 25 MiB per
-bucket by default and 1 MiB for the first (DDP's), so the first gradients leave early. A hook on each parameter (``register_post_accumulate_grad_hook``,
-PyTorch >= 2.1) counts the bucket's ready gradients; when a bucket is complete it is packed and its
+bucket by default and 1 MiB for the first (DDP's), so the first gradients leave early. A hook on
+each parameter (``register_post_accumulate_grad_hook``, PyTorch >= 2.1) counts the bucket's ready
+gradients; when a bucket is complete it is packed and its
 ``allreduce_async`` starts, while backward computes the next gradients. Buckets start strictly in
 order, so every rank issues the same collectives in the same order even if its gradients arrive in
 a different one. ``finish()`` (or the optimizer's step, when given) starts what is left, waits, and
