@@ -45,7 +45,8 @@ class Context:
     """Everything mpigpu knows about one communicator."""
 
     _live: ClassVar[dict[int, tuple[Any, Context]]] = {}  # id(ctx) -> (user communicator, ctx), creation order
-    _lock: ClassVar[threading.Lock] = threading.Lock()
+    _lock: ClassVar[threading.Lock] = threading.Lock()  # guards _keyval and _creating
+    _creating: ClassVar[dict[int, threading.Lock]] = {}  # communicator handle -> lock held while creating
     _keyval: ClassVar[int | None] = None  # MPI attribute key the contexts are cached under
     _last: ClassVar[tuple[Any, Context] | None] = None  # (communicator object, ctx) of the last lookup
 
@@ -121,7 +122,16 @@ class Context:
             return last[1]  # the same communicator object as last time (held, so its id is not reused)
         ctx = cls._lookup(comm)
         if ctx is None:
+            # One lock per communicator, not one for all: creation is collective, and two threads
+            # creating the contexts of two communicators (one each) must not wait for each other.
             with cls._lock:
+                if cls._keyval is None:
+                    # Registered after mpi4py's own exit handler, so it runs first: resources are
+                    # freed while MPI is still initialised.
+                    atexit.register(finalize)
+                    cls._keyval = MPI().Comm.Create_keyval(delete_fn=_delete_callback)
+                creating = cls._creating.setdefault(int(comm.handle), threading.Lock())
+            with creating:
                 ctx = cls._lookup(comm)
                 if ctx is None:
                     ctx = cls._create(comm)
@@ -139,11 +149,7 @@ class Context:
 
     @classmethod
     def _create(cls, comm: Any) -> Context:
-        if cls._keyval is None:
-            # Registered after mpi4py's own exit handler, so it runs first: resources are freed
-            # while MPI is still initialised.
-            atexit.register(finalize)
-            cls._keyval = MPI().Comm.Create_keyval(delete_fn=_delete_callback)
+        assert cls._keyval is not None
         ctx = cls(comm)
         comm.Set_attr(cls._keyval, ctx)  # replacing a closed context runs its delete callback (a no-op)
         ctx.comm.Set_attr(cls._keyval, ctx)  # mpigpu's commands pass ctx.comm back in: the same context
