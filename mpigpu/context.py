@@ -140,12 +140,13 @@ class Context:
 
     @classmethod
     def _lookup(cls, comm: Any) -> Context | None:
+        if cls._keyval is not None:
+            with contextlib.suppress(MPI().Exception):  # COMM_NULL: reported below
+                ctx = comm.Get_attr(cls._keyval)
+                return None if ctx is None or ctx._closed else ctx
         if comm == MPI().COMM_NULL:
             raise InvalidArgument("comm is MPI.COMM_NULL (a freed communicator?): pass a valid communicator")
-        if cls._keyval is None:
-            return None
-        ctx = comm.Get_attr(cls._keyval)
-        return None if ctx is None or ctx._closed else ctx
+        return None
 
     @classmethod
     def _create(cls, comm: Any) -> Context:
