@@ -48,7 +48,9 @@ class Context:
     _lock: ClassVar[threading.Lock] = threading.Lock()  # guards _keyval and _creating
     _creating: ClassVar[dict[int, threading.Lock]] = {}  # communicator handle -> lock held while creating
     _keyval: ClassVar[int | None] = None  # MPI attribute key the contexts are cached under
-    _last: ClassVar[tuple[Any, Context] | None] = None  # (communicator object, ctx) of the last lookup
+    # id(communicator object) -> (that object, its ctx): the lookup on every call, cheaper than
+    # Get_attr; the entries of a context go when it closes
+    _known: ClassVar[dict[int, tuple[Any, Context]]] = {}
 
     def __init__(self, comm: Any) -> None:
         settings, error = _local_settings()
@@ -60,6 +62,7 @@ class Context:
         self.owner: int | None = None  # the thread that issues this communicator's calls (Context.enter)
         self._violation: str | None = None  # set once a second thread has called: every call is refused
         self._calls = threading.RLock()  # held by the owner during a call; a refusal waits for it
+        self._known_ids: list[int] = []  # its keys in Context._known
         label = f"mpigpu start-up (the first mpigpu call on a communicator of {comm.Get_size()} ranks; collective)"
         with self.watchdog.watch(label):
             # mpigpu's own duplicate: nothing the user does on ``comm`` can pair with its collectives
@@ -117,9 +120,9 @@ class Context:
     def get(cls, comm: Any = None) -> Context:
         """The context of ``comm`` (default: the world), created collectively on first use."""
         comm = world() if comm is None else comm
-        last = cls._last  # one read: another thread may replace it
-        if last is not None and last[0] is comm and not last[1]._closed:
-            return last[1]  # the same communicator object as last time (held, so its id is not reused)
+        known = cls._known.get(id(comm))
+        if known is not None and known[0] is comm and not known[1]._closed:
+            return known[1]  # a communicator object seen before (held there, so its id is not reused)
         ctx = cls._lookup(comm)
         if ctx is None:
             # One lock per communicator, not one for all: creation is collective, and two threads
@@ -135,14 +138,18 @@ class Context:
                 ctx = cls._lookup(comm)
                 if ctx is None:
                     ctx = cls._create(comm)
-        cls._last = (comm, ctx)
+        cls._known[id(comm)] = (comm, ctx)
+        ctx._known_ids.append(id(comm))
         return ctx
 
     @classmethod
     def _lookup(cls, comm: Any) -> Context | None:
         if cls._keyval is not None:
-            with contextlib.suppress(MPI().Exception):  # COMM_NULL: reported below
+            try:
                 ctx = comm.Get_attr(cls._keyval)
+            except MPI().Exception:
+                pass  # COMM_NULL: reported below
+            else:
                 return None if ctx is None or ctx._closed else ctx
         if comm == MPI().COMM_NULL:
             raise InvalidArgument("comm is MPI.COMM_NULL (a freed communicator?): pass a valid communicator")
@@ -244,6 +251,10 @@ class Context:
             return
         self._closed = True
         Context._live.pop(id(self), None)
+        for key in self._known_ids:
+            known = Context._known.get(key)
+            if known is not None and known[1] is self:
+                del Context._known[key]
         if self.async_worker is not None:  # queued calls finish before their backends are freed
             self.async_worker.close()
             self.async_worker = None
@@ -307,7 +318,6 @@ def finalize() -> None:
 
     Called automatically at exit; call it earlier to release resources before MPI_Finalize.
     Collective: contexts are closed in the order they were created, the same on every rank."""
-    Context._last = None
     for comm, ctx in list(Context._live.values()):
         if Context._keyval is not None:
             with contextlib.suppress(Exception):  # the attribute's delete callback closes the context

@@ -185,7 +185,7 @@ try:
     outcome = "created"
 except (BackendUnavailable, MismatchError) as exc:
     outcome = f"{type(exc).__name__}: {exc}".replace("\\n", " ")
-print(f"rank {rank}: {outcome} | destroyed={rank in destroyed}", flush=True)
+sys.stdout.write(f"rank {rank}: {outcome} | destroyed={rank in destroyed}\\n")  # one write: no interleaving
 """
 
 
