@@ -104,6 +104,14 @@ def prepare(
     A rank whose own arguments are wrong raises its error; the other ranks raise MismatchError
     naming that rank, so no rank is left waiting."""
     ctx = Context.get(comm)
+    ctx.enter("prepare")  # the one-thread rule
+    try:
+        return _prepare(ctx, x, op, out, backend, stream)
+    finally:
+        ctx.leave()
+
+
+def _prepare(ctx: Context, x: Any, op: Any, out: Any, backend: str, stream: Any) -> Prepared:
     ctx.wait_async()  # calls queued by allreduce_async on this communicator reach MPI first
     try:
         prepared = validate(ctx, x, op, out, backend, stream)
@@ -226,7 +234,12 @@ def allreduce(
     Collective: every rank must call it with the same size, dtype, op and backend; a mismatch
     raises MismatchError on every rank. Bad arguments leave the caller's arrays unchanged.
     """
-    return run(prepare(x, op, out=out, comm=comm, backend=backend, stream=stream))
+    ctx = Context.get(comm)
+    ctx.enter("allreduce")  # the one-thread rule; held to the end, so no refused call lands between check and data
+    try:
+        return run(_prepare(ctx, x, op, out, backend, stream))
+    finally:
+        ctx.leave()
 
 
 def explain(x: Any, op: str | Op = "avg", *, comm: Any = None, backend: str = "auto") -> Choice:

@@ -302,14 +302,18 @@ class Averager:
         """Collective: every rank passed the same arrays and settings, or every rank raises (this
         rank its own error, the others MismatchError)."""
         ctx = self._ctx
-        ctx.wait_async()
         if problem is not None:
             mine: Any = ("error", f"{type(problem).__name__}: {problem}")
         else:
             compression = getattr(self.compression, "name", None)
             settings = (self.op.value, self.bucket_bytes, self.first_bucket_bytes, compression, self._backend)
             mine = (settings, [(s.shape, s.dtype.name, s.device is not None, s.strides) for s in self.specs])
-        everyone = ctx.comm.allgather(mine)
+        ctx.enter("Averager")  # the one-thread rule (see Context.enter)
+        try:
+            ctx.wait_async()
+            everyone = ctx.comm.allgather(mine)
+        finally:
+            ctx.leave()
         if problem is not None:
             raise problem
         if any(other != mine for other in everyone):
@@ -383,15 +387,19 @@ class Averager:
         self._start(arrays, stream, blocking=False)
 
     def _start(self, arrays: Sequence[Any] | None, stream: Any, *, blocking: bool) -> None:
-        self._begin(arrays)
+        self._ctx.enter("Averager")  # the one-thread rule; held, so the buckets' calls stay together
         try:
-            plans = [self._collect(b) for b in self._buckets]
-        except MpigpuError as exc:
-            self._reject(0, exc)
-            raise
-        for b, plan in zip(self._buckets, plans, strict=True):
-            self._pack(b, plan, stream)
-            self._launch(b, blocking=blocking)
+            self._begin(arrays)
+            try:
+                plans = [self._collect(b) for b in self._buckets]
+            except MpigpuError as exc:
+                self._reject(0, exc)
+                raise
+            for b, plan in zip(self._buckets, plans, strict=True):
+                self._pack(b, plan, stream)
+                self._launch(b, blocking=blocking)
+        finally:
+            self._ctx.leave()
 
     def finish(self) -> list[Any]:
         """Wait for every bucket, unpack, and return the averaged arrays. GPU results are ordered on

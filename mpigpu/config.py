@@ -13,13 +13,18 @@ from pathlib import Path
 
 from mpigpu.errors import ConfigError, InvalidArgument
 
-__all__ = ["ENV_VARS", "Settings", "parse_count", "settings"]
+__all__ = ["ENV_VARS", "MAX_TIMEOUT_S", "Settings", "disagreement", "parse_count", "settings"]
+
+# MPIGPU_TIMEOUT's upper bound: the ipc kernels count it in nanoseconds in a 64-bit integer (2**64 ns
+# is 584 years; 2e10 s and more overflow it). 1e6 s (11.6 days) is longer than any job's step.
+MAX_TIMEOUT_S = 1e6
 
 # name -> one-line description (used by --help texts, info and the README)
 ENV_VARS: dict[str, str] = {
     "MPIGPU_CUDA_AWARE": "0 or 1: override CUDA-awareness detection of the MPI library",
     "MPIGPU_NODE_SIZE": "N: split each node into virtual nodes of N ranks (runs the multi-node code on one machine)",
-    "MPIGPU_TIMEOUT": "seconds: abort the job if a collective has not completed in time (0 = off, the default)",
+    "MPIGPU_TIMEOUT": "seconds, at most 1e6: abort the job if a collective has not completed in time "
+    "(0 = off, the default)",
     "MPIGPU_CHECK": "1 (default) or 0: check on every call that all ranks pass the same count, dtype, op and backend",
     "MPIGPU_ABORT_ON_EXCEPTION": "1 (default) or 0: an uncaught exception on one rank aborts the whole job "
     "(from mpigpu's first call on) instead of leaving the other ranks waiting",
@@ -91,7 +96,7 @@ def _seconds(name: str) -> float:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
-    if not seconds >= 0 or seconds == float("inf"):
+    if not 0 <= seconds <= MAX_TIMEOUT_S:  # also refuses nan and inf
         raise ConfigError(f"{name}={value!r} is not valid: {ENV_VARS[name]}")
     return seconds
 
@@ -122,6 +127,23 @@ class Settings:
     tune_file: Path | None = None
     log: bool = False
 
+    def agreed(self) -> tuple[tuple[str, object], ...]:
+        """(variable, value) of the settings that change which collectives run, or which backend is
+        chosen: they must be equal on every rank (checked when a communicator is first used).
+        Per-rank on purpose: MPIGPU_TIMEOUT and MPIGPU_ABORT_ON_EXCEPTION (how this rank reacts to a
+        failure), MPIGPU_LOG, MPIGPU_CACHE_DIR, MPIGPU_TUNE_FILE (rank 0 reads the table, then
+        broadcasts it)."""
+        return (
+            ("MPIGPU_CHECK", int(self.check)),
+            ("MPIGPU_NODE_SIZE", self.node_size),
+            ("MPIGPU_CUDA_AWARE", None if self.cuda_aware is None else int(self.cuda_aware)),
+            ("MPIGPU_ALLOW_SHARED_GPU", int(self.allow_shared_gpu)),
+            ("MPIGPU_HOST_POOL_MB", self.host_pool_bytes >> 20),
+            ("MPIGPU_HOST_CHUNK", self.host_chunk),
+            ("MPIGPU_HOST_DEPTH", self.host_depth),
+            ("MPIGPU_HOST_SMALL", self.host_small),
+        )
+
     @property
     def tune_path(self) -> Path:
         return self.tune_file or self.cache_dir / "tune.json"
@@ -148,6 +170,28 @@ class Settings:
             tune_file=Path(tune).expanduser() if tune else None,
             log=_bool("MPIGPU_LOG", False),
         )
+
+
+def disagreement(per_rank: list[tuple[tuple[str, object], ...]]) -> str | None:
+    """None if every rank has the same ``Settings.agreed()``, else a message (the same on every rank)
+    naming each variable that differs and its value per rank."""
+    parts = []
+    for index, (name, _) in enumerate(per_rank[0]):
+        by_value: dict[object, list[int]] = {}
+        for rank, values in enumerate(per_rank):
+            by_value.setdefault(values[index][1], []).append(rank)
+        if len(by_value) > 1:
+            shown = "; ".join(
+                f"{'unset' if v is None else v} on rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}"
+                for v, r in by_value.items()
+            )
+            parts.append(f"{name}: {shown}")
+    if not parts:
+        return None
+    return (
+        f"settings differ between ranks ({' | '.join(parts)}). These change which collectives mpigpu runs, so "
+        "every rank must have the same value: set them alike in the environment of every rank."
+    )
 
 
 def settings() -> Settings:

@@ -1,13 +1,26 @@
 """Per-communicator state: layout, GPU, capabilities, backends, tuning table, watchdog.
 
 Created collectively the first time a communicator is used (every rank reaches that point in the
-same call), then cached. Everything that decides a backend is made identical on every rank here,
-so ``auto`` picks the same path everywhere.
+same call). Everything that decides a backend is made identical on every rank here, so ``auto``
+picks the same path everywhere.
+
+Isolation: mpigpu never communicates on the user's communicator. The context duplicates it once
+(``comm.Dup()``, collectively, at creation) and every collective mpigpu issues runs on that
+duplicate, so the user's own collectives (``comm.allreduce``, ``comm.Split_type``) can never pair
+with mpigpu's, also while ``allreduce_async`` calls are queued.
+
+Lifetime: the context is cached on the user's communicator as an MPI attribute whose delete
+callback closes it, so ``comm.Free()`` frees the context and its duplicate, and a new communicator
+that MPI gives the same handle gets a new context. ``finalize()`` (at exit) closes the rest.
+
+One thread per communicator: the first thread that makes an mpigpu call on a communicator owns it;
+a call from another thread is refused (see ``Context.enter``).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -16,32 +29,52 @@ from typing import Any, ClassVar
 from mpigpu._mpi import MPI, LibraryInfo, library_info, world
 from mpigpu.backends import BACKEND_NAMES, Availability, Backend, backend_class
 from mpigpu.check import agree
-from mpigpu.config import ENV_VARS, Settings
+from mpigpu.config import ENV_VARS, Settings, disagreement
 from mpigpu.detect import CudaAwareness, NcclInfo, detect_cuda_awareness, detect_nccl
 from mpigpu.device import GpuInfo, map_device
-from mpigpu.errors import BackendUnavailable, ConfigError, MpigpuError
+from mpigpu.errors import BackendUnavailable, ConfigError, InvalidArgument, MpigpuError
 from mpigpu.failsafe import Watchdog, install_default_handler
 from mpigpu.topology import Layout, build_layout
 
-__all__ = ["Context", "finalize"]
+__all__ = ["ANY_THREAD", "Context", "finalize"]
+
+ANY_THREAD = -1  # Context.owner of a communicator whose single user orders its calls itself (Averager)
 
 
 class Context:
     """Everything mpigpu knows about one communicator."""
 
-    _by_handle: ClassVar[dict[int, Context]] = {}
-    _lock: ClassVar[threading.Lock] = threading.Lock()
+    _live: ClassVar[dict[int, tuple[Any, Context]]] = {}  # id(ctx) -> (user communicator, ctx), creation order
+    _lock: ClassVar[threading.Lock] = threading.Lock()  # guards _keyval and _creating
+    _creating: ClassVar[dict[int, threading.Lock]] = {}  # communicator handle -> lock held while creating
+    _keyval: ClassVar[int | None] = None  # MPI attribute key the contexts are cached under
+    # id(communicator object) -> (that object, its ctx): the lookup on every call, cheaper than
+    # Get_attr; the entries of a context go when it closes
+    _known: ClassVar[dict[int, tuple[Any, Context]]] = {}
 
     def __init__(self, comm: Any) -> None:
         settings, error = _local_settings()
         self.watchdog = Watchdog(settings.timeout if settings is not None else 0.0)
+        self.comm: Any = None
+        self.layout: Layout | None = None
+        self._closed = False
+        self.async_worker: Any = None  # mpigpu.handles.Worker, started by the first allreduce_async needing it
+        self.owner: int | None = None  # the thread that issues this communicator's calls (Context.enter)
+        self._violation: str | None = None  # set once a second thread has called: every call is refused
+        self._calls = threading.RLock()  # held by the owner during a call; a refusal waits for it
+        self._known_ids: list[int] = []  # its keys in Context._known
         label = f"mpigpu start-up (the first mpigpu call on a communicator of {comm.Get_size()} ranks; collective)"
         with self.watchdog.watch(label):
-            self.settings = _agreed_settings(comm, settings, error)
-            self._start(comm)
+            # mpigpu's own duplicate: nothing the user does on ``comm`` can pair with its collectives
+            self.comm = comm.Dup()
+            try:
+                self.settings = _agreed_settings(self.comm, settings, error)
+                self._start(self.comm)
+            except BaseException:
+                self.close()
+                raise
 
     def _start(self, comm: Any) -> None:
-        self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.mpi_lib: LibraryInfo = library_info()
@@ -64,8 +97,6 @@ class Context:
 
         self._backends: dict[str, Backend] = {}
         self.plan_cache: dict[tuple[Any, ...], Any] = {}  # mpigpu.plan.choose_cached
-        self.async_worker: Any = None  # mpigpu.handles.Worker, started by the first allreduce_async needing it
-        self._closed = False
         self.availability: dict[str, Availability] = {}
         for name in BACKEND_NAMES:  # collective on every rank, in the same order
             self.availability[name] = self._probe(name)
@@ -89,19 +120,97 @@ class Context:
     def get(cls, comm: Any = None) -> Context:
         """The context of ``comm`` (default: the world), created collectively on first use."""
         comm = world() if comm is None else comm
-        handle = int(comm.handle) if hasattr(comm, "handle") else id(comm)
-        ctx = cls._by_handle.get(handle)
-        if ctx is None or ctx._closed:
+        known = cls._known.get(id(comm))
+        if known is not None and known[0] is comm and not known[1]._closed:
+            return known[1]  # a communicator object seen before (held there, so its id is not reused)
+        ctx = cls._lookup(comm)
+        if ctx is None:
+            # One lock per communicator, not one for all: creation is collective, and two threads
+            # creating the contexts of two communicators (one each) must not wait for each other.
             with cls._lock:
-                ctx = cls._by_handle.get(handle)
-                if ctx is None or ctx._closed:
-                    if not cls._by_handle:
-                        # Registered after mpi4py's own exit handler, so it runs first: resources
-                        # are freed while MPI is still initialised.
-                        atexit.register(finalize)
-                    ctx = cls(comm)
-                    cls._by_handle[handle] = ctx
+                if cls._keyval is None:
+                    # Registered after mpi4py's own exit handler, so it runs first: resources are
+                    # freed while MPI is still initialised.
+                    atexit.register(finalize)
+                    cls._keyval = MPI().Comm.Create_keyval(delete_fn=_delete_callback)
+                creating = cls._creating.setdefault(int(comm.handle), threading.Lock())
+            with creating:
+                ctx = cls._lookup(comm)
+                if ctx is None:
+                    ctx = cls._create(comm)
+        cls._known[id(comm)] = (comm, ctx)
+        ctx._known_ids.append(id(comm))
         return ctx
+
+    @classmethod
+    def _lookup(cls, comm: Any) -> Context | None:
+        if cls._keyval is not None:
+            try:
+                ctx = comm.Get_attr(cls._keyval)
+            except MPI().Exception:
+                pass  # COMM_NULL: reported below
+            else:
+                return None if ctx is None or ctx._closed else ctx
+        if comm == MPI().COMM_NULL:
+            raise InvalidArgument("comm is MPI.COMM_NULL (a freed communicator?): pass a valid communicator")
+        return None
+
+    @classmethod
+    def _create(cls, comm: Any) -> Context:
+        assert cls._keyval is not None
+        ctx = cls(comm)
+        comm.Set_attr(cls._keyval, ctx)  # replacing a closed context runs its delete callback (a no-op)
+        ctx.comm.Set_attr(cls._keyval, ctx)  # mpigpu's commands pass ctx.comm back in: the same context
+        cls._live[id(ctx)] = (comm, ctx)
+        return ctx
+
+    # -- the one-thread rule ------------------------------------------------------------------------
+    def enter(self, what: str) -> None:
+        """Start a call on this communicator from the current thread (pair with ``leave``).
+
+        The first thread to call owns the communicator. A call from any other thread is refused with
+        InvalidArgument, and from then on every call on this communicator is refused on this rank:
+        calls issued by two threads reach MPI in a different order on each rank and would pair with
+        the wrong calls of the other ranks. Each refusal joins the cross-rank check with its error
+        (between two calls of the owner, after the queued ones), so the other ranks raise
+        MismatchError instead of waiting or pairing their data with another call."""
+        ident = threading.get_ident()
+        owner = self.owner
+        if owner != ident and owner != ANY_THREAD:
+            if owner is None:
+                with self._calls:
+                    if self.owner is None:
+                        self.owner = ident
+                owner = self.owner
+            if owner != ident and self._violation is None:
+                self._violation = (
+                    f"{what} was called from thread {threading.current_thread().name!r}, but this communicator's "
+                    f"calls are issued by another thread (the first to call mpigpu on it)"
+                )
+        if self._violation is not None:
+            self._refuse(what)
+        self._calls.acquire()
+
+    def leave(self) -> None:
+        """End a call started with ``enter``."""
+        self._calls.release()
+
+    def _refuse(self, what: str) -> None:
+        assert self._violation is not None
+        error = InvalidArgument(
+            f"{what} refused: {self._violation}. mpigpu issues a communicator's collectives in the order its "
+            "calls are made, so calls from two threads would pair with different calls on each rank; this "
+            "communicator can no longer be used. Issue all calls on a communicator from one thread, or give "
+            "each thread its own communicator (e.g. `comm = MPI.COMM_WORLD.Dup()`, created on every rank in "
+            "the same order, then `allreduce(x, comm=comm)`)."
+        )
+        from mpigpu.api import announce_rejection
+
+        with self._calls:  # between two calls of the owner, after its queued ones: the same place on every rank
+            with contextlib.suppress(MpigpuError):
+                self.wait_async()
+            announce_rejection(self, error)
+        raise error
 
     # -- GPU --------------------------------------------------------------------------------------
     def activate_gpu(self) -> Any:
@@ -136,20 +245,32 @@ class Context:
         return instance
 
     def close(self) -> None:
-        """Free every backend and communicator this context holds (idempotent)."""
+        """Free every backend and communicator this context holds, its duplicate included
+        (idempotent; collective: every rank closes its contexts in the same order)."""
         if self._closed:
             return
         self._closed = True
+        Context._live.pop(id(self), None)
+        for key in self._known_ids:
+            known = Context._known.get(key)
+            if known is not None and known[1] is self:
+                del Context._known[key]
         if self.async_worker is not None:  # queued calls finish before their backends are freed
             self.async_worker.close()
             self.async_worker = None
-        for instance in reversed(list(self._backends.values())):
+        for instance in reversed(list(getattr(self, "_backends", {}).values())):
             try:
                 instance.close()
             except Exception as exc:  # report, keep closing the rest
                 sys.stderr.write(f"mpigpu: closing backend {instance.name} failed: {exc}\n")
-        self._backends.clear()
-        self.layout.close()
+        getattr(self, "_backends", {}).clear()
+        if self.layout is not None:
+            self.layout.close()
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            with contextlib.suppress(Exception):
+                if not MPI().Is_finalized():
+                    comm.Free()
 
 
 _TEST_VARIABLES = ("MPIGPU_REQUIRE_GPU",)  # read by the test suite, not by mpigpu
@@ -164,9 +285,13 @@ def _local_settings() -> tuple[Settings | None, ConfigError | None]:
 
 def _agreed_settings(comm: Any, settings: Settings | None, error: ConfigError | None) -> Settings:
     """Collective: a bad MPIGPU_* value on any rank fails start-up on every rank with that rank's
-    message, instead of leaving the others waiting in the next collective."""
+    message, and so does a setting that changes which collectives run (Settings.agreed) when it
+    differs between ranks, instead of leaving the others waiting in the next collective."""
     agree(comm, error, "mpigpu start-up")
     assert settings is not None
+    problem = disagreement(comm.allgather(settings.agreed()))
+    if problem is not None:
+        raise ConfigError(problem)
     if settings.abort_on_exception:
         install_default_handler()
     unknown = sorted(
@@ -177,10 +302,25 @@ def _agreed_settings(comm: Any, settings: Settings | None, error: ConfigError | 
     return settings
 
 
+def _delete_callback(comm: Any, keyval: int, ctx: Context) -> None:
+    """MPI calls this when the user's communicator is freed (``comm.Free()``, collective on every
+    rank) or its attribute deleted: close the context. Closing runs collectives only on the
+    context's own communicators, which every rank frees in this same call, so it cannot wait for
+    anything but the other ranks' identical close."""
+    try:
+        ctx.close()
+    except Exception as exc:  # an exception here would surface as an MPI error from comm.Free()
+        sys.stderr.write(f"mpigpu: closing the context of a freed communicator failed: {exc}\n")
+
+
 def finalize() -> None:
     """Free all pinned memory, device buffers, NCCL communicators and IPC handles mpigpu holds.
 
-    Called automatically at exit; call it earlier to release resources before MPI_Finalize."""
-    for ctx in list(Context._by_handle.values()):
+    Called automatically at exit; call it earlier to release resources before MPI_Finalize.
+    Collective: contexts are closed in the order they were created, the same on every rank."""
+    for comm, ctx in list(Context._live.values()):
+        if Context._keyval is not None:
+            with contextlib.suppress(Exception):  # the attribute's delete callback closes the context
+                if comm.Get_attr(Context._keyval) is ctx:
+                    comm.Delete_attr(Context._keyval)
         ctx.close()
-    Context._by_handle.clear()

@@ -27,6 +27,7 @@ __all__ = [
     "exit_code_of",
     "install_abort_handler",
     "install_default_handler",
+    "report_background_failure",
 ]
 
 TIMEOUT_EXIT_CODE = 124  # what GNU timeout returns, so scripts can tell a timeout from a failure
@@ -139,6 +140,18 @@ def abort_for_exception(exc: BaseException, tb: TracebackType | None = None) -> 
     else:
         text = _format(type(exc), exc, tb)
     abort_job(f"{text}\n{_prefix()} unhandled exception: aborting all ranks", code)
+
+
+def report_background_failure(exc: BaseException, what: str, *, abort: bool) -> None:
+    """An exception on one of mpigpu's own threads that the other ranks would wait for: with
+    ``abort`` (MPIGPU_ABORT_ON_EXCEPTION=1, the default) and outside a REPL, print it and end every
+    rank of the job; otherwise print it now, so it is never lost (the caller raises it later)."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+    if abort and not _interactive():
+        abort_job(f"{text}\n{_prefix()} {what}: aborting all ranks", exit_code_of(exc))
+    sys.stderr.write(f"{_prefix()} {text}\n{_prefix()} {what}; handle.wait() raises it\n")
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
 
 
 def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:

@@ -13,9 +13,16 @@ Two ways a call proceeds, chosen by the backend:
   after the call, before ``wait()``, must not read or write the arrays.
 
 A synchronous ``allreduce`` (and anything else mpigpu does collectively on the communicator) first
-waits for the queued calls, so collectives never overtake each other. The background thread needs
-MPI_THREAD_MULTIPLE (mpi4py's default); below that level calls run inline and the handle is
-complete when returned.
+waits for the queued calls, so collectives never overtake each other. Calls are submitted by one
+thread per communicator (``Context.enter``): the queue's order is then the program's order, the same
+on every rank.
+
+A queued call that fails other than by a cross-rank MismatchError leaves the other ranks waiting for
+it: unless MPIGPU_ABORT_ON_EXCEPTION=0 (or in a REPL), it ends the job at once with its traceback,
+whether or not its handle is ever waited; otherwise it is printed at once and ``wait()`` raises it.
+
+The background thread needs MPI_THREAD_MULTIPLE (mpi4py's default); below that level calls run
+inline and the handle is complete when returned.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from mpigpu._cuda import StreamRef, core_stream
 from mpigpu.api import Prepared, agree, announce_rejection, run, validate
 from mpigpu.context import Context
 from mpigpu.errors import MismatchError, MpigpuError
+from mpigpu.failsafe import report_background_failure
 from mpigpu.ops import Op
 
 __all__ = ["ENQUEUE_BACKENDS", "Handle", "Worker", "allreduce_async", "reject"]
@@ -47,7 +55,8 @@ class Worker:
     point), the ranks may no longer agree on which collective comes next: every later call on this
     communicator then fails at once instead of being paired with the wrong one on another rank."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, on_failure: Callable[[BaseException], None] | None = None) -> None:
+        self._on_failure = on_failure  # called once, on this thread, with the failure that broke the order
         self._queue: SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = SimpleQueue()
         self._pending = 0
         self._idle = threading.Condition()
@@ -75,9 +84,11 @@ class Worker:
                     raise self._broken()
                 future.set_result(task())
             except BaseException as exc:
+                future.set_exception(exc)
                 if self._failure is None and not isinstance(exc, MismatchError):
                     self._failure = exc
-                future.set_exception(exc)
+                    if self._on_failure is not None:
+                        self._on_failure(exc)
             finally:
                 with self._idle:
                     self._pending -= 1
@@ -158,13 +169,31 @@ def _thread_level_ok() -> bool:
     return bool(mpi.Query_thread() >= mpi.THREAD_MULTIPLE)
 
 
+_worker_lock = threading.Lock()
+
+
 def _worker(ctx: Context) -> Worker | None:
-    """The communicator's worker, started on first use; None if MPI is below THREAD_MULTIPLE."""
-    if ctx.async_worker is None:
+    """The communicator's worker, started on first use (exactly one, whichever threads ask at once);
+    None if MPI is below THREAD_MULTIPLE."""
+    worker = ctx.async_worker
+    if worker is None:
         if not _thread_level_ok():
             return None
-        ctx.async_worker = Worker(f"mpigpu-async-rank{ctx.rank}")
-    return ctx.async_worker
+        with _worker_lock:
+            worker = ctx.async_worker
+            if worker is None:
+                worker = ctx.async_worker = Worker(f"mpigpu-async-rank{ctx.rank}", partial(_failed, ctx))
+    return worker
+
+
+def _failed(ctx: Context, exc: BaseException) -> None:
+    """A queued call failed on this rank: the other ranks wait for it, so its error must not wait
+    for a ``handle.wait()`` that may never come (the worker's failure hook)."""
+    report_background_failure(
+        exc,
+        "an allreduce_async queued on this communicator failed on this rank; the other ranks would wait for it",
+        abort=ctx.settings.abort_on_exception,
+    )
 
 
 def _on_worker(worker: Worker, prepared: Prepared, ready: Any) -> Any:
@@ -210,6 +239,14 @@ def allreduce_async(
     cross-rank mismatch is raised by ``wait()``. Collective, like ``allreduce``: every rank starts
     the same calls in the same order."""
     ctx = Context.get(comm)
+    ctx.enter("allreduce_async")  # the one-thread rule: the queue's order is this thread's order
+    try:
+        return _submit(ctx, x, op, out, comm, backend, stream)
+    finally:
+        ctx.leave()
+
+
+def _submit(ctx: Context, x: Any, op: Any, out: Any, comm: Any, backend: str, stream: Any) -> Handle:
     worker = _worker(ctx)
     if worker is None:  # MPI below THREAD_MULTIPLE: no background thread, run it now
         from mpigpu.api import prepare

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -75,6 +76,53 @@ def test_worker_survives_a_mismatch() -> None:
         worker.submit(mismatch).result(5)
     assert worker.submit(lambda: 7).result(5) == 7
     worker.drain()
+    worker.close()
+
+
+def test_one_worker_when_threads_ask_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen: four threads calling allreduce_async at once created three workers, and the job hung."""
+    import types
+
+    import mpigpu.handles as handles
+
+    made: list[object] = []
+
+    class SlowWorker:  # widens the window between the check and the assignment
+        def __init__(self, name: str, on_failure: object = None) -> None:
+            time.sleep(0.05)
+            made.append(self)
+
+    monkeypatch.setattr(handles, "Worker", SlowWorker)
+    monkeypatch.setattr(handles, "_thread_level_ok", lambda: True)
+    ctx = types.SimpleNamespace(async_worker=None, rank=0)
+    start = threading.Barrier(4)
+    got: list[object] = []
+
+    def ask() -> None:
+        start.wait()
+        got.append(handles._worker(ctx))  # type: ignore[arg-type]
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and got == made * 4 and ctx.async_worker is made[0]
+
+
+def test_a_failure_reaches_the_hook_once_and_the_future() -> None:
+    failures: list[BaseException] = []
+    worker = Worker("test-worker", failures.append)
+
+    def boom() -> None:
+        raise RuntimeError("backend exploded")
+
+    first, second = worker.submit(boom), worker.submit(boom)
+    with pytest.raises(RuntimeError):
+        first.result(5)
+    with pytest.raises(MpigpuError):
+        second.result(5)
+    assert [str(f) for f in failures] == ["backend exploded"], "once, with the failure that broke the order"
     worker.close()
 
 

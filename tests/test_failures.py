@@ -271,7 +271,7 @@ def test_unknown_variable_is_reported() -> None:
 BAD_VALUES = {
     "MPIGPU_CUDA_AWARE": ["2", "yes please"],
     "MPIGPU_NODE_SIZE": ["0", "-1", "two"],
-    "MPIGPU_TIMEOUT": ["-1", "nan", "inf", "10s"],
+    "MPIGPU_TIMEOUT": ["-1", "nan", "inf", "10s", "2e10", "1000001"],  # 2e10 s overflowed the ipc kernel's ns counter
     "MPIGPU_CHECK": ["maybe"],
     "MPIGPU_ABORT_ON_EXCEPTION": ["sometimes"],
     "MPIGPU_ALLOW_SHARED_GPU": ["2"],
@@ -291,6 +291,17 @@ def test_bad_setting_names_variable_value_and_what_is_accepted(
     message = str(info.value)
     assert f"{variable}={value!r}" in message and "not valid" in message
     assert any(word in message for word in ("use", "seconds", "N:", "MiB", "bytes")), message
+
+
+def test_the_largest_timeout_fits_the_ipc_kernels_nanosecond_counter(monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    from mpigpu.config import MAX_TIMEOUT_S
+
+    monkeypatch.setenv("MPIGPU_TIMEOUT", f"{MAX_TIMEOUT_S:g}")
+    timeout = Settings.from_env().timeout
+    assert timeout == MAX_TIMEOUT_S
+    assert int(np.uint64(int(timeout * 1e9))) == int(timeout * 1e9)  # what backends/ipc.py passes the kernel
 
 
 def test_every_validated_variable_is_documented() -> None:

@@ -264,10 +264,13 @@ def test_pool_too_small_is_a_config_error(comm) -> None:
 @pytest.mark.mpi(min_size=2)
 def test_settings_must_agree_on_every_rank(comm) -> None:
     chunk = "8K" if comm.Get_rank() == 1 else "16K"
-    with _context(comm, {"MPIGPU_HOST_CHUNK": chunk}) as ctx:
-        with pytest.raises(mpigpu.ConfigError, match="differ between ranks") as info:
-            mpigpu.allreduce(np.ones(4, np.float32), comm=ctx.comm, backend="host")
-        assert len(set(comm.allgather(str(info.value)))) == 1
+    with (
+        pytest.raises(mpigpu.ConfigError, match="differ between ranks") as info,
+        _context(comm, {"MPIGPU_HOST_CHUNK": chunk}),
+    ):
+        pass  # agreed at start-up, with the other settings that change which collectives run
+    assert "MPIGPU_HOST_CHUNK: 16384 on rank" in str(info.value)
+    assert len(set(comm.allgather(str(info.value)))) == 1
 
 
 @pytest.mark.mpi(min_size=2)

@@ -623,14 +623,7 @@ class HostBackend(Backend):
         self._equal = layout.equal_nodes
         self._inter = layout.inter_comm
         self._inter_size = 1 if self._inter is None else self._inter.Get_size()
-        s = ctx.settings
-        mine = (s.host_pool_bytes, s.host_chunk, s.host_depth, s.host_small)
-        every = ctx.comm.allgather(mine)
-        if len(set(every)) > 1:
-            raise ConfigError(
-                "MPIGPU_HOST_POOL_MB, MPIGPU_HOST_CHUNK, MPIGPU_HOST_DEPTH and MPIGPU_HOST_SMALL differ between "
-                f"ranks ((pool, chunk, depth, small) per rank: {every}); set them alike on every rank"
-            )
+        s = ctx.settings  # equal on every rank: agreed at start-up (config.Settings.agreed)
         self._pool = s.host_pool_bytes
         self._chunk_setting = s.host_chunk
         self._depth = s.host_depth

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from mpigpu.backends.base import Availability, Backend
 from mpigpu.backends.device_scratch import DeviceScratch, by_keys_or_parts, needs_keys_or_parts
+from mpigpu.check import agree
 from mpigpu.errors import BackendUnavailable, InvalidArgument
 
 if TYPE_CHECKING:
@@ -39,6 +40,12 @@ def distinct_gpus(ctx: Context) -> str | None:
 _NCCL_UINT = {"uint32": 3, "uint64": 5}  # ncclDataType_t
 
 
+def _unavailable(ctx: Context, doing: str, exc: BaseException) -> BackendUnavailable:
+    error = BackendUnavailable(f"NCCL {doing} a communicator of {ctx.size} ranks: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
 class NcclBackend(Backend):
     """ncclAllReduce on the caller's stream."""
 
@@ -63,17 +70,36 @@ class NcclBackend(Backend):
         return None
 
     def __init__(self, ctx: Context) -> None:
+        """Create the NCCL communicator (collective). ncclCommInitRank waits for every rank, so a rank
+        that fails before it (NCCL does not load, no GPU, no unique id on rank 0) must not leave the
+        others there: the ranks agree on these local steps first and all raise if one failed. A rank
+        whose init then fails tells the others after it, so no rank goes on with a communicator the
+        others lack. (An init that hangs in NCCL itself is bounded only by MPIGPU_TIMEOUT.)"""
         super().__init__(ctx)
-        from cupy.cuda import nccl
+        self._comm: Any = None
+        nccl: Any = None
+        uid = None
+        error: BaseException | None = None
+        try:
+            from cupy.cuda import nccl
 
-        ctx.activate_gpu()
-        uid = nccl.get_unique_id() if ctx.rank == 0 else None
+            ctx.activate_gpu()
+            if ctx.rank == 0:
+                uid = nccl.get_unique_id()
+        except Exception as exc:
+            error = _unavailable(ctx, "could not prepare", exc)
+        agree(ctx.comm, error, "nccl backend: preparing the NCCL communicator")
         uid = ctx.comm.bcast(uid, root=0)
         self._scratch = DeviceScratch()  # keys of the half types, parts of integer averages
         try:
-            self._comm: Any = nccl.NcclCommunicator(ctx.size, uid, ctx.rank)
-        except nccl.NcclError as exc:
-            raise BackendUnavailable(f"NCCL could not create a communicator of {ctx.size} ranks: {exc}") from exc
+            self._comm = nccl.NcclCommunicator(ctx.size, uid, ctx.rank)
+        except Exception as exc:
+            error = _unavailable(ctx, "could not create", exc)
+        try:
+            agree(ctx.comm, error, "nccl backend: creating the NCCL communicator")
+        except BaseException:
+            self.close()  # the ranks whose init succeeded: no communicator the others lack
+            raise
 
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
         from mpigpu._cuda import StreamRef

@@ -17,6 +17,12 @@ CUDA tensors: the reductions run on a side stream that waits for the packing; ``
 the compute stream wait for them, so later kernels see the averages. CPU tensors: the reductions
 run on mpigpu's background MPI thread, overlapping the rest of backward.
 
+Threads: with CUDA tensors autograd runs the hooks on its own device thread, while ``finish()``
+runs on the caller's. The BackwardAverager therefore works on its own duplicate of ``comm`` (made
+at construction, collectively; freed by ``close()``), exempt from mpigpu's one-thread rule: its
+buckets start strictly in order whichever thread starts them. Other calls on ``comm`` follow the
+rule as usual.
+
 Parameters that receive no gradient in a step hold their bucket (and the later ones) back until
 ``finish()``, which sends zeros for them. For gradient accumulation, run the accumulating
 backward passes inside ``with averager.no_sync():``.
@@ -64,14 +70,19 @@ class BackwardAverager:
             raise InvalidArgument(f"BackwardAverager needs PyTorch >= 2.1 (this is {torch.__version__})")
         params: Iterable[Any] = model.parameters() if isinstance(model, torch.nn.Module) else model
         ordered = [p for p in params if p.requires_grad][::-1]  # backward produces gradients last-first
-        self._averager = Averager(
-            ordered,
-            bucket_bytes=bucket_bytes,
-            first_bucket_bytes=first_bucket_bytes,
-            compression=compression,
-            backend=backend,
-            comm=comm,
-        )
+        self._comm = _private_comm(comm)
+        try:
+            self._averager = Averager(
+                ordered,
+                bucket_bytes=bucket_bytes,
+                first_bucket_bytes=first_bucket_bytes,
+                compression=compression,
+                backend=backend,
+                comm=self._comm,
+            )
+        except BaseException:
+            self._comm.Free()  # every rank fails the (collective) construction together
+            raise
         buckets = self._averager._buckets
         self._bucket_of = [0] * len(ordered)
         for b in buckets:
@@ -157,3 +168,26 @@ class BackwardAverager:
             hook.remove()
         self._hooks = []
         self._averager.close()
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            from mpigpu._mpi import MPI
+
+            if not MPI().Is_finalized():
+                comm.Free()  # closes its context (collective, like close())
+
+
+def _private_comm(comm: Any) -> Any:
+    """A duplicate of ``comm`` (collective) whose calls may come from any thread: the hooks run on
+    autograd's device thread, ``finish()`` on the caller's, and the buckets' strict order (not the
+    thread) is what makes every rank issue the same calls in the same order."""
+    from mpigpu.context import ANY_THREAD, Context
+
+    base = Context.get(comm)
+    base.enter("BackwardAverager")  # made by the thread that owns ``comm``, in its order of calls
+    try:
+        base.wait_async()
+        private = base.comm.Dup()
+    finally:
+        base.leave()
+    Context.get(private).owner = ANY_THREAD
+    return private
