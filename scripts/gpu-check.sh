@@ -29,6 +29,7 @@ mkdir -p "$LOGS"
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 export MPIGPU_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX shares each GPU with CuPy and torch in the tests
 # the kernel cache: the caller's MPIGPU_CACHE_DIR, else a private directory for this run only (a fixed
 # path under a shared /tmp could be created first by another user: mpigpu would refuse it)
 if [ -z "${MPIGPU_CACHE_DIR:-}" ]; then
@@ -96,7 +97,8 @@ stage_tests() {
   for mpi in ompi impi; do
     for n in $counts; do
       local paths="tests/gpu"
-      [ "$n" = "$NGPU" ] && paths="tests"  # the whole MPI suite (CPU and GPU) at full size
+      # the whole MPI suite (CPU and GPU) at full size under the image's MPI; the GPU tests under both
+      [ "$n" = "$NGPU" ] && [ "$mpi" = ompi ] && paths="tests"
       step "tests-$mpi-$n" 300 0 "export MPIGPU_TIMEOUT=120; ${LAUNCH[$mpi]} -n $n $PY -m pytest -q --with-mpi --only-mpi $paths -p no:cacheprovider"
     done
   done
