@@ -46,10 +46,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if item.get_closest_marker("mpi") is not None]
 
 
-def gpu_available() -> bool:
+def gpu_count() -> int:
+    """CUDA GPUs visible to this process (0 without a GPU or without cuda.core)."""
     from mpigpu._cuda import visible_device_count
 
-    return visible_device_count() > 0
+    return visible_device_count()
+
+
+def gpu_available() -> bool:
+    return gpu_count() > 0
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

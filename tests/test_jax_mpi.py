@@ -102,6 +102,22 @@ def test_outside_jit_same_as_inside(comm) -> None:
 
 
 @mpi
+def test_new_programs_work_after_finalize(comm) -> None:
+    """mpigpu.finalize() closes mpigpu.jax's communicator; a program compiled after it sets up a new one
+    (a test suite, or a program that finalizes between phases, must not be left with a dead channel)."""
+    import mpigpu
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mj = _mj()
+    x = _exact(33, "float64", Op.SUM, rank, size)
+    first = np.asarray(jax.jit(lambda v: mj.allreduce(v, "sum"))(_cpu(x)))
+    mpigpu.finalize()
+    again = np.asarray(jax.jit(lambda v: mj.allreduce(v * 1, "sum"))(_cpu(x)))  # a new program
+    assert count_wrong_host(again, "exact", Op.SUM, DTYPES["float64"], size) == 0
+    assert np.array_equal(first, again)
+
+
+@mpi
 def test_explicit_cpu_backend_and_unknown_backend(comm) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
     mj = _mj()

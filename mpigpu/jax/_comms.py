@@ -63,11 +63,8 @@ def channel(key: int) -> Channel:
     found = _channels.get(key)
     if found is not None and not found.ctx._closed:
         return found
-    if found is not None:
-        raise MpigpuError(
-            "mpigpu.finalize() closed the communicator mpigpu.jax uses; functions compiled before it cannot run "
-            "again. Call finalize() only at the end of the program."
-        )
+    if found is not None:  # mpigpu.finalize() closed it: this new program gets a new channel
+        found.check.Free()
     user = _users[key]
     mpi = MPI()
     if mpi.Query_thread() < mpi.THREAD_MULTIPLE:

@@ -127,7 +127,18 @@ def _agree(ch: Channel, aval: Any, op: Op, backend: str, platform: str) -> Choic
         spec = ArrayView(None, 0, tuple(int(d) for d in aval.shape), dtype, ctx.gpu.index if on_gpu else None,
                          True, "xla")  # fmt: skip
         choice = choose_cached(ctx, spec, op, backend)
-        signature = Signature(spec.size, dtype.code, op.code, backend_class(choice.backend).code, int(on_gpu))
+        if on_gpu and choice.backend == "cuda-aware":
+            if backend != "auto":
+                raise InvalidArgument(
+                    "mpigpu.jax does not pass XLA's GPU buffers to a CUDA-aware MPI: Intel MPI 2021.19 failed to "
+                    "open them for its IPC path (MPIDI_GPU_ipc_allgather_open) from 1 M elements up. Use "
+                    "backend='auto', 'nccl', 'ipc' or 'host'."
+                )
+            host = choose_cached(ctx, spec, op, "host")  # raises if host staging cannot take it either
+            choice = Choice(host.backend, "a CUDA-aware MPI is not used on XLA's buffers; host staging instead")
+        signature = Signature(
+            spec.size, dtype.code, op.code, backend_class(choice.backend).code, int(on_gpu), shape=spec.shape
+        )
     except Exception as exc:  # any failure here must reach the other ranks, which are in the check
         with contextlib.suppress(MismatchError), _watched(ch, f"{name} (reporting an invalid call)"):
             check_signature(ch.check, Signature(0, 0, 0, 0, 0, error=f"{type(exc).__name__}: {exc}"), name)

@@ -137,8 +137,10 @@ def test_virtual_nodes(comm, node_size: int) -> None:
         pytest.skip(f"{comm.Get_size()} rank(s) make a single node of size {node_size}")
     with _context(comm, dict(TINY, MPIGPU_HOST_CHUNK="256K", MPIGPU_NODE_SIZE=str(node_size))) as ctx:
         assert ctx.layout.num_nodes > 1
-        dtypes = ["float32", "float16", "bfloat16", "float64", "int32"]
+        dtypes = ["float32", "float16", "bfloat16", "float64"]
         problems = _check(ctx, dtypes, [Op.SUM, Op.AVG, Op.MAX], [7, 70001, 1000003])
+        # integer avg across nodes is refused by the host backend (docs/troubleshooting.md)
+        problems += _check(ctx, ["int32"], [Op.SUM, Op.MAX], [7, 70001, 1000003])
         assert not problems, "; ".join(problems)
 
 
