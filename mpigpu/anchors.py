@@ -250,20 +250,22 @@ def _torch_problem(need_nccl: bool) -> str | None:
     return None
 
 
-def _torch_process_group(ctx: Context) -> None:
-    """Initialise the default torch.distributed process group over this job's ranks, once
-    (collective): NCCL for CUDA tensors where every rank has a GPU, gloo for CPU tensors."""
+def _torch_process_group(ctx: Context, backend: str) -> Any:
+    """The torch.distributed group to reduce with ``backend`` (nccl or gloo) over this job's ranks
+    (collective). The default group is initialised once here, NCCL for CUDA tensors where every
+    rank has a GPU and gloo for CPU tensors, and None (the default group) returned. Where torch.distributed
+    was initialised already (a test process) without ``backend``, a new group of it is returned."""
     global _torch_users, _torch_owned
     import torch.distributed as dist
 
-    _torch_users += 1
     if dist.is_initialized():
         if dist.get_world_size() != ctx.size or dist.get_rank() != ctx.rank:
             raise RuntimeError(
                 f"torch.distributed is already initialised with rank {dist.get_rank()} of {dist.get_world_size()}, "
                 f"not rank {ctx.rank} of {ctx.size}: run the benchmark in a process of its own"
             )
-        return
+        _torch_users += 1
+        return None if backend in str(dist.get_backend()) else dist.new_group(backend=backend)
     address = None
     if ctx.rank == 0:
         with socket.socket() as probe:  # a port free now on rank 0's host; the TCP store binds it next
@@ -283,14 +285,20 @@ def _torch_process_group(ctx: Context) -> None:
         world_size=ctx.size, timeout=timedelta(seconds=_TORCH_TIMEOUT_S),
     )  # fmt: skip
     _torch_owned = True
+    _torch_users += 1
+    return None
 
 
-def _torch_release() -> None:
+def _torch_release(group: Any) -> None:
+    """Free ``group`` (a group of our own), and the default group once its last anchor is done
+    with it, if this module initialised it (collective)."""
     global _torch_users, _torch_owned
+    import torch.distributed as dist
+
+    if group is not None:
+        dist.destroy_process_group(group)
     _torch_users -= 1
     if _torch_users == 0 and _torch_owned:
-        import torch.distributed as dist
-
         dist.destroy_process_group()
         _torch_owned = False
 
@@ -329,7 +337,7 @@ class _TorchAnchor(Anchor):
     def __init__(self, ctx: Context, stream: Any) -> None:
         super().__init__(ctx, stream)
         self._torch_stream = use_torch_stream(ctx, stream) if self.placement == "device" else None
-        _torch_process_group(ctx)
+        self._group = _torch_process_group(ctx, self.backend)
         self._open = True
         self._key: tuple[int, int, int, str] | None = None
         self._tensors: tuple[Any, Any] = (None, None)
@@ -362,7 +370,7 @@ class _TorchAnchor(Anchor):
         if self._open:
             self._open = False
             self._tensors = (None, None)
-            _torch_release()
+            _torch_release(self._group)
 
 
 class TorchNccl(_TorchAnchor):
@@ -384,7 +392,7 @@ class TorchNccl(_TorchAnchor):
         xt, outt = self.tensors(x, out)
         if outt is not xt:
             outt.copy_(xt)
-        dist.all_reduce(outt, op=_torch_op(op))  # ordered on torch's current stream: the benchmark's
+        dist.all_reduce(outt, op=_torch_op(op), group=self._group)  # ordered on torch's current stream
 
 
 class TorchGloo(_TorchAnchor):
@@ -400,7 +408,7 @@ class TorchGloo(_TorchAnchor):
         xt, outt = self.tensors(x, out)
         if outt is not xt:
             outt.copy_(xt)
-        dist.all_reduce(outt, op=_torch_op(Op.SUM if op is Op.AVG else op))  # gloo has no AVG
+        dist.all_reduce(outt, op=_torch_op(Op.SUM if op is Op.AVG else op), group=self._group)  # gloo: no AVG
         if op is Op.AVG:
             assert out.host is not None
             finish_avg(out.host, self.ctx.size, out.dtype, out.host)
