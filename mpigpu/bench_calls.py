@@ -58,12 +58,11 @@ def _native(view: Any) -> Any:
     (the view itself where CuPy has no such dtype, as for bfloat16)."""
     if not view.on_device:
         return view.host
+    if view.dtype.name == "bfloat16":  # no CuPy dtype: mpigpu's own view of the buffer
+        return view
     from mpigpu.anchors import device_bytes
 
-    try:
-        return device_bytes(view).view(view.dtype.np)
-    except (TypeError, ValueError):
-        return view
+    return device_bytes(view).view(view.dtype.np)
 
 
 def user_arrays(work: Workload, framework: str) -> tuple[Any, Any]:
