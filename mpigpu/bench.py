@@ -1,14 +1,17 @@
 """``mpiexec -n N python -m mpigpu.bench``: the allreduce benchmark (``mpigpu.benchmark`` too).
 
-Sweeps message sizes (8 B to 1 GiB by default) over every available mpigpu backend and the raw
-anchor each one has to beat (``mpigpu.anchors``), in place and out of place, for the chosen dtypes
-and ops. Every path is verified at every size before it is timed (nccl-tests' check, with the
-'exact' pattern); a single wrong element makes the exit status 1. Rank 0 prints one fixed-width
-table per path and group, and can write JSON (--json), a plot (--plot) and a crossover table for
+Sweeps message sizes (8 B to 1 GiB by default) over every available mpigpu backend, called as users
+call it (``allreduce(x)``, checked every call) and as a persistent request (``req()``), beside the
+raw anchors each one has to beat (``mpigpu.anchors``: raw NCCL, torch.distributed, MPI), in place
+and out of place, for the chosen dtypes and ops. Every path is verified at every size before it is
+timed (nccl-tests' check, with the 'exact' pattern); a single wrong element makes the exit status 1.
+Rank 0 prints one fixed-width table per path and group, then the user's call, the request and the
+anchors side by side, and can write JSON (--json), a plot (--plot) and a crossover table for
 ``backend="auto"`` (--tune); ``--compare A.json B.json`` prints the ratios between two runs.
 
 This module is the command (options, header, the run, the JSON document, tuning); the sweep is in
-``bench_sweep``, the tables, summary, plot and compare in ``bench_report``.
+``bench_sweep``, what is called and how it is timed in ``bench_calls``, the tables, summary, plot
+and compare in ``bench_report``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ from typing import Any
 
 from mpigpu.anchors import ANCHORS
 from mpigpu.backends import BACKEND_NAMES
+from mpigpu.bench_calls import FRAMEWORKS, TIMINGS
 from mpigpu.bench_report import (
+    CALL_DESCRIPTION,
+    CALLS,
     PathSpec,
     auto_summary,
     compare,
@@ -36,9 +42,10 @@ from mpigpu.bench_report import (
     median_us,
     plot,
     render_tables,
+    side_by_side,
     summary_lines,
 )
-from mpigpu.bench_sweep import MAX_ITERS, TARGET_REP_S, Sweep, plan_paths
+from mpigpu.bench_sweep import MAX_ITERS, TARGET_REP_S, Sweep, auto_paths, plan_paths
 from mpigpu.cli import (
     Parser,
     choice_arg,
@@ -73,14 +80,16 @@ def build_parser() -> Parser:
     parser = Parser(
         prog=prog("mpigpu.bench"),
         description=(
-            "Time allreduce over a range of message sizes for every available mpigpu backend and the raw\n"
-            "anchors beside them (nccl-raw, seed-staging, mpi-device, mpi-host). Every path is verified at\n"
-            "every size before it is timed. Run it under your launcher:\n"
+            "Time allreduce over a range of message sizes for every available mpigpu backend, as users call it\n"
+            "(allreduce(x)) and as a persistent request (req()), beside the raw anchors (nccl-raw, torch-nccl,\n"
+            "seed-staging, mpi-device, mpi-host, torch-gloo). Every path is verified at every size before it is\n"
+            "timed. Run it under your launcher:\n"
             "  mpiexec -n 4 python -m mpigpu.bench --max-bytes 64M --json run.json --plot run.png"
         ),
-        epilog="time = mean per call on the slowest rank; median and spread over repetitions; algbw = bytes/time;\n"
-        "busbw = algbw * 2(n-1)/n (nccl-tests). exit status: 0 if every element was right, 1 if any was\n"
-        "wrong, 2 for invalid options.",
+        epilog="time = mean per call on the slowest rank; median = median per call on the slowest rank (the\n"
+        "figure compared); spread = max - min of the repetitions' medians; all wall clock, the same harness for\n"
+        "every row (--timing). algbw = bytes/time; busbw = algbw * 2(n-1)/n (nccl-tests). exit status: 0 if\n"
+        "every element was right, 1 if any was wrong, 2 for invalid options.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sizes = parser.add_argument_group("sizes")
@@ -89,6 +98,10 @@ def build_parser() -> Parser:
         "--max-bytes", "-e", type=count_arg, default=1 << 30, metavar="SIZE", help="largest (default 1G)"
     )
     sizes.add_argument("--step-factor", "-f", type=positive_int, default=2, metavar="F", help="size step (default 2)")
+    sizes.add_argument(
+        "--sizes", type=comma_list(count_arg, "sizes"), default=None, metavar="LIST",
+        help="comma-separated sizes to time instead of -b/-e/-f (8,64K,1M,...)",
+    )  # fmt: skip
     what = parser.add_argument_group("what to time")
     what.add_argument(
         "--dtypes", type=comma_list(dtype_arg, "dtypes", DTYPES), default=["float32"], metavar="LIST",
@@ -105,6 +118,18 @@ def build_parser() -> Parser:
         "a backend always brings its anchor",
     )  # fmt: skip
     what.add_argument(
+        "--calls", type=comma_list(choice_arg(CALLS, "call"), "calls", CALLS), default=["user", "persistent"],
+        metavar="LIST",
+        help="how each mpigpu backend and auto is called, comma-separated or 'all' (default user,persistent): "
+        "user = mpigpu.allreduce(x) checked every call; persistent = req() of a request from allreduce_init; "
+        "prepared = api.run of a call prepared once (diagnostic; --tune adds it)",
+    )  # fmt: skip
+    what.add_argument(
+        "--framework", choices=FRAMEWORKS, default="native",
+        help="the arrays given to allreduce and allreduce_init: native = CuPy on GPUs, NumPy on the host "
+        "(default); torch = torch tensors over the same memory",
+    )  # fmt: skip
+    what.add_argument(
         "--placement", choices=["auto", "gpu", "host", "both"], default="auto",
         help="where the buffers live: auto = GPU and host buffers when every rank has a GPU, host otherwise",
     )  # fmt: skip
@@ -115,6 +140,11 @@ def build_parser() -> Parser:
         "--iters", "-n", type=positive_int, default=None, metavar="N",
         help=f"timed calls per repetition (default: adaptive, about {TARGET_REP_S * 1e3:g} ms per repetition, "
         f"1 to {MAX_ITERS})",
+    )  # fmt: skip
+    timing.add_argument(
+        "--timing", choices=TIMINGS, default="call",
+        help="call (default): every sample is one call between a barrier and a stream synchronisation, median "
+        "per call; loop: every sample is --iters calls back to back, then one synchronisation",
     )  # fmt: skip
     timing.add_argument("--warmup", "-w", type=nonneg_int, default=5, metavar="N", help="untimed calls (default 5)")
     timing.add_argument("--repeats", type=positive_int, default=3, metavar="N", help="repetitions (default 3)")
@@ -127,7 +157,8 @@ def build_parser() -> Parser:
     output.add_argument("--plot", type=Path, metavar="PNG", help="plot busbw and time against size (matplotlib)")
     output.add_argument(
         "--tune", "--autotune", action="store_true",
-        help="write the fastest backend per size band into the tuning table (MPIGPU_TUNE_FILE), then time auto",
+        help="write the fastest backend per size band into the tuning table (MPIGPU_TUNE_FILE), then time auto; "
+        "backends are compared by their prepared calls",
     )  # fmt: skip
     output.add_argument(
         "--compare", nargs=2, type=Path, metavar=("A", "B"), help="print the ratios between two JSON runs and exit"
@@ -141,6 +172,8 @@ def build_parser() -> Parser:
 
 
 def _check_args(parser: Parser, args: argparse.Namespace) -> None:
+    if args.sizes is not None and any(size < 1 for size in args.sizes):
+        parser.error("--sizes: every size must be at least 1 byte")
     if args.min_bytes > args.max_bytes:
         parser.error(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
     if args.step_factor < 2:
@@ -228,6 +261,9 @@ def _versions(ctx: Any) -> dict[str, Any]:
 def _settings(ctx: Any, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "sizes": args.sizes,
+        "calls": args.calls,
+        "timing": args.timing,
+        "framework": args.framework,
         "min_bytes": args.min_bytes,
         "max_bytes": args.max_bytes,
         "step_factor": args.step_factor,
@@ -258,7 +294,7 @@ def _tune(ctx: Any, sweep: Sweep, args: argparse.Namespace, command: list[str]) 
         Sample(m.path.placement, m.result.bytes, m.path.name, median_us(m) or 0.0,
                (m.result.dtype, m.result.op, m.result.inplace), ok=m.result.wrong == 0)
         for m in sweep.measurements
-        if m.path.kind == "backend"
+        if m.path.kind == "backend" and m.path.call == "prepared"  # the backend's own cost, as always
     ]  # fmt: skip
     bands = bands_from_samples(samples)
     if not bands:
@@ -294,13 +330,24 @@ def _header(ctx: Any, args: argparse.Namespace, paths: list[PathSpec], skipped: 
     iters = f"{args.iters}" if args.iters else f"adaptive (~{TARGET_REP_S * 1e3:g} ms per repetition)"
     modes = " and ".join("in-place" if m else "out-of-place" for m in args.modes)
     lines = header_lines(ctx)
+    steps = f"x{args.step_factor}" if args.given_sizes is None else "as listed"
+    timing = {
+        "call": "per call: barrier, clock, one call, stream synchronize, clock",
+        "loop": "per repetition: barrier, clock, the calls back to back, stream synchronize, clock",
+    }[args.timing]
     lines += [
-        f"# sizes {size_label(sizes[0])} .. {size_label(sizes[-1])} x{args.step_factor} ({len(sizes)} sizes), "
+        f"# sizes {size_label(sizes[0])} .. {size_label(sizes[-1])} {steps} ({len(sizes)} sizes), "
         f"dtypes {','.join(args.dtypes)}, ops {','.join(args.ops)}, {modes}",
         f"# iterations {iters}, {args.repeats} repetitions, warm-up {args.warmup}, time limit "
         + (f"{args.time_limit:g} s per size" if args.time_limit else "none"),
-        "# time: mean per call on the slowest rank; median and spread over repetitions (us); "
+        f"# timing {args.timing}: wall clock {timing}; the same for every row",
+        "# time: mean per call, median per call and spread of the repetitions' medians (us), slowest rank; "
         "algbw, busbw in GB/s; #wrong summed over ranks",
+    ]
+    lines += [f"# call {c}: {CALL_DESCRIPTION[c]}" for c in args.calls]
+    arrays = "torch tensors" if args.framework == "torch" else "CuPy arrays on GPUs, NumPy arrays on the host"
+    lines += [
+        f"# arrays passed to allreduce and allreduce_init: {arrays}; the default stream is the benchmark's",
         "# paths: " + ", ".join(p.label for p in paths),
     ]
     lines += [f"# skipped: {line}" for line in skipped]
@@ -315,7 +362,14 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
 
     ctx = Context.get(world())
     rank = ctx.rank
-    args.sizes = size_list(args.min_bytes, args.max_bytes, args.step_factor)
+    args.given_sizes = args.sizes
+    if args.sizes is None:
+        args.sizes = size_list(args.min_bytes, args.max_bytes, args.step_factor)
+    else:
+        args.sizes = sorted(set(args.sizes))
+        args.min_bytes, args.max_bytes = args.sizes[0], args.sizes[-1]
+    if args.tune and "prepared" not in args.calls:
+        args.calls = [*args.calls, "prepared"]  # tuning compares the backends' prepared calls
     both = args.inplace == args.out_of_place  # neither flag, or both: time both modes
     args.modes = [False, True] if both else [args.inplace]
     try:
@@ -350,7 +404,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         if args.tune:
             tuning = _tune(ctx, sweep, args, command)
             if tuning is not None:
-                sweep_all([PathSpec("auto", "auto", p) for p in placements])
+                sweep_all([p for placement in placements for p in auto_paths(placement, args.calls)])
     finally:
         sweep.close()
 
@@ -362,6 +416,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     auto = auto_summary(measurements)
     ok = not failed
     if rank == 0:
+        print("\n".join(side_by_side(measurements, args.timing)))
         print("\n".join(summary_lines(checked, auto, sweep.unsupported, sweep.stopped, ctx.size)))
         sys.stdout.flush()
         doc = {

@@ -1,6 +1,7 @@
 """The report of ``python -m mpigpu.bench``: the records of a run (``PathSpec``, ``Measurement``),
-the table per path, the closing summary (auto against the fastest backend, failures, PASS/FAIL),
-and what is drawn from a JSON run alone (``--plot``, ``--replot``, ``--compare``).
+the table per path, the side-by-side table of the user's call, the persistent request and the
+anchors, the closing summary (auto against the fastest backend, failures, PASS/FAIL), and what is
+drawn from a JSON run alone (``--plot``, ``--replot``, ``--compare``).
 
 No MPI here: everything works on measurements or on the JSON document, so it is tested without a
 launcher and ``--compare``/``--replot`` run on a laptop.
@@ -22,10 +23,13 @@ from mpigpu.tune import size_label
 
 __all__ = [
     "AUTO_TARGET",
+    "CALLS",
+    "CALL_DESCRIPTION",
     "PLACE_LABEL",
     "Measurement",
     "PathSpec",
     "auto_summary",
+    "column_name",
     "compare",
     "failures",
     "fastest_backends",
@@ -33,26 +37,55 @@ __all__ = [
     "median_us",
     "plot",
     "render_tables",
+    "side_by_side",
     "summary_lines",
 ]
 
 AUTO_TARGET = 1.05  # the issue's target: auto within 5% of the fastest backend
 PLACE_LABEL = {"device": "gpu", "host": "host"}
 
+# How an mpigpu path is called (anchors have none). The column of a row is its path's name plus the suffix.
+CALLS = ("user", "persistent", "prepared")
+CALL_SUFFIX = {"user": "", "persistent": ":req", "prepared": ":prep"}
+CALL_DESCRIPTION = {
+    "user": "mpigpu.allreduce(x) as users call it: arguments validated and checked across ranks every call",
+    "persistent": "req() of req = mpigpu.allreduce_init(x, ...) made once per size: checked once, then launched",
+    "prepared": "diagnostic: api.run of a call prepared once (no per-call validation or check)",
+}
+
+
+def column_name(path: str, call: str | None) -> str:
+    """``nccl``, ``nccl:req``, ``nccl:prep``; an anchor's name as it is."""
+    return path + CALL_SUFFIX.get(call or "", "")
+
 
 # -- the records ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PathSpec:
-    """One thing to time: an mpigpu backend, an anchor, or auto, on GPU buffers or host arrays."""
+    """One thing to time: an mpigpu backend or auto, called one way (``call``), or an anchor; on
+    GPU buffers or host arrays."""
 
     name: str
     kind: str  # "backend", "anchor" or "auto"
     placement: str  # "device" or "host"
     anchor: str | None = None  # backends: the anchor reported beside it
+    call: str | None = None  # backends and auto: one of CALLS (default "user"); anchors: None
+
+    def __post_init__(self) -> None:
+        if self.kind == "anchor":
+            object.__setattr__(self, "call", None)
+        elif self.call is None:
+            object.__setattr__(self, "call", "user")
+        elif self.call not in CALLS:
+            raise ValueError(f"unknown call {self.call!r}: use {', '.join(CALLS)}")
+
+    @property
+    def column(self) -> str:
+        return column_name(self.name, self.call)
 
     @property
     def label(self) -> str:
-        return f"{self.name} ({PLACE_LABEL[self.placement]})"
+        return f"{self.column} ({PLACE_LABEL[self.placement]})"
 
 
 @dataclass(frozen=True)
@@ -61,15 +94,14 @@ class Measurement:
 
     path: PathSpec
     result: Result
-    api_us: float | None  # backends: full allreduce() calls (prepare + check + run), mean per call
-    iters: int
+    iters: int  # timed calls per repetition
     warmup: int
     repeats: int
     seconds: float  # wall time spent on this size, slowest rank
     check_seconds: float  # of which filling, the checked call and verifying every element
     chosen: str | None = None  # auto: the backend it picked
     reason: str | None = None  # auto: why
-    best: str | None = None  # auto: the fastest backend of the sweep at this size...
+    best: str | None = None  # auto: the fastest backend of the sweep at this size, called the same way...
     best_us: float | None = None  # ...re-timed (median) right after auto, so drift cannot bias the ratio
 
     @property
@@ -80,9 +112,9 @@ class Measurement:
     def to_dict(self) -> dict[str, Any]:
         data = self.result.to_dict()
         data.update(
-            path=self.path.name, kind=self.path.kind, placement=self.path.placement, anchor=self.path.anchor,
-            api_us=self.api_us, iters=self.iters, warmup=self.warmup, repeats=self.repeats,
-            seconds=round(self.seconds, 4), check_seconds=round(self.check_seconds, 4),
+            path=self.path.name, kind=self.path.kind, call=self.path.call, column=self.path.column,
+            placement=self.path.placement, anchor=self.path.anchor, iters=self.iters, warmup=self.warmup,
+            repeats=self.repeats, seconds=round(self.seconds, 4), check_seconds=round(self.check_seconds, 4),
             chosen=self.chosen, chosen_reason=self.reason, best=self.best, best_us=self.best_us,
             ok=self.result.wrong == 0,
         )  # fmt: skip
@@ -94,7 +126,7 @@ _COLUMNS = (
     f"#{'size':>12} {'count':>11} {'type':>9} {'redop':>5} {'place':>5} {'time(us)':>10} {'median':>10} "
     f"{'spread':>9} {'algbw':>8} {'busbw':>8} {'#wrong':>6}"
 )
-_BACKEND_COLUMNS = f" {'api(us)':>10} {'anchor(us)':>10} {'speedup':>7}"
+_BACKEND_COLUMNS = f" {'anchor(us)':>10} {'speedup':>7}"
 _AUTO_COLUMNS = f" {'chosen':>10} {'best':>10} {'best(us)':>10} {'auto/best':>9}"
 
 
@@ -113,11 +145,12 @@ def median_us(m: Measurement | None) -> float | None:
     return None if m is None else (m.result.median_us or m.result.time_us)
 
 
-def fastest_backends(measurements: Iterable[Measurement]) -> dict[tuple, Measurement]:
-    """Per key (placement, dtype, op, mode, bytes): the fastest verified mpigpu backend (median)."""
+def fastest_backends(measurements: Iterable[Measurement], call: str | None = None) -> dict[tuple, Measurement]:
+    """Per key (placement, dtype, op, mode, bytes): the fastest verified mpigpu backend (median),
+    among the rows called as ``call`` (all rows when None)."""
     best: dict[tuple, Measurement] = {}
     for m in measurements:
-        if m.path.kind == "backend" and m.result.wrong == 0:
+        if m.path.kind == "backend" and m.result.wrong == 0 and call in (None, m.path.call):
             old = best.get(m.key)
             if old is None or (median_us(m) or 0) < (median_us(old) or 0):
                 best[m.key] = m
@@ -133,7 +166,7 @@ def render_tables(found: list[Measurement], everything: list[Measurement]) -> li
         order.setdefault((m.path, m.result.dtype, m.result.op), []).append(m)
     for (path, dtype, op), rows in order.items():
         rows.sort(key=lambda m: (m.result.bytes, m.result.inplace))
-        title = f"# {path.name}  [{'GPU buffers' if path.placement == 'device' else 'host arrays'}, {dtype}, {op}]"
+        title = f"# {path.column}  [{'GPU buffers' if path.placement == 'device' else 'host arrays'}, {dtype}, {op}]"
         columns = _COLUMNS
         if path.kind == "backend":
             anchor = path.anchor or "none"
@@ -143,15 +176,17 @@ def render_tables(found: list[Measurement], everything: list[Measurement]) -> li
             title += f"  {ANCHORS[path.name].description}"
         else:
             columns += _AUTO_COLUMNS
-        lines += ["#", title, columns]
+        lines += ["#", title]
+        if path.call is not None:
+            lines.append(f"#   {path.call}: {CALL_DESCRIPTION[path.call]}")
+        lines.append(columns)
         for m in rows:
             line = _row(m)
             if path.kind == "backend":
                 anchor_us = median_us(by_key.get((path.anchor, *m.key))) if path.anchor else None
-                api = f"{m.api_us:.2f}" if m.api_us is not None else "-"
                 anchor_text = f"{anchor_us:.2f}" if anchor_us else "n/a"
                 ratio = f"{anchor_us / median_us(m):.2f}" if anchor_us and median_us(m) else "n/a"
-                line += f" {api:>10} {anchor_text:>10} {ratio:>7}"
+                line += f" {anchor_text:>10} {ratio:>7}"
             elif path.kind == "auto":
                 top_us = f"{m.best_us:.2f}" if m.best_us else "n/a"
                 ratio = f"{(median_us(m) or 0) / m.best_us:.3f}" if m.best_us else "n/a"
@@ -169,6 +204,57 @@ def render_tables(found: list[Measurement], everything: list[Measurement]) -> li
     return lines
 
 
+def side_by_side(measurements: list[Measurement], timing: str = "") -> list[str]:
+    """One table per placement, dtype, op and mode: a row per size, a column per path and call
+    (the user's call, the persistent request, the prepared call where timed, each anchor), each
+    cell the median time per call in us, as nccl-tests sets in-place beside out-of-place."""
+    groups: dict[tuple[str, str, str, bool], dict[int, dict[str, float | None]]] = {}
+    columns: dict[tuple[str, str, str, bool], list[str]] = {}
+    for m in measurements:
+        group = (m.path.placement, m.result.dtype, m.result.op, m.result.inplace)
+        names = columns.setdefault(group, [])
+        if m.path.column not in names:
+            names.append(m.path.column)
+        groups.setdefault(group, {}).setdefault(m.result.bytes, {})[m.path.column] = (
+            median_us(m) if m.result.wrong == 0 else None
+        )
+    lines: list[str] = []
+    for group, rows in groups.items():
+        names = _ordered(columns[group])
+        width = [max(10, len(name) + 1) for name in names]
+        how = f", timing {timing}" if timing else ""
+        lines += [
+            "#",
+            f"# side by side [{_group_label(group)}]: median us per call, slowest rank{how}; WRONG = failed the check",
+            f"#{'size':>12} {'bytes':>11}" + "".join(f" {name:>{w}}" for name, w in zip(names, width, strict=True)),
+        ]
+        for nbytes in sorted(rows):
+            cells = []
+            for name, w in zip(names, width, strict=True):
+                if name not in rows[nbytes]:
+                    text = "-"
+                else:
+                    value = rows[nbytes][name]
+                    text = "WRONG" if value is None else f"{value:.2f}"
+                cells.append(f" {text:>{w}}")
+            lines.append(f" {size_label(nbytes):>12} {nbytes:>11}" + "".join(cells))
+    return lines
+
+
+def _ordered(columns: Iterable[str]) -> list[str]:
+    """auto's columns first, then every backend's user call, every persistent request, every
+    prepared call (backends in the order given), then the anchors."""
+    first = list(dict.fromkeys(columns))
+
+    def order(column: str) -> tuple[int, int, int]:
+        name, _, suffix = column.partition(":")
+        call = {"": 0, "req": 1, "prep": 2}.get(suffix, 3)
+        kind = 0 if name == "auto" else 2 if name in ANCHORS else 1
+        return (kind, call, first.index(column))
+
+    return sorted(first, key=order)
+
+
 # -- the summary ----------------------------------------------------------------------------------
 def auto_summary(measurements: list[Measurement]) -> dict[str, Any] | None:
     """auto's median against the fastest backend's, re-timed beside it, at every size both ran."""
@@ -182,7 +268,7 @@ def auto_summary(measurements: list[Measurement]) -> dict[str, Any] | None:
         "sizes": len(rows),
         "within_target": sum(1 for row in rows if row[0] <= AUTO_TARGET),
         "worst_ratio": round(ratio, 4),
-        "worst": {"bytes": r.bytes, "dtype": r.dtype, "op": r.op, "inplace": r.inplace,
+        "worst": {"bytes": r.bytes, "dtype": r.dtype, "op": r.op, "inplace": r.inplace, "call": worst.path.call,
                   "placement": worst.path.placement, "chosen": worst.chosen, "fastest": worst.best},
     }  # fmt: skip
 
@@ -203,10 +289,11 @@ def summary_lines(
     if auto:
         w = auto["worst"]
         tail.append(
-            f"# auto vs the fastest mpigpu backend (median): within {AUTO_TARGET - 1:.0%} at "
+            f"# auto vs the fastest mpigpu backend called the same way (median): within {AUTO_TARGET - 1:.0%} at "
             f"{auto['within_target']}/{auto['sizes']} sizes; worst {auto['worst_ratio']:.3f}x at "
             f"{size_label(w['bytes'])} {w['dtype']} {w['op']} {'in-place' if w['inplace'] else 'out-of-place'} "
-            f"({PLACE_LABEL[w['placement']]}: chose {w['chosen']}, fastest {w['fastest']})"
+            f"({PLACE_LABEL[w['placement']]}, {w.get('call') or 'prepared'} call: chose {w['chosen']}, "
+            f"fastest {w['fastest']})"
         )
     failed = failures(checked)
     for m in failed:
@@ -239,8 +326,25 @@ def _group_label(group: tuple[str, str, str, bool]) -> str:
     return f"{where}, {dtype} {op}, {'in-place' if inplace else 'out-of-place'}"
 
 
+def _row_call(row: dict[str, Any]) -> str | None:
+    """A JSON row's call; rows written before calls were recorded were prepared calls."""
+    if "call" in row:
+        return row["call"]
+    return None if row["kind"] == "anchor" else "prepared"
+
+
+def _group_of(row: dict[str, Any]) -> tuple[str, str, str, bool]:
+    return (row["placement"], row["dtype"], row["op"], row["inplace"])
+
+
+def _row_column(row: dict[str, Any]) -> str:
+    return column_name(row["path"], _row_call(row))
+
+
 def plot(doc: dict[str, Any], path: Path) -> None:
-    """busbw and time against size (log axes), one line per backend and anchor, one row per group."""
+    """busbw and time against size (log axes), one line per path and call and per anchor, one row
+    of plots per group. A backend's calls share its colour: user solid, persistent dash-dot,
+    prepared dotted; an anchor is dashed, in the colour of its first backend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -248,8 +352,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     rows = doc["results"]
-    groups = list(dict.fromkeys((r["placement"], r["dtype"], r["op"], r["inplace"]) for r in rows))
-    names = list(dict.fromkeys(r["path"] for r in rows))
+    groups = list(dict.fromkeys(_group_of(r) for r in rows))
+    names = _ordered(_row_column(r) for r in rows)
     colour: dict[str, int] = {}
     for r in rows:  # one colour per backend; an anchor takes the colour of its first backend
         if r["kind"] != "anchor":
@@ -257,10 +361,10 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     for r in rows:
         if r["kind"] == "backend" and r.get("anchor") and r["anchor"] not in colour:
             colour[r["anchor"]] = colour[r["path"]]
-    for name in names:
-        colour.setdefault(name, len(set(colour.values())))
+    for r in rows:
+        colour.setdefault(r["path"], len(set(colour.values())))
     colours = plt.get_cmap("tab10")
-    styles = {"backend": ("-", "o"), "anchor": ("--", "s"), "auto": (":", "^")}
+    styles = {"user": ("-", "o"), "persistent": ("-.", "^"), "prepared": (":", "v"), None: ("--", "s")}
     use_busbw = (doc.get("ranks") or 1) > 1
     fig, axes = plt.subplots(len(groups), 2, figsize=(14, 4.6 * len(groups)), squeeze=False)
     sizes = FuncFormatter(lambda value, _: size_label(int(value)) if value >= 1 else "")
@@ -268,15 +372,20 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     for (left, right), group in zip(axes, groups, strict=True):
         for name in names:
             points = sorted(
-                (r for r in rows if r["path"] == name and (r["placement"], r["dtype"], r["op"], r["inplace"]) == group),
+                (r for r in rows if _row_column(r) == name and _group_of(r) == group),
                 key=lambda r: r["bytes"],
             )
             if not points:
                 continue
-            kind = points[0]["kind"]
-            line, marker = styles.get(kind, ("-", "o"))
+            kind, call = points[0]["kind"], _row_call(points[0])
+            line, marker = styles.get(call, ("-", "o"))
             label = name + (" (anchor)" if kind == "anchor" else "")
-            style = {"linestyle": line, "marker": marker, "markersize": 3, "color": colours(colour[name] % 10)}
+            style = {
+                "linestyle": line,
+                "marker": marker,
+                "markersize": 3,
+                "color": colours(colour[points[0]["path"]] % 10),
+            }
             x = [r["bytes"] for r in points]
             bw = [r["busbw_gbps"] if use_busbw else r["algbw_gbps"] for r in points]
             left.plot(*zip(*[(a, b) for a, b in zip(x, bw, strict=True) if b > 0], strict=True), label=label, **style)
@@ -312,17 +421,19 @@ def load_run(path: Path) -> dict[str, Any]:
 
 
 def compare(a_path: Path, b_path: Path) -> list[str]:
-    """The table of B/A time ratios for every path and size measured in both runs."""
+    """The table of B/A time ratios for every path, call and size measured in both runs (rows of a
+    run written before calls were recorded count as prepared calls, which is what they were)."""
     a, b = load_run(a_path), load_run(b_path)
 
     def index(doc: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
-        return {(r["path"], r["placement"], r["dtype"], r["op"], r["inplace"], r["bytes"]): r for r in doc["results"]}
+        return {(_row_column(r), r["placement"], r["dtype"], r["op"], r["inplace"], r["bytes"]): r
+                for r in doc["results"]}  # fmt: skip
 
     ia, ib = index(a), index(b)
     common = [k for k in ia if k in ib]
     lines = [f"# A: {a_path}  {_title(a)}", f"# B: {b_path}  {_title(b)}"]
     lines.append(
-        f"#{'path':>13} {'place':>5} {'type':>9} {'redop':>5} {'mode':>5} {'size':>12} "
+        f"#{'path':>15} {'place':>5} {'type':>9} {'redop':>5} {'mode':>5} {'size':>12} "
         f"{'A(us)':>11} {'B(us)':>11} {'B/A':>7} {'busbw A':>9} {'busbw B':>9}"
     )
     logs: dict[str, list[float]] = {}
@@ -333,7 +444,7 @@ def compare(a_path: Path, b_path: Path) -> list[str]:
         if math.isfinite(ratio) and ratio > 0:
             logs.setdefault(f"{key[0]} ({PLACE_LABEL.get(key[1], key[1])})", []).append(math.log(ratio))
         lines.append(
-            f" {key[0]:>13} {PLACE_LABEL.get(key[1], key[1]):>5} {key[2]:>9} {key[3]:>5} "
+            f" {key[0]:>15} {PLACE_LABEL.get(key[1], key[1]):>5} {key[2]:>9} {key[3]:>5} "
             f"{'in' if key[4] else 'out':>5} {key[5]:>12} {ta:>11.2f} {tb:>11.2f} {ratio:>7.3f} "
             f"{ra['busbw_gbps']:>9.3f} {rb['busbw_gbps']:>9.3f}"
         )

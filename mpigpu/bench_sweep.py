@@ -1,7 +1,8 @@
-"""The sweep of ``python -m mpigpu.bench``: which paths to time (mpigpu backends, the raw anchor
-beside each, auto), and the measurement of each path at each size: verified first (fresh input,
-poisoned output, every element checked), then timed. Collective: every rank runs the same
-sequence.
+"""The sweep of ``python -m mpigpu.bench``: which paths to time (mpigpu backends and auto, each
+called the ways ``--calls`` names; the raw anchor beside each backend; the torch.distributed
+anchors), and the measurement of each path at each size: verified first (fresh input, poisoned
+output, every element checked, through the very call that is then timed), then timed on the wall
+clock (``mpigpu.bench_calls``). Collective: every rank runs the same sequence.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from mpigpu.anchors import ANCHORS, anchor_for
 from mpigpu.backends import BACKEND_NAMES
+from mpigpu.bench_calls import bind_call, summarize_samples, time_samples
 from mpigpu.bench_report import PLACE_LABEL, Measurement, PathSpec, fastest_backends, median_us
 from mpigpu.dtypes import DType
 from mpigpu.errors import MpigpuError
@@ -36,8 +38,8 @@ def _placements(args: argparse.Namespace, ctx: Any) -> list[str]:
 
 
 def plan_paths(ctx: Any, args: argparse.Namespace) -> tuple[list[PathSpec], list[str]]:
-    """The paths to time, in order (anchors before the backends that refer to them, auto last),
-    and a line for each one that cannot run here."""
+    """The paths to time, in order (anchors before the backends that refer to them, auto last; a
+    backend or auto once per call in ``args.calls``), and a line for each one that cannot run here."""
     from mpigpu.backends import backend_class
 
     wanted = set(args.backends or [*BACKEND_NAMES, *ANCHORS])
@@ -57,7 +59,7 @@ def plan_paths(ctx: Any, args: argparse.Namespace) -> tuple[list[PathSpec], list
         for name in backends:
             cls = backend_class(name)
             if cls.device_arrays if placement == "device" else cls.host_arrays:
-                mine.append(PathSpec(name, "backend", placement, anchor_for(placement, name)))
+                mine += [PathSpec(name, "backend", placement, anchor_for(placement, name), c) for c in args.calls]
         needed = {p.anchor for p in mine} | {a for a in wanted if a in ANCHORS}
         for name, cls in ANCHORS.items():
             if name in needed and cls.placement == placement:
@@ -68,8 +70,12 @@ def plan_paths(ctx: Any, args: argparse.Namespace) -> tuple[list[PathSpec], list
                     skipped.append(f"{name}: {problem}")
         paths.extend(mine)
         if "auto" in wanted and not args.tune:
-            paths.append(PathSpec("auto", "auto", placement))
+            paths += auto_paths(placement, args.calls)
     return paths, skipped
+
+
+def auto_paths(placement: str, calls: list[str]) -> list[PathSpec]:
+    return [PathSpec("auto", "auto", placement, None, c) for c in calls]
 
 
 def _unsupported(ctx: Any, path: PathSpec, dtype: DType, op: Op) -> str | None:
@@ -96,13 +102,29 @@ class Sweep:
         self._anchors: dict[str, Any] = {}
         self.cp_stream: Any = None
         self.stream: Any = None  # StreamRef of cp_stream
+        self._torch_stream: Any = None
         if ctx.all_have_gpus:
             self.cp_stream, self.stream = command_stream(ctx)
+            # the user's call and the request take the framework's current stream, as a user's do
+            self.cp_stream.use()
+            if args.framework == "torch":
+                from mpigpu.anchors import use_torch_stream
+
+                self._torch_stream = use_torch_stream(ctx, self.cp_stream)
 
     def close(self) -> None:
+        """Close the anchors and give the frameworks their default streams back (collective)."""
         for anchor in self._anchors.values():
             anchor.close()
         self._anchors.clear()
+        if self.cp_stream is not None:
+            from mpigpu._cuda import cupy
+
+            cupy().cuda.Stream.null.use()
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_initialized():
+                torch.cuda.set_stream(torch.cuda.default_stream(self.ctx.gpu.index))
+            self._torch_stream = None
 
     def _anchor(self, name: str) -> Any:
         anchor = self._anchors.get(name)
@@ -155,14 +177,14 @@ class Sweep:
     ) -> list[Measurement]:
         found: list[Measurement] = []
         mode = "in-place" if inplace else "out-of-place"
-        what = f"{path.name} {PLACE_LABEL[path.placement]} {work.dtype.name} {op.value} {mode}"
+        what = f"{path.column} {PLACE_LABEL[path.placement]} {work.dtype.name} {op.value} {mode}"
         limit = self.args.time_limit
         for i, count in enumerate(counts):
             sized = work.sized(count, op=op, inplace=inplace)
             m = self.measure(path, sized, op, inplace)
             if m is None:
                 break
-            top = fastest_backends(self.measurements).get(m.key) if path.kind == "auto" else None
+            top = fastest_backends(self.measurements, path.call).get(m.key) if path.kind == "auto" else None
             if top is not None:
                 again = self.measure(top.path, sized, op, inplace)
                 if again is not None:
@@ -182,7 +204,7 @@ class Sweep:
                 # (kernel compilation, communicator creation) that does not grow with the size.
                 growth = counts[i + 1] / count
                 per_call = (m.result.median_us or m.result.time_us) * 1e-6 * growth
-                predicted = m.check_seconds * growth + per_call * (1 + m.repeats + (m.api_us is not None))
+                predicted = m.check_seconds * growth + per_call * (1 + m.repeats)
                 if m.seconds > limit or predicted > limit:
                     why = f"took {m.seconds:.3g} s" if m.seconds > limit else f"the next would take ~{predicted:.3g} s"
                     note = f"{what}: stopped after {size_label(m.result.bytes)} ({why}; --time-limit {limit:g} s)"
@@ -193,72 +215,60 @@ class Sweep:
 
     def measure(self, path: PathSpec, work: Workload, op: Op, inplace: bool) -> Measurement | None:
         """Verify, then time, one path at one size; None if the path refuses this call."""
-        from mpigpu.api import allreduce, prepare, run
-        from mpigpu.timing import max_over_ranks, max_phases_over_ranks, summarize, time_calls
+        from mpigpu.timing import max_over_ranks, max_phases_over_ranks
         from mpigpu.verify import total_wrong
 
         args, comm = self.args, self.comm
         started = time.perf_counter()
         stream = self.stream if path.placement == "device" else None
-        api_call = None
-        chosen = reason = None
-        if path.kind == "anchor":
-            anchor = self._anchor(path.name)
-
-            def call() -> Any:
-                return anchor.allreduce(work.x, work.out, op)
-
-        else:
-            out = None if inplace else work.out
-            try:
-                prepared = prepare(work.x, op, out=out, comm=comm, backend=path.name, stream=stream)
-            except MpigpuError as exc:  # raised alike on every rank (prepare checks across ranks)
-                self.unsupported.append(f"{path.label} {work.dtype.name} {op.value} {work.count} elements: {exc}")
-                return None
-            if path.kind == "auto":
-                chosen, reason = prepared.choice.backend, prepared.choice.reason
-
-            def call() -> Any:
-                return run(prepared)
-
-            def api_call() -> Any:
-                return allreduce(work.x, op, out=out, comm=comm, backend=path.name, stream=stream)
+        anchor = self._anchor(path.name) if path.kind == "anchor" else None
+        try:
+            bound = bind_call(
+                path, work, op, framework=args.framework, comm=comm, stream=stream, anchor=anchor
+            )  # fmt: skip
+        except MpigpuError as exc:  # raised alike on every rank (the arguments are checked across ranks)
+            self.unsupported.append(f"{path.label} {work.dtype.name} {op.value} {work.count} elements: {exc}")
+            return None
+        call = bound.call
+        chosen, reason = (bound.chosen, bound.reason) if path.kind == "auto" else (None, None)
 
         def sync() -> None:
             if stream is not None:
                 self.cp_stream.synchronize()
 
-        # the check (nccl-tests' #wrong): fresh input, poisoned output, one call, every element
-        work.fill()
-        work.poison()
-        call()
-        if self.rank == 0:
-            work.corrupt(args.corrupt)
-        wrong = total_wrong(comm, work.wrong())
-        check_seconds = self._max(time.perf_counter() - started)
-
-        comm.Barrier()
-        t0 = time.perf_counter()
-        call()
-        sync()
-        estimate = self._max(time.perf_counter() - t0)
-        iters = args.iters or max(1, min(MAX_ITERS, int(TARGET_REP_S / max(estimate, 1e-9))))
-        warmup = max(1, min(args.warmup, iters))
-        for _ in range(warmup - 1):
+        try:
+            # the check (nccl-tests' #wrong): fresh input, poisoned output, one call, every element
+            work.fill()
+            work.poison()
             call()
-        means = time_calls(call, iters, barrier=comm.Barrier, stream=stream, repeats=args.repeats)
-        mean, median, spread = summarize(means)
+            if self.rank == 0:
+                work.corrupt(args.corrupt)
+            wrong = total_wrong(comm, work.wrong())
+            check_seconds = self._max(time.perf_counter() - started)
+
+            comm.Barrier()
+            t0 = time.perf_counter()
+            call()
+            sync()
+            estimate = self._max(time.perf_counter() - t0)
+            iters = args.iters or max(1, min(MAX_ITERS, int(TARGET_REP_S / max(estimate, 1e-9))))
+            warmup = max(1, min(args.warmup, iters))
+            for _ in range(warmup - 1):
+                call()
+            reps = time_samples(
+                call, sync, comm.Barrier, iters=iters, repeats=args.repeats, timing=args.timing
+            )  # fmt: skip
+        finally:
+            bound.close()
+        mean, median, spread = summarize_samples(reps)
         time_us, per_rank = max_over_ranks(comm, mean)
-        api_us = None
-        if api_call is not None:
-            api_us = self._max(time_calls(api_call, iters, barrier=comm.Barrier, stream=stream)[0])
         phases: dict[str, float] = {}
         if path.kind != "anchor":
-            phases = max_phases_over_ranks(comm, self.ctx.backend(chosen or path.name).last_phases)
+            phases = max_phases_over_ranks(comm, self.ctx.backend(bound.chosen or path.name).last_phases)
         result = Result(
             bytes=work.count * work.dtype.itemsize, elements=work.count, dtype=work.dtype.name, op=op.value,
             backend=path.name, ranks=self.ctx.size, time_us=time_us, wrong=wrong, inplace=inplace,
             median_us=self._max(median), spread_us=self._max(spread), phases_us=phases, per_rank_us=per_rank,
         )  # fmt: skip
         seconds = self._max(time.perf_counter() - started)
-        return Measurement(path, result, api_us, iters, warmup, args.repeats, seconds, check_seconds, chosen, reason)
+        return Measurement(path, result, iters, warmup, args.repeats, seconds, check_seconds, chosen, reason)

@@ -16,6 +16,9 @@
 #   sanitize   compute-sanitizer memcheck/racecheck/synccheck over the ipc kernel (2 ranks)
 #   bench      the benchmark, 8 B..1 GiB, with --tune, under Open MPI; ipc eager vs CUDA graph vs raw NCCL
 #   bench_impi cuda-aware beside MPI_Allreduce on device buffers under Intel MPI, 16 MiB..1 GiB
+#   usercall   issue 14's table under Open MPI: allreduce(t) and the persistent request req() (auto, nccl, ipc)
+#              beside torch.distributed (NCCL) and raw NCCL, float32 sum in place, 8 B..1 GiB, torch tensors;
+#              JSON and plot in $OUT; then scripts/call_cost.py --framework torch at 8 B and 64 KiB (~3 min)
 #   retest     RETEST="pytest paths" under both MPIs (a quick re-check after a fix)
 #   soak       thousands of random verified calls on GPU arrays; the cost of the argument check at 8 B
 #   train      scripts/training-figures.sh: bench_training for the MLP (+ fusion), ResNet-50, GPT-2 beside DDP
@@ -145,6 +148,17 @@ stage_bench_impi() {
   step "bench-impi" 150 0 "$IMPI -n $NGPU $PY -m mpigpu.bench --placement gpu --backends cuda-aware --inplace -b 16M --time-limit 6 --json $OUT/$tag-impi-$(date -u +%F).json"
 }
 
+stage_usercall() {
+  local tag="h200x$NGPU" date tune="$OUT/tune-usercall.json"
+  date=$(date -u +%F)
+  # auto follows the table the bench stage just measured, else this machine's committed one (a copy: the
+  # benchmark writes nothing without --tune, and the header says whether the table applies)
+  if [ -f "$OUT/tune.json" ]; then cp "$OUT/tune.json" "$tune"
+  elif [ -f "bench/results/tune-$tag-ompi.json" ]; then cp "bench/results/tune-$tag-ompi.json" "$tune"; fi
+  step "usercall-ompi" 150 0 "MPIGPU_TUNE_FILE=$tune $OMPI -n $NGPU $PY -m mpigpu.bench --placement gpu --inplace --dtypes float32 --ops sum --sizes 8,64K,1M,4M,16M,256M,1G --backends auto,nccl,ipc,nccl-raw,torch-nccl --calls user,persistent --framework torch --time-limit 10 --json $OUT/$tag-usercall-ompi-$date.json --plot $OUT/$tag-usercall-ompi-$date.png"
+  step "call-cost-torch" 60 0 "MPIGPU_TUNE_FILE=$tune $OMPI -n $NGPU $PY scripts/call_cost.py --framework torch --sizes 8,65536 --json $OUT/call-cost-torch-$tag-$date.json"
+}
+
 stage_soak() {
   step soak-ompi 150 0 "$OMPI -n $NGPU $PY -m mpigpu.soak --calls ${SOAK_CALLS:-3000} --json $LOGS/soak-ompi.json"
   step check-cost 60 0 "$OMPI -n $NGPU $PY -m mpigpu.soak --check-cost --device gpu --iters 5000"
@@ -160,7 +174,7 @@ stage_retest() {  # RETEST="pytest paths" under Open MPI with all GPUs and Intel
 }
 
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env info tests average serial sanitize bench bench_impi soak train)
+[ ${#stages[@]} -eq 0 ] && stages=(env info tests average serial sanitize bench usercall bench_impi soak train)
 for s in "${stages[@]}"; do
   if declare -F "stage_$s" >/dev/null; then "stage_$s"; else echo "unknown stage $s" | tee -a "$SUMMARY"; failures=$((failures + 1)); fi
 done

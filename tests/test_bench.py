@@ -1,6 +1,7 @@
 """The benchmark (python -m mpigpu.bench) on the CPU path under mpiexec -n 1, 2, 4: tables, JSON,
-plot, compare, tuning and auto, the exit status on a wrong element and on bad options. Plus the
-crossover-table logic of mpigpu.tune, which needs no MPI.
+plot, compare, tuning and auto, the rows of each call (user, persistent, prepared), the torch.distributed
+(gloo) anchor, torch tensors as the user's arrays, the exit status on a wrong element and on bad
+options. Plus the crossover-table logic of mpigpu.tune, which needs no MPI.
 
 These are serial tests: each one launches the command through ``run_mpi``.
 """
@@ -48,6 +49,14 @@ def key(row: dict[str, Any]) -> tuple:
     return (row["placement"], row["dtype"], row["op"], row["inplace"], row["bytes"])
 
 
+def has_torch_gloo() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_gloo_available()
+
+
 def has_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
@@ -88,13 +97,27 @@ def test_sweep_prints_tables_and_writes_consistent_json(tmp_path: Path, n: int) 
     assert {"cpu", "mpi-host"} <= set(by_path)
     expected = {(d, o, m, s) for d in ("float32", "int32") for o in ("sum", "avg") for m in (True, False)
                 for s in (8, 16, 32, 64)}  # fmt: skip
-    for name in ("cpu", "mpi-host"):
+    names = ["mpi-host", *(["torch-gloo"] if has_torch_gloo() else [])]
+    for name in names:
         assert {(r["dtype"], r["op"], r["inplace"], r["bytes"]) for r in by_path[name]} == expected
+    for call in ("user", "persistent"):  # the default calls, each a row of its own at every size
+        mine = {(r["dtype"], r["op"], r["inplace"], r["bytes"]) for r in by_path["cpu"] if r["call"] == call}
+        assert mine == expected
+    assert {r["call"] for r in rows if r["kind"] == "backend"} == {"user", "persistent"}, "prepared: only on request"
+    assert doc["settings"]["calls"] == ["user", "persistent"] and doc["settings"]["timing"] == "call"
     anchors = {(r["path"], *key(r)) for r in rows if r["kind"] == "anchor"}
+    assert all(r["call"] is None for r in rows if r["kind"] == "anchor")
     for row in rows:
         if row["kind"] == "backend":  # no mpigpu backend without its anchor beside it
-            assert row["api_us"] > 0
             assert (row["anchor"], *key(row)) in anchors
+    # the side-by-side table: the user's call, the request and the anchors in one row per size
+    side = done.stdout.split("# side by side [host arrays, int32 avg, in-place]")[1].splitlines()
+    columns = side[1].split()[3:]
+    assert {"cpu", "cpu:req", *names} <= set(columns)
+    assert columns.index("cpu") < columns.index("cpu:req") < columns.index("mpi-host"), "calls, requests, anchors"
+    assert [line.split()[2] for line in side[2:6]] == ["8", "16", "32", "64"]
+    cpu_64 = next(r for r in by_path["cpu"] if r["call"] == "user" and key(r) == ("host", "int32", "avg", True, 64))
+    assert side[5].split()[3 + columns.index("cpu")] == f"{cpu_64['median_us']:.2f}"
 
 
 # -- plot and compare -------------------------------------------------------------------------------
@@ -163,7 +186,7 @@ def test_tune_writes_a_table_that_auto_then_uses(tmp_path: Path) -> None:
     out = tmp_path / "tuned.json"
     done = ok(bench(2, tmp_path, "-e", "64", "--backends", "cpu", "--tune", "--json", str(out)))
     assert "# tuned crossover table for " in done.stdout and str(table) in done.stdout
-    assert "# auto vs the fastest mpigpu backend (median): within 5% at" in done.stdout
+    assert "# auto vs the fastest mpigpu backend called the same way (median): within 5% at" in done.stdout
 
     written = json.loads(table.read_text())["tables"]
     assert written["gpu=H9000"] == other, "other machines' tables are kept"
@@ -172,12 +195,15 @@ def test_tune_writes_a_table_that_auto_then_uses(tmp_path: Path) -> None:
     assert mine["signature"] == doc["machine"]["signature"]
     assert mine["bands"] == {"host": [[64, "cpu"]]}
     assert doc["tuning"]["applies"] == str(table)
+    assert doc["settings"]["calls"] == ["user", "persistent", "prepared"], "--tune compares prepared calls"
     autos = [r for r in doc["results"] if r["kind"] == "auto"]
-    assert len(autos) == 8 and all(r["chosen"] == "cpu" and r["wrong"] == 0 for r in autos)
+    assert sorted(r["call"] for r in autos) == ["persistent"] * 8 + ["prepared"] * 8 + ["user"] * 8
+    assert all(r["chosen"] == "cpu" and r["wrong"] == 0 for r in autos)
     assert all(r["chosen_reason"].startswith(f"tuned table ({table})") for r in autos)
     assert all(r["best"] == "cpu" and r["best_us"] > 0 for r in autos), "the fastest backend is re-timed beside auto"
-    assert len(doc["rechecks"]) == 8 and all(r["wrong"] == 0 for r in doc["rechecks"])
-    assert doc["auto"]["sizes"] == 8
+    assert sorted(r["call"] for r in doc["rechecks"]) == sorted(r["call"] for r in autos), "re-timed called alike"
+    assert all(r["wrong"] == 0 and r["path"] == "cpu" for r in doc["rechecks"])
+    assert doc["auto"]["sizes"] == 24
 
     # a table naming other winners: auto follows it wherever that backend can run
     bands = {"host": [[16, "cpu"], [1 << 40, "host"]]}
@@ -188,7 +214,8 @@ def test_tune_writes_a_table_that_auto_then_uses(tmp_path: Path) -> None:
     host_ok = not any(line.startswith("host:") for line in doc2["skipped"])
     lookup = TuningTable(mine["signature"], {"host": [(16, "cpu"), (1 << 40, "host")]}, str(table)).lookup
     autos = [r for r in doc2["results"] if r["kind"] == "auto"]
-    assert [r["bytes"] for r in autos] == [8, 16, 32, 64]
+    assert [r["bytes"] for r in autos if r["call"] == "user"] == [8, 16, 32, 64]
+    assert [r["bytes"] for r in autos if r["call"] == "persistent"] == [8, 16, 32, 64]
     for row in autos:
         if host_ok or lookup("host", row["bytes"]) == "cpu":
             assert row["chosen"] == lookup("host", row["bytes"]), row
@@ -204,8 +231,8 @@ def test_auto_without_a_table_uses_the_rules(tmp_path: Path) -> None:
     out = tmp_path / "auto.json"
     ok(bench(1, tmp_path, "-e", "16", "--backends", "auto", "--inplace", "--json", str(out)))
     autos = json.loads(out.read_text())["results"]
-    assert [r["path"] for r in autos] == ["auto", "auto"]
-    assert all(r["chosen_reason"].startswith("rule") for r in autos)
+    assert [(r["path"], r["call"]) for r in autos] == [("auto", "user")] * 2 + [("auto", "persistent")] * 2
+    assert all(r["chosen_reason"].startswith("rule") and r["chosen"] == "cpu" for r in autos)
 
 
 # -- failures -----------------------------------------------------------------------------------
@@ -227,6 +254,8 @@ def test_a_wrong_element_makes_the_exit_status_1(tmp_path: Path) -> None:
         (["--dtypes", "complex64"], "unsupported dtype 'complex64'"),
         (["--ops", "mean"], "unknown op 'mean'"),
         (["--step-factor", "1"], "--step-factor must be >= 2"),
+        (["--calls", "user,fast"], "unknown call 'fast'"),
+        (["--timing", "events"], "invalid choice: 'events'"),
         (["--time-limit", "-1"], "not a number of seconds"),
         (["--backends", "nccl"], "nothing to time: nccl:"),
     ],
@@ -241,6 +270,43 @@ def test_bad_options_exit_2_with_one_message(tmp_path: Path, args: list[str], me
     assert done.stderr.count("error:") == 1, "one message per job, not one per rank"
 
 
+# -- the calls and the anchors ---------------------------------------------------------------------
+def test_every_call_and_anchor_is_verified_before_it_is_timed(tmp_path: Path) -> None:
+    out = tmp_path / "calls.json"
+    backends = "cpu,torch-gloo" if has_torch_gloo() else "cpu"
+    done = ok(bench(2, tmp_path, "--sizes", "8,40", "--calls", "all", "--backends", backends, "--corrupt", "1",
+                    "--json", str(out)), 1)  # fmt: skip
+    doc = json.loads(out.read_text())
+    columns = {"cpu", "cpu:req", "cpu:prep", "mpi-host", *(["torch-gloo"] if has_torch_gloo() else [])}
+    assert {r["column"] for r in doc["results"]} == columns
+    assert doc["settings"]["sizes"] == [8, 40]
+    for column in columns:  # one damaged element on rank 0, seen in every row: each path's own result is checked
+        rows = [r for r in doc["results"] if r["column"] == column]
+        assert sorted((r["bytes"], r["inplace"]) for r in rows) == [(8, False), (8, True), (40, False), (40, True)]
+        assert all(r["wrong"] == 1 for r in rows), column
+    assert "# FAIL: cpu:req (host) float32 sum in-place 40 B: 1 wrong element" in done.stdout
+    assert "#   prepared: diagnostic: api.run of a call prepared once" in done.stdout
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_torch_gloo_anchor_and_torch_tensors_as_the_users_arrays(tmp_path: Path, n: int) -> None:
+    if not has_torch_gloo():
+        pytest.skip("torch with gloo is not installed")
+    out = tmp_path / "torch.json"
+    done = ok(bench(n, tmp_path, "-e", "32", "--backends", "cpu,torch-gloo", "--framework", "torch", "--dtypes",
+                    "float32,int64", "--ops", "sum,avg,max", "--timing", "loop", "--json", str(out)))  # fmt: skip
+    assert "torch.distributed.all_reduce, gloo backend, on torch CPU tensors" in done.stdout
+    assert "# arrays passed to allreduce and allreduce_init: torch tensors" in done.stdout
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["framework"] == "torch" and doc["settings"]["timing"] == "loop"
+    rows = doc["results"]
+    assert all(r["wrong"] == 0 for r in rows)
+    expected = {(d, o, m, s) for d in ("float32", "int64") for o in ("sum", "avg", "max") for m in (True, False)
+                for s in (8, 16, 32)}  # fmt: skip
+    for column in ("torch-gloo", "cpu", "cpu:req"):
+        assert {(r["dtype"], r["op"], r["inplace"], r["bytes"]) for r in rows if r["column"] == column} == expected
+
+
 def test_time_limit_stops_a_sweep_and_says_so(tmp_path: Path) -> None:
     out = tmp_path / "limited.json"
     done = ok(bench(1, tmp_path, "-e", "1K", "--backends", "cpu", "--out-of-place", "--time-limit", "1e-6",
@@ -249,7 +315,7 @@ def test_time_limit_stops_a_sweep_and_says_so(tmp_path: Path) -> None:
     assert "cpu host float32 sum out-of-place: stopped after 16 B" in done.stdout
     doc = json.loads(out.read_text())
     assert {r["bytes"] for r in doc["results"]} == {8, 16}
-    assert len(doc["stopped"]) == 2  # cpu and its anchor
+    assert len(doc["stopped"]) == 3  # cpu's call, its request and its anchor
 
 
 def test_the_largest_size_is_timed_where_the_steps_miss_it(tmp_path: Path) -> None:
@@ -257,8 +323,8 @@ def test_the_largest_size_is_timed_where_the_steps_miss_it(tmp_path: Path) -> No
     ok(bench(1, tmp_path, "-b", "8", "-e", "40", "-f", "4", "--backends", "cpu", "--inplace", "--json", str(out)))
     doc = json.loads(out.read_text())
     assert doc["settings"]["sizes"] == [8, 32, 40]
-    for path in ("cpu", "mpi-host"):
-        assert [r["bytes"] for r in doc["results"] if r["path"] == path] == [8, 32, 40]
+    for column in ("cpu", "cpu:req", "mpi-host"):
+        assert [r["bytes"] for r in doc["results"] if r["column"] == column] == [8, 32, 40]
 
 
 def test_benchmark_is_an_alias() -> None:

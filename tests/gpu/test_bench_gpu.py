@@ -63,3 +63,35 @@ def test_a_damaged_device_result_exits_1(comm) -> None:
     status, doc = _bench(comm, "-b", "64", "-e", "512", "--backends", "seed-staging", "--corrupt", "3")
     assert status == 1 and not doc["ok"]
     assert doc["failures"] and all(r["wrong"] == 3 for r in doc["results"])
+
+
+def test_user_call_request_prepared_and_torch_anchor_are_verified_side_by_side(comm) -> None:
+    """The rows of issue 14's table: allreduce(x) and req() for auto, nccl and ipc, the prepared
+    diagnostic, raw NCCL and torch.distributed (NCCL) where torch is installed; every row checked,
+    and a damaged result seen in every one of them."""
+    import importlib.util
+
+    ctx = Context.get(comm)
+    backends = [b for b in ("nccl", "ipc") if ctx.availability[b].ok]
+    if not backends or not ctx.nccl.available:
+        pytest.skip("neither nccl nor ipc can run here")
+    torch_ok = importlib.util.find_spec("torch") is not None
+    anchors = ["nccl-raw", *(["torch-nccl"] if torch_ok else [])]
+    args = ["--sizes", "8,64K,1M", "--calls", "all", "--backends", ",".join(["auto", *backends, *anchors]),
+            "--framework", "torch" if torch_ok else "native", "--inplace"]  # fmt: skip
+    status, doc = _bench(comm, *args)
+    assert status == 0 and doc["ok"], doc["failures"]
+    columns = {r["column"] for r in doc["results"]}
+    calls = [f"{name}{suffix}" for name in ("auto", *backends) for suffix in ("", ":req", ":prep")]
+    assert columns == {*calls, *anchors}
+    for column in columns:
+        assert sorted(r["bytes"] for r in doc["results"] if r["column"] == column) == [8, 65536, 1 << 20], column
+    autos = [r for r in doc["results"] if r["path"] == "auto"]
+    assert all(r["chosen"] in backends for r in autos)
+    for size in (8, 65536, 1 << 20):  # the three calls of auto choose alike
+        assert len({r["chosen"] for r in autos if r["bytes"] == size}) == 1
+
+    status, doc = _bench(comm, *args, "--corrupt", "2")
+    assert status == 1
+    assert {r["column"] for r in doc["results"]} == {*calls, *anchors}
+    assert all(r["wrong"] == 2 for r in doc["results"])
