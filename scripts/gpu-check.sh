@@ -168,6 +168,10 @@ stage_train() {
   step train-ompi 240 0 "OUT=$OUT/training TRAIN_DEADLINE=225 scripts/training-figures.sh"
 }
 
+stage_jax() {  # the jitted step with the in-jit average beside leaving jit and beside jax.distributed
+  step "jax-step-ompi" 150 0 "$OMPI -n $NGPU $PY scripts/jax_step_bench.py --json $OUT/jax-step-h200x$NGPU-$(date -u +%F).json"
+}
+
 stage_retest() {  # RETEST="pytest paths" under Open MPI with all GPUs and Intel MPI with 2
   step "retest-ompi-$NGPU" 120 0 "export MPIGPU_TIMEOUT=120; $OMPI -n $NGPU $PY -m pytest -q --with-mpi --only-mpi ${RETEST:-tests/gpu} -p no:cacheprovider"
   step "retest-impi-2" 120 0 "export MPIGPU_TIMEOUT=120; $IMPI -n 2 $PY -m pytest -q --with-mpi --only-mpi ${RETEST:-tests/gpu} -p no:cacheprovider"
@@ -180,6 +184,9 @@ for s in "${stages[@]}"; do
 done
 
 tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"
+# at most a few files come back from a lease: everything but the summary and the logs in one archive
+(cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name logs.tgz ! -name results.tgz -print0 \
+  | tar czf results.tgz --null -T - --remove-files) 2>/dev/null
 echo "===== gpu-check summary ($NGPU GPUs, $(date -u +%FT%TZ)) ====="
 cat "$SUMMARY"
 echo "failed steps: $failures"
