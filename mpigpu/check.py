@@ -18,16 +18,20 @@ that failed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from array import array
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from mpigpu._mpi import MPI
 from mpigpu.dtypes import DTYPES
 from mpigpu.errors import MismatchError
 from mpigpu.ops import Op
 
-__all__ = ["Signature", "agree", "check_signature"]
+if TYPE_CHECKING:
+    from mpigpu.context import Context
+
+__all__ = ["Signature", "agree", "announce_rejection", "check_signature"]
 
 _FIELDS = ("failed", "count", "dtype", "op", "backend", "placement", "shape")
 _ZEROS = bytes(16 * len(_FIELDS))  # [v, -v] as int64 (array.array: cheaper per call than NumPy here)
@@ -79,10 +83,6 @@ def _label(field: str, value: Any) -> str:
         return next((d.name for d in DTYPES.values() if d.code == value), str(value))
     if field == "op":
         return next((o.value for o in Op if o.code == value), str(value))
-    if field == "backend":
-        from mpigpu.backends import BACKEND_NAMES, backend_class
-
-        return next((n for n in BACKEND_NAMES if backend_class(n).code == value), str(value))
     if field == "placement":
         return "GPU array" if value else "host array"
     if field == "shape":
@@ -90,8 +90,8 @@ def _label(field: str, value: Any) -> str:
     return str(value)
 
 
-def _describe(name: str, gathered: list[tuple[list[int], str | None, tuple[int, ...]]], failure: str) -> str:
-    failed = [(r, err) for r, (_, err, _) in enumerate(gathered) if err]
+def _describe(name: str, gathered: list[tuple[list[int], str | None, tuple[int, ...], str]], failure: str) -> str:
+    failed = [(r, err) for r, (_, err, _, _) in enumerate(gathered) if err]
     if failed:
         lines = [f"rank {r}: {err}" for r, err in failed]
         return f"{name} did not run: {_ranks([r for r, _ in failed])} {failure}.\n  " + "\n  ".join(lines)
@@ -100,10 +100,11 @@ def _describe(name: str, gathered: list[tuple[list[int], str | None, tuple[int, 
         if field == "failed":
             continue
         by_value: dict[Any, list[int]] = {}
-        for r, (vec, _, shape) in enumerate(gathered):
+        for r, (vec, _, shape, _) in enumerate(gathered):
             by_value.setdefault(shape if field == "shape" else vec[index], []).append(r)
         if len(by_value) > 1:
-            shown = "; ".join(f"{_label(field, v)} on {_ranks(rs)}" for v, rs in by_value.items())
+            labels = {vec[index]: backend for vec, _, _, backend in gathered} if field == "backend" else {}
+            shown = "; ".join(f"{labels.get(v) or _label(field, v)} on {_ranks(rs)}" for v, rs in by_value.items())
             parts.append(f"{field}: {shown}")
     if not parts:
         parts.append("arguments differ")
@@ -114,11 +115,16 @@ def _describe(name: str, gathered: list[tuple[list[int], str | None, tuple[int, 
 
 
 def check_signature(
-    comm: Any, sig: Signature, name: str = "allreduce", failure: str = "rejected the arguments"
+    comm: Any,
+    sig: Signature,
+    name: str = "allreduce",
+    failure: str = "rejected the arguments",
+    backend_name: str = "",
 ) -> None:
     """Raise MismatchError (the same text on every rank) unless all ranks agree and none failed.
 
-    ``failure`` completes "<name> did not run: rank 1 ..." when a rank reports an error."""
+    ``failure`` completes "<name> did not run: rank 1 ..." when a rank reports an error;
+    ``backend_name`` names ``sig.backend`` in that message (this module sits below the backends)."""
     mpi = MPI()
     mine = sig.values()
     f, c, d, o, b, p, s = mine
@@ -130,7 +136,7 @@ def check_signature(
     )
     if result[0] == 0 and sum(result) == 0:
         return
-    gathered = comm.allgather((mine, sig.error, tuple(int(d) for d in sig.shape)))
+    gathered = comm.allgather((mine, sig.error, tuple(int(d) for d in sig.shape), backend_name))
     raise MismatchError(_describe(name, gathered, failure))
 
 
@@ -144,3 +150,12 @@ def agree(comm: Any, error: BaseException | None, name: str) -> None:
         if error is not None:
             raise error from None
         raise
+
+
+def announce_rejection(ctx: Context, exc: Exception) -> None:
+    """Join the cross-rank check with this rank's own error, so every other rank raises MismatchError
+    naming it instead of waiting (collective; this rank then raises its own error)."""
+    if ctx.settings.check:
+        # watched: a rank that never arrives would leave this one waiting in the check
+        with contextlib.suppress(MismatchError), ctx.watchdog.watch("allreduce (reporting an invalid call)"):
+            check_signature(ctx.comm, Signature(0, 0, 0, 0, 0, error=f"{type(exc).__name__}: {exc}"))

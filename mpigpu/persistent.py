@@ -168,9 +168,9 @@ class Request:
             return
         if ctx.watchdog.timeout > 0:
             with ctx.watchdog.watch(f"{self._label} (cross-rank argument check)"):
-                check_signature(ctx.comm, self._signature)
+                check_signature(ctx.comm, self._signature, backend_name=self.backend)
         else:
-            check_signature(ctx.comm, self._signature)
+            check_signature(ctx.comm, self._signature, backend_name=self.backend)
 
     def _on_worker(self, worker: Any, ready: Any, check: bool) -> None:
         """The queued start: GPU data is reduced on the worker's own stream after ``ready``, and

@@ -133,7 +133,7 @@ def _agree(ch: Channel, aval: Any, op: Op, backend: str, platform: str) -> Choic
             check_signature(ch.check, Signature(0, 0, 0, 0, 0, error=f"{type(exc).__name__}: {exc}"), name)
         raise
     with _watched(ch, f"{name} of {spec.size} {dtype.name} (cross-rank check while compiling)"):
-        check_signature(ch.check, signature, name)
+        check_signature(ch.check, signature, name, backend_name=choice.backend)
     if ctx.settings.log and ctx.rank == 0:
         sys.stderr.write(f"mpigpu.jax: {spec.nbytes} B {dtype.name} on {spec.where} -> {choice.backend} "
                          f"({choice.reason})\n")  # fmt: skip
