@@ -9,7 +9,7 @@ import numpy as np
 
 from mpigpu._cuda import StreamRef, resolve_stream
 from mpigpu.arrays import ArrayView, as_view, check_out
-from mpigpu.backends import backend_class
+from mpigpu.backends import backend_code
 from mpigpu.check import Signature, announce_rejection, check_signature
 from mpigpu.context import Context
 from mpigpu.device import GpuInfo
@@ -130,7 +130,7 @@ def agree(prepared: Prepared) -> None:
             count=xv.size,
             dtype=xv.dtype.code,
             op=prepared.op.code,
-            backend=backend_class(prepared.choice.backend).code,
+            backend=backend_code(prepared.choice.backend),
             placement=int(xv.on_device),
             shape=xv.shape,
         )

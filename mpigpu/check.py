@@ -4,7 +4,7 @@ rejected its own arguments. Mismatches become the same MismatchError on every ra
 hang or a read past a buffer. The shape is checked too (as a 62-bit hash): ranks that pass the same
 element count in different shapes are almost certainly reducing different tensors into each other.
 
-Cost: one MPI_Allreduce(MAX) of 14 int64 values per call. It runs on every call, by design: any
+Cost: one MPI_Allreduce(MAX) of 16 int64 values per call. It runs on every call, by design: any
 scheme where ranks skip the check independently (say, once per signature seen) can leave one rank
 checking while another has moved on, which is the hang the check exists to prevent. Example: rank 0
 has seen (1000, float32) before and skips; rank 1 passes 1001 for the first time and checks, so
@@ -31,9 +31,12 @@ from mpigpu.ops import Op
 if TYPE_CHECKING:
     from mpigpu.context import Context
 
-__all__ = ["Signature", "agree", "announce_rejection", "check_signature"]
+__all__ = ["COLLECTIVES", "Signature", "agree", "announce_rejection", "check_signature"]
 
-_FIELDS = ("failed", "count", "dtype", "op", "backend", "placement", "shape")
+_FIELDS = ("failed", "count", "dtype", "op", "backend", "placement", "shape", "collective")
+# A collective's code in the signature is its index here: one collective per call, and two ranks in
+# different collectives fail the check like any other difference. Add broadcast, allgather here.
+COLLECTIVES: tuple[str, ...] = ("allreduce",)
 _ZEROS = bytes(16 * len(_FIELDS))  # [v, -v] as int64 (array.array: cheaper per call than NumPy here)
 
 
@@ -49,12 +52,13 @@ class Signature(NamedTuple):
     placement: int  # 0 host, 1 GPU
     error: str | None = None
     shape: tuple[int, ...] = ()
+    collective: int = 0  # index in COLLECTIVES
 
     def values(self) -> list[int]:
         """The checked fields, in _FIELDS order."""
         return [
             1 if self.error else 0, self.count, self.dtype, self.op, self.backend, self.placement,
-            shape_hash(self.shape),
+            shape_hash(self.shape), self.collective,
         ]  # fmt: skip
 
 
@@ -87,6 +91,8 @@ def _label(field: str, value: Any) -> str:
         return "GPU array" if value else "host array"
     if field == "shape":
         return "[" + ", ".join(map(str, value)) + "]"
+    if field == "collective" and 0 <= value < len(COLLECTIVES):
+        return COLLECTIVES[value]
     return str(value)
 
 
@@ -127,12 +133,14 @@ def check_signature(
     ``backend_name`` names ``sig.backend`` in that message (this module sits below the backends)."""
     mpi = MPI()
     mine = sig.values()
-    f, c, d, o, b, p, s = mine
+    f, c, d, o, b, p, s, k = mine
     # MAX over [v, -v] gives max and -min of every field in one collective. max - min >= 0 per field,
-    # so all fields agree iff the 14 results sum to 0; result[0] is 1 if any rank failed.
+    # so all fields agree iff the 16 results sum to 0; result[0] is 1 if any rank failed.
     result = array("q", _ZEROS)
     comm.Allreduce(
-        [array("q", (f, c, d, o, b, p, s, -f, -c, -d, -o, -b, -p, -s)), mpi.INT64_T], [result, mpi.INT64_T], mpi.MAX
+        [array("q", (f, c, d, o, b, p, s, k, -f, -c, -d, -o, -b, -p, -s, -k)), mpi.INT64_T],
+        [result, mpi.INT64_T],
+        mpi.MAX,
     )
     if result[0] == 0 and sum(result) == 0:
         return

@@ -17,12 +17,13 @@ import pytest
 from mpigpu.arrays import ArrayView
 from mpigpu.backends import Availability
 from mpigpu.backends import ipc_plan as P
+from mpigpu.backends.ipc import AUTO_MAX_BYTES as IPC_MAX_BYTES
 from mpigpu.backends.ipc import IpcBackend
 from mpigpu.backends.ipc_memory import agree
 from mpigpu.dtypes import DTYPES
 from mpigpu.errors import BackendUnavailable, InvalidArgument
 from mpigpu.ops import Op
-from mpigpu.plan import IPC_MAX_BYTES, TuningTable, choose
+from mpigpu.plan import TuningTable, choose
 
 KERNEL = Path(__file__).resolve().parent.parent / "mpigpu" / "kernels" / "ipc.cu"
 

@@ -8,6 +8,7 @@ sum or product leaves is made the canonical NaN, whose bits then match on every 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -59,9 +60,9 @@ class CpuBackend(Backend):
     """MPI_Allreduce on host memory; float16/bfloat16 go through a reused float32 buffer."""
 
     name: ClassVar[str] = "cpu"
-    code: ClassVar[int] = 1
     host_arrays: ClassVar[bool] = True
     device_arrays: ClassVar[bool] = False
+    anchors: ClassVar[Mapping[str, str]] = {"host": "mpi-host"}
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)

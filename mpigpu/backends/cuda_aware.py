@@ -12,6 +12,7 @@ MPIGPU_CUDA_AWARE=1 and not contradicted: a device pointer never reaches an MPI 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mpigpu._mpi import MPI
@@ -32,9 +33,9 @@ class CudaAwareBackend(Backend):
     """MPI_Allreduce on device buffers."""
 
     name: ClassVar[str] = "cuda-aware"
-    code: ClassVar[int] = 3
     host_arrays: ClassVar[bool] = False
     device_arrays: ClassVar[bool] = True
+    anchors: ClassVar[Mapping[str, str]] = {"device": "mpi-device"}
 
     @classmethod
     def probe(cls, ctx: Context) -> Availability:

@@ -28,7 +28,7 @@ import abc
 import contextlib
 import mmap
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -606,13 +606,23 @@ class _SmallViews:
 
 
 # -- the backend ----------------------------------------------------------------------------------
+# auto's limit for host arrays: the measured crossover with MPICH's MPI_Allreduce, 2 and 4 ranks (docs/host.md)
+AUTO_HOST_MIN_BYTES = 32 << 20
+
+
 class HostBackend(Backend):
     """Host staging through node-shared pinned memory, for NumPy and GPU arrays."""
 
     name: ClassVar[str] = "host"
-    code: ClassVar[int] = 2
     host_arrays: ClassVar[bool] = True
     device_arrays: ClassVar[bool] = True
+    anchors: ClassVar[Mapping[str, str]] = {"device": "seed-staging", "host": "mpi-host"}
+
+    @classmethod
+    def auto_declines(cls, on_device: bool, nbytes: int) -> str | None:
+        if not on_device and nbytes < AUTO_HOST_MIN_BYTES:
+            return f"message below {AUTO_HOST_MIN_BYTES >> 20} MiB (MPI_Allreduce is faster there)"
+        return None
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)

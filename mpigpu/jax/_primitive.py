@@ -39,7 +39,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from mpigpu.arrays import ArrayView
-from mpigpu.backends import BACKEND_NAMES, backend_class
+from mpigpu.backends import BACKEND_NAMES, backend_code
 from mpigpu.check import Signature, check_signature
 from mpigpu.dtypes import parse_dtype
 from mpigpu.errors import DeviceError, InvalidArgument, MismatchError
@@ -127,7 +127,7 @@ def _agree(ch: Channel, aval: Any, op: Op, backend: str, platform: str) -> Choic
         spec = ArrayView(None, 0, tuple(int(d) for d in aval.shape), dtype, ctx.gpu.index if on_gpu else None,
                          True, "xla")  # fmt: skip
         choice = choose_cached(ctx, spec, op, backend)
-        signature = Signature(spec.size, dtype.code, op.code, backend_class(choice.backend).code, int(on_gpu))
+        signature = Signature(spec.size, dtype.code, op.code, backend_code(choice.backend), int(on_gpu))
     except Exception as exc:  # any failure here must reach the other ranks, which are in the check
         with contextlib.suppress(MismatchError), _watched(ch, f"{name} (reporting an invalid call)"):
             check_signature(ch.check, Signature(0, 0, 0, 0, 0, error=f"{type(exc).__name__}: {exc}"), name)
