@@ -45,3 +45,24 @@ def test_auto_size_rules() -> None:
     assert host.auto_declines(False, 32 << 20) is None
     assert host.auto_declines(True, 1) is None
     assert all(backend_class(n).auto_declines(True, 1 << 40) is None for n in ("nccl", "cuda-aware", "cpu"))
+
+
+def test_mpi_and_numpy_mappings_live_on_dtype_and_op() -> None:
+    """One table per fact: DType.mpi, DType.unsigned, Op.mpi and Op.ufunc (were copies in backends)."""
+    import numpy as np
+
+    from mpigpu._mpi import MPI
+    from mpigpu.dtypes import DTYPES
+    from mpigpu.ops import Op
+
+    mpi = MPI()
+    for d in DTYPES.values():
+        assert d.unsigned.np == np.dtype(f"uint{8 * d.itemsize}")
+        if d.is_half:
+            with pytest.raises(InvalidArgument, match="float32 or as keys"):
+                _ = d.mpi
+            continue
+        assert d.mpi.Get_size() == d.itemsize
+        assert d.mpi == {"float32": mpi.FLOAT, "float64": mpi.DOUBLE}.get(d.name, getattr(mpi, f"{d.name.upper()}_T"))
+    assert [op.mpi for op in Op] == [mpi.SUM, mpi.SUM, mpi.MIN, mpi.MAX, mpi.PROD]
+    assert [op.ufunc for op in Op] == [np.add, np.add, np.minimum, np.maximum, np.multiply]

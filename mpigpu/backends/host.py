@@ -55,7 +55,6 @@ CPU_CHUNK = 16 << 20  # default pipeline chunk for NumPy arrays (measured: docs/
 CPU_BLOCK = 1 << 20  # NumPy reduction block, bytes per row (larger blocks measured faster: fewer calls)
 GATHER_MAX = 1 << 20  # across nodes, gather whole partials up to this many bytes in all
 ALIGN = 16  # slice boundaries (bytes): the kernel's 16-byte loads stay aligned
-_UFUNC = {Op.SUM: np.add, Op.MIN: np.minimum, Op.MAX: np.maximum, Op.PROD: np.multiply}
 
 
 def split_even(count: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
@@ -155,7 +154,7 @@ def _reduce_blocks(
     count: int,
     step: int,
 ) -> None:
-    ufunc = _UFUNC[op.base]
+    ufunc = op.ufunc
     direct = not dtype.is_half or dst.dtype == np.float32  # accumulate straight into dst
     for b0 in range(0, count, step):
         b1 = min(count, b0 + step)
@@ -185,7 +184,7 @@ def reduce_stacked(
     acc_np = np.dtype(np.float32) if dtype.is_half else dtype.np
     acc = dst if dst.dtype == acc_np else scratch[: dst.size]
     with np.errstate(all="ignore"):
-        _UFUNC[op.base].reduce(stacked, axis=0, dtype=acc_np, out=acc, **_start(op, acc_np))
+        op.ufunc.reduce(stacked, axis=0, dtype=acc_np, out=acc, **_start(op, acc_np))
         if final and (op is Op.AVG or acc is not dst):
             _finish(acc, op, dtype, nranks, dst)
 
@@ -243,8 +242,6 @@ def internode(comm: Any, buf: np.ndarray, op: Op, gather: np.ndarray) -> None:
     each element is computed once or identically everywhere, so all members hold the same bits.
     ``gather`` is scratch of at least ``comm size * buf.nbytes`` bytes (uint8) for the first form.
     """
-    from mpigpu.backends.cpu import mpi_op
-
     members = comm.Get_size()
     if members == 1:
         return
@@ -257,14 +254,14 @@ def internode(comm: Any, buf: np.ndarray, op: Op, gather: np.ndarray) -> None:
         rows = gather[: members * buf.nbytes].view(buf.dtype).reshape(members, buf.size)
         comm.Allgather(buf, rows)
         with np.errstate(all="ignore"):
-            _UFUNC[op.base].reduce(rows, axis=0, dtype=buf.dtype, out=buf, **_start(op, buf.dtype))  # node order
+            op.ufunc.reduce(rows, axis=0, dtype=buf.dtype, out=buf, **_start(op, buf.dtype))  # node order
         return
     ranges = split_even(buf.size, members)
     counts = [b - a for a, b in ranges]
     displs = [a for a, _ in ranges]
     mine = ranges[comm.Get_rank()]
     block = buf[mine[0] : mine[1]].copy()
-    comm.Reduce_scatter(buf, block, counts, op=mpi_op(op))
+    comm.Reduce_scatter(buf, block, counts, op=op.mpi)
     comm.Allgatherv(block, [buf, (counts, displs)])
 
 
