@@ -26,17 +26,18 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import mmap
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from mpigpu.backends.base import Availability, Backend
+from mpigpu.backends.host_layout import ALIGN, PAGE, ChunkPlan, SegmentLayout, round_up, split_even
+from mpigpu.backends.host_reduce import CPU_BLOCK, INT_AVG_NODES, finish, internode, reduce_rows, reduce_stacked
 from mpigpu.errors import BackendUnavailable, ConfigError, InvalidArgument, MpigpuError
-from mpigpu.ops import Op, finish_avg, from_keys, int_avg_rows, minmax_rows, to_keys
+from mpigpu.ops import Op
 
 if TYPE_CHECKING:
     from mpigpu._cuda import StreamRef
@@ -45,224 +46,12 @@ if TYPE_CHECKING:
     from mpigpu.dtypes import DType
     from mpigpu.shm import SharedSegment
 
-__all__ = ["HostBackend", "SegmentLayout", "finish", "internode", "reduce_rows", "reduce_stacked", "split_even"]
+__all__ = ["AUTO_HOST_MIN_BYTES", "HostBackend"]
 
-PAGE = mmap.PAGESIZE
 GPU_CHUNK = 4 << 20  # default pipeline chunk for GPU arrays
 GPU_MIN_CHUNK = 1 << 20  # mid-size GPU messages split into chunks no smaller than this ...
 GPU_MIN_CHUNKS = 4  # ... and into at least this many, so copies and reduction overlap
 CPU_CHUNK = 16 << 20  # default pipeline chunk for NumPy arrays (measured: docs/host.md)
-CPU_BLOCK = 1 << 20  # NumPy reduction block, bytes per row (larger blocks measured faster: fewer calls)
-GATHER_MAX = 1 << 20  # across nodes, gather whole partials up to this many bytes in all
-ALIGN = 16  # slice boundaries (bytes): the kernel's 16-byte loads stay aligned
-
-
-def split_even(count: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
-    """``parts`` contiguous ranges covering ``count`` items, each start a multiple of ``align``
-    (the last ranges may be short or empty)."""
-    step = -(-count // parts)
-    step = -(-step // align) * align
-    return [(min(count, i * step), min(count, (i + 1) * step)) for i in range(parts)]
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-@dataclass(frozen=True)
-class SegmentLayout:
-    """Byte offsets of every area in the node segment (identical on every rank of the node).
-
-    [latency route: 2 parities x (n input slots + n output slots) of ``small`` bytes]
-    [pipeline: n slots of ``stride`` bytes][result: ``stride`` bytes]
-    [partial results in the accumulator type: 2 x ``stride`` bytes, only with several nodes]
-
-    A pipeline divides ``stride`` into ring positions of its own size; ``at`` is a byte offset into
-    a slot (and the same offset into the result area, twice it into the partial area).
-    """
-
-    ranks: int
-    stride: int
-    small: int
-    partial: bool
-
-    @property
-    def small_area(self) -> int:
-        return 4 * self.ranks * self.small
-
-    def small_in(self, parity: int, rank: int) -> int:
-        return (2 * parity * self.ranks + rank) * self.small
-
-    def small_out(self, parity: int, rank: int) -> int:
-        return ((2 * parity + 1) * self.ranks + rank) * self.small
-
-    def slot(self, rank: int, at: int) -> int:
-        return self.small_area + rank * self.stride + at
-
-    def result(self, at: int) -> int:
-        return self.small_area + self.ranks * self.stride + at
-
-    def partial_at(self, at: int) -> int:
-        return self.small_area + (self.ranks + 1) * self.stride + 2 * at
-
-    @property
-    def total(self) -> int:
-        return self.small_area + (self.ranks + 1 + (2 if self.partial else 0)) * self.stride
-
-    @staticmethod
-    def max_stride(ranks: int, small: int, partial: bool, pool_bytes: int) -> int:
-        """The largest page-multiple stride whose segment stays within ``pool_bytes`` per rank."""
-        budget = pool_bytes * ranks - 4 * ranks * small
-        return max(0, budget // (ranks + 1 + (2 if partial else 0))) // PAGE * PAGE
-
-
-# -- NumPy reduction (both routes, and the finishing step after a GPU partial) --------------------
-def reduce_rows(
-    rows: Sequence[np.ndarray],
-    op: Op,
-    dtype: DType,
-    nranks: int,
-    dst: np.ndarray,
-    *,
-    final: bool,
-    scratch: np.ndarray,
-) -> None:
-    """dst = rows[0] op rows[1] op ... in rank order, in the accumulator type.
-
-    final: dst holds ``dtype`` values, finished (avg divided by ``nranks``, half types rounded once);
-    otherwise dst holds the unfinished accumulator (float32 for half types). ``scratch`` is a float32
-    buffer of at least one block, used for the half types."""
-    if _by_semantics(rows, op, dtype, nranks, dst, final):
-        return
-    count = dst.size
-    step = max(1, CPU_BLOCK // dtype.itemsize)
-    if dtype.is_float:  # overflow to inf and NaN are IEEE results, not errors
-        with np.errstate(all="ignore"):
-            _reduce_blocks(rows, op, dtype, nranks, dst, final, scratch, count, step)
-    else:
-        _reduce_blocks(rows, op, dtype, nranks, dst, final, scratch, count, step)
-
-
-def _reduce_blocks(
-    rows: Sequence[np.ndarray],
-    op: Op,
-    dtype: DType,
-    nranks: int,
-    dst: np.ndarray,
-    final: bool,
-    scratch: np.ndarray,
-    count: int,
-    step: int,
-) -> None:
-    ufunc = op.ufunc
-    direct = not dtype.is_half or dst.dtype == np.float32  # accumulate straight into dst
-    for b0 in range(0, count, step):
-        b1 = min(count, b0 + step)
-        block = rows if count <= step else [row[b0:b1] for row in rows]  # one block: no slicing
-        acc = (dst if count <= step else dst[b0:b1]) if direct else scratch[: b1 - b0]
-        if dtype.is_half:  # widen first: float16 + float16 would round in float16
-            np.copyto(acc, block[0], casting="unsafe")
-            for row in block[1:]:
-                ufunc(acc, row, out=acc, casting="unsafe")
-        elif len(block) == 1:
-            np.copyto(acc, block[0])
-        else:
-            ufunc(block[0], block[1], out=acc)
-            for row in block[2:]:
-                ufunc(acc, row, out=acc)
-        if final and (op is Op.AVG or not direct):
-            _finish(acc, op, dtype, nranks, dst if count <= step else dst[b0:b1])
-
-
-def reduce_stacked(
-    stacked: np.ndarray, op: Op, dtype: DType, nranks: int, dst: np.ndarray, *, final: bool, scratch: np.ndarray
-) -> None:
-    """Like reduce_rows, for rows that are one strided 2-D array (ranks x count): a single NumPy
-    reduction along the rank axis, in rank order (the latency route, where calls are what costs)."""
-    if _by_semantics(stacked, op, dtype, nranks, dst, final):
-        return
-    acc_np = np.dtype(np.float32) if dtype.is_half else dtype.np
-    acc = dst if dst.dtype == acc_np else scratch[: dst.size]
-    with np.errstate(all="ignore"):
-        op.ufunc.reduce(stacked, axis=0, dtype=acc_np, out=acc, **_start(op, acc_np))
-        if final and (op is Op.AVG or acc is not dst):
-            _finish(acc, op, dtype, nranks, dst)
-
-
-# -- semantics NumPy's ufuncs lack (mpigpu.ops): float min/max, exact integer avg ----------------
-INT_AVG_NODES = (
-    "integer avg across several nodes is not supported by the host backend (its per-node partial is held "
-    "in the element type, where the exact sum does not fit); use backend 'cpu' for NumPy arrays, 'nccl' "
-    "or 'cuda-aware' for GPU arrays, or backend='auto', which picks one of them"
-)
-
-
-def _by_semantics(
-    rows: Sequence[np.ndarray] | np.ndarray, op: Op, dtype: DType, nranks: int, dst: np.ndarray, final: bool
-) -> bool:
-    """Reduce the ops whose NumPy ufunc does not follow mpigpu's semantics; False for the others."""
-    if dtype.is_float and op in (Op.MIN, Op.MAX):
-        minmax_rows(rows, op, dst)  # NaN propagates, -0.0 < +0.0, canonical NaN
-        return True
-    if op is Op.AVG and not dtype.is_float:
-        assert final, INT_AVG_NODES
-        int_avg_rows(rows, nranks, dst)  # exact: no wrap-around
-        return True
-    return False
-
-
-def _start(op: Op, acc: np.dtype) -> dict[str, Any]:
-    """NumPy's add.reduce starts from +0.0, which turns a sum of -0.0s into +0.0; -0.0 is the identity."""
-    return {"initial": -0.0} if op.base is Op.SUM and acc.kind == "f" else {}
-
-
-def finish(acc: np.ndarray, op: Op, dtype: DType, nranks: int, dst: np.ndarray) -> None:
-    """dst = acc finished: avg divided by ``nranks`` (C truncation for integers), rounded once to
-    ``dtype``. ``acc`` may be ``dst`` itself (same type) or a float32 accumulator."""
-    with np.errstate(all="ignore"):
-        _finish(acc, op, dtype, nranks, dst)
-
-
-def _finish(acc: np.ndarray, op: Op, dtype: DType, nranks: int, dst: np.ndarray) -> None:
-    if op is Op.AVG and not dtype.is_float:
-        finish_avg(acc, nranks, dtype, dst)
-        return
-    if op is Op.AVG:
-        np.divide(acc, acc.dtype.type(nranks), out=acc)
-    if not np.may_share_memory(acc, dst):
-        np.copyto(dst, acc, casting="unsafe")
-
-
-# -- across nodes ---------------------------------------------------------------------------------
-def internode(comm: Any, buf: np.ndarray, op: Op, gather: np.ndarray) -> None:
-    """Reduce ``buf`` over the members of ``comm`` (one per node, ordered by node), in place.
-
-    Small messages: every member gathers every partial and folds them in member order. Larger:
-    MPI_Reduce_scatter gives each member one block, reduced once, then MPI_Allgatherv. Either way
-    each element is computed once or identically everywhere, so all members hold the same bits.
-    ``gather`` is scratch of at least ``comm size * buf.nbytes`` bytes (uint8) for the first form.
-    """
-    members = comm.Get_size()
-    if members == 1:
-        return
-    if op in (Op.MIN, Op.MAX) and buf.dtype.kind == "f":  # as keys: MPI's integer MIN/MAX is exact
-        keys = to_keys(buf, op)
-        internode(comm, keys, op, gather)
-        from_keys(keys, buf)
-        return
-    if members <= 2 or buf.nbytes * members <= GATHER_MAX or buf.size < members:
-        rows = gather[: members * buf.nbytes].view(buf.dtype).reshape(members, buf.size)
-        comm.Allgather(buf, rows)
-        with np.errstate(all="ignore"):
-            op.ufunc.reduce(rows, axis=0, dtype=buf.dtype, out=buf, **_start(op, buf.dtype))  # node order
-        return
-    ranges = split_even(buf.size, members)
-    counts = [b - a for a, b in ranges]
-    displs = [a for a, _ in ranges]
-    mine = ranges[comm.Get_rank()]
-    block = buf[mine[0] : mine[1]].copy()
-    comm.Reduce_scatter(buf, block, counts, op=op.mpi)
-    comm.Allgatherv(block, [buf, (counts, displs)])
 
 
 # -- the GPU side ---------------------------------------------------------------------------------
@@ -349,33 +138,10 @@ class _GpuStaging:
         self.pending.clear()
 
 
-# -- one call's chunks ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Plan:
-    """How one message maps onto the ring: chunk k covers elements [k*chunk, ...)."""
-
-    count: int
-    chunk: int  # elements per chunk
-    ranks: int  # ranks on this node
-    align: int  # slice boundary, in elements
-
-    @property
-    def chunks(self) -> int:
-        return -(-self.count // self.chunk)
-
-    def span(self, k: int) -> tuple[int, int]:
-        return k * self.chunk, min(self.count, (k + 1) * self.chunk)
-
-    def slices(self, k: int) -> list[tuple[int, int]]:
-        """Each local rank's slice of chunk k, relative to the chunk."""
-        e0, e1 = self.span(k)
-        return split_even(e1 - e0, self.ranks, self.align)
-
-
 class _Engine(abc.ABC):
     """The steps of the pipeline for one call; subclasses move host or device data."""
 
-    def __init__(self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: _Plan) -> None:
+    def __init__(self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: ChunkPlan) -> None:
         self.b, self.x, self.out, self.op, self.plan = backend, x, out, op, plan
         self.dtype = x.dtype
         self.seg = backend._segment
@@ -453,7 +219,7 @@ class _HostEngine(_Engine):
     def ring_for(backend: HostBackend) -> int:
         return 2  # nothing overlaps on one thread: two positions let the schedule run
 
-    def __init__(self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: _Plan) -> None:
+    def __init__(self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: ChunkPlan) -> None:
         super().__init__(backend, x, out, op, plan)
         assert x.host is not None and out.host is not None
         self.src = x.host.reshape(-1)
@@ -510,7 +276,9 @@ class _DeviceEngine(_Engine):
     def ring_for(backend: HostBackend) -> int:
         return backend._depth + 2  # copies out run `depth` chunks ahead; +2 lets copies back drain
 
-    def __init__(self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: _Plan, stream: int) -> None:
+    def __init__(
+        self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: ChunkPlan, stream: int
+    ) -> None:
         super().__init__(backend, x, out, op, plan)
         gpu = backend._gpu
         assert gpu is not None and self.seg.registered
@@ -635,7 +403,7 @@ class HostBackend(Backend):
         self._chunk_setting = s.host_chunk
         self._depth = s.host_depth
         self._small_limit = s.host_small
-        self._small = _round_up(self._small_limit, PAGE)
+        self._small = round_up(self._small_limit, PAGE)
         partial = self._nodes > 1
         self._max_stride = SegmentLayout.max_stride(self._n, self._small, partial, self._pool)
         rings = max(_DeviceEngine.ring_for(self), _HostEngine.ring_for(self))
@@ -704,7 +472,7 @@ class HostBackend(Backend):
         ring = (_DeviceEngine if x.on_device else _HostEngine).ring_for(self)
         chunk = self._chunk_bytes(nbytes, x.on_device, ring)
         self._ensure_segment(ring * chunk, x.on_device)
-        plan = _Plan(count=x.size, chunk=chunk // x.dtype.itemsize, ranks=self._n, align=ALIGN // x.dtype.itemsize)
+        plan = ChunkPlan(count=x.size, chunk=chunk // x.dtype.itemsize, ranks=self._n, align=ALIGN // x.dtype.itemsize)
         if x.on_device:
             assert stream is not None
             engine: _Engine = _DeviceEngine(self, x, out, op, plan, stream.handle)
@@ -807,7 +575,7 @@ class HostBackend(Backend):
             chunk = min(GPU_CHUNK, max(GPU_MIN_CHUNK, -(-nbytes // GPU_MIN_CHUNKS)))
         else:
             chunk = CPU_CHUNK
-        return min(_round_up(min(chunk, nbytes), PAGE), self._max_stride // ring // PAGE * PAGE)
+        return min(round_up(min(chunk, nbytes), PAGE), self._max_stride // ring // PAGE * PAGE)
 
     def _ensure_segment(self, stride: int, on_device: bool) -> None:
         """A segment whose slots hold at least ``stride`` bytes (collective; grows by reallocating,
