@@ -17,7 +17,16 @@ from mpigpu.errors import DeviceError, InvalidArgument
 from mpigpu.ops import Op, parse_op
 from mpigpu.plan import Choice, choose, choose_cached
 
-__all__ = ["Prepared", "agree", "allreduce", "announce_rejection", "explain", "prepare", "select_device", "validate"]
+__all__ = [
+    "Prepared",
+    "allreduce",
+    "announce_rejection",
+    "check_call",
+    "explain",
+    "prepare",
+    "select_device",
+    "validate",
+]
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a setattr call per field, on every call
@@ -118,11 +127,11 @@ def _prepare(ctx: Context, x: Any, op: Any, out: Any, backend: str, stream: Any)
     except Exception as exc:  # not only MpigpuError: any failure here must reach the other ranks
         announce_rejection(ctx, exc)
         raise
-    agree(prepared)
+    check_call(prepared)
     return prepared
 
 
-def agree(prepared: Prepared) -> None:
+def check_call(prepared: Prepared) -> None:
     """The cross-rank check of a validated call: MismatchError on every rank unless all agree (collective)."""
     ctx, xv = prepared.ctx, prepared.x
     if ctx.settings.check:

@@ -11,7 +11,7 @@ has seen (1000, float32) before and skips; rank 1 passes 1001 for the first time
 rank 1 waits in the check while rank 0 is already in the data collective. MPIGPU_CHECK=0 turns it
 off for production runs whose call sequence has been validated with it on.
 
-``agree`` is the same mechanism for a step that can fail on some ranks only (reading the
+``fail_together`` is the same mechanism for a step that can fail on some ranks only (reading the
 MPIGPU_* settings at start-up): every rank learns of the failure instead of waiting for the rank
 that failed.
 """
@@ -31,7 +31,7 @@ from mpigpu.ops import Op
 if TYPE_CHECKING:
     from mpigpu.context import Context
 
-__all__ = ["COLLECTIVES", "Signature", "agree", "announce_rejection", "check_signature"]
+__all__ = ["COLLECTIVES", "Signature", "announce_rejection", "check_signature", "fail_together"]
 
 _FIELDS = ("failed", "count", "dtype", "op", "backend", "placement", "shape", "collective")
 # A collective's code in the signature is its index here: one collective per call, and two ranks in
@@ -127,7 +127,7 @@ def check_signature(
     failure: str = "rejected the arguments",
     backend_name: str = "",
 ) -> None:
-    """Raise MismatchError (the same text on every rank) unless all ranks agree and none failed.
+    """Raise MismatchError (the same text on every rank) unless all ranks fail_together and none failed.
 
     ``failure`` completes "<name> did not run: rank 1 ..." when a rank reports an error;
     ``backend_name`` names ``sig.backend`` in that message (this module sits below the backends)."""
@@ -135,7 +135,7 @@ def check_signature(
     mine = sig.values()
     f, c, d, o, b, p, s, k = mine
     # MAX over [v, -v] gives max and -min of every field in one collective. max - min >= 0 per field,
-    # so all fields agree iff the 16 results sum to 0; result[0] is 1 if any rank failed.
+    # so all fields fail_together iff the 16 results sum to 0; result[0] is 1 if any rank failed.
     result = array("q", _ZEROS)
     comm.Allreduce(
         [array("q", (f, c, d, o, b, p, s, k, -f, -c, -d, -o, -b, -p, -s, -k)), mpi.INT64_T],
@@ -148,7 +148,7 @@ def check_signature(
     raise MismatchError(_describe(name, gathered, failure))
 
 
-def agree(comm: Any, error: BaseException | None, name: str) -> None:
+def fail_together(comm: Any, error: BaseException | None, name: str) -> None:
     """Collective: if ``error`` is set on any rank, raise on every rank (the failing rank raises its own
     error, the others a MismatchError naming it and its message); otherwise return."""
     text = None if error is None else f"{type(error).__name__}: {error}"

@@ -36,7 +36,7 @@ from queue import SimpleQueue
 from typing import Any
 
 from mpigpu._cuda import StreamRef, core_stream
-from mpigpu.api import Prepared, agree, announce_rejection, run, validate
+from mpigpu.api import Prepared, announce_rejection, check_call, run, validate
 from mpigpu.backends import backend_class
 from mpigpu.context import Context
 from mpigpu.errors import MismatchError, MpigpuError
@@ -198,7 +198,7 @@ def _on_worker(worker: Worker, prepared: Prepared, ready: Any) -> Any:
     """The worker's task: the cross-rank check, then the reduction. GPU data is reduced on the
     worker's own non-blocking stream, after ``ready`` (the caller's stream at the call), and
     synchronised before the task ends, so the result is complete when the handle says so."""
-    agree(prepared)
+    check_call(prepared)
     if ready is None:
         return run(prepared)
     device = prepared.ctx.activate_gpu()
@@ -259,7 +259,7 @@ def _submit(ctx: Context, x: Any, op: Any, out: Any, comm: Any, backend: str, st
     name = prepared.choice.backend
     if backend_class(name).enqueues:
         ctx.wait_async()  # a queued call on another backend goes first
-        agree(prepared)
+        check_call(prepared)
         result = run(prepared)
         assert prepared.stream is not None
         return Handle(name, result=result, event=core_stream(prepared.stream.handle).record())

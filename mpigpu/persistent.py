@@ -135,7 +135,7 @@ class Request:
             if worker is not None:
                 worker.drain()  # queued calls reach MPI first
         if check:
-            self._agree()
+            self._check_call()
         self._run(ref)
         self._started_on = ref
         self._state = _ACTIVE
@@ -147,7 +147,7 @@ class Request:
         if worker is not None:
             worker.drain()
         if check:
-            self._agree()
+            self._check_call()
         self._run(ref)
         return self._finish(self._result) if self._finish is not None else self._result
 
@@ -161,7 +161,7 @@ class Request:
         else:
             self._launch(ref)
 
-    def _agree(self) -> None:
+    def _check_call(self) -> None:
         ctx = self._ctx
         if not ctx.settings.check:
             return
@@ -175,7 +175,7 @@ class Request:
         """The queued start: GPU data is reduced on the worker's own stream after ``ready``, and
         synchronised before the task ends, so ``wait()`` returns with the result complete."""
         if check:
-            self._agree()
+            self._check_call()
         if ready is None:
             self._run(None)
             return
@@ -247,7 +247,7 @@ class Request:
                 f"the {self.backend} backend cannot be captured in a CUDA graph (it blocks the host): "
                 f"use backend='nccl' or 'ipc', or call start()/wait()"
             )
-        from mpigpu.backends.ipc_memory import agree
+        from mpigpu.backends.ipc_memory import collective_step
 
         prepared = self._prepared
         if stream is not None:
@@ -259,7 +259,7 @@ class Request:
         worker = ctx.async_worker
         if worker is not None:
             worker.drain()
-        graph = agree(
+        graph = collective_step(
             ctx.comm,
             f"capturing the {self.backend} allreduce in a CUDA graph",
             lambda: backend.graph_allreduce(prepared.x, prepared.out, prepared.op),  # type: ignore[attr-defined]

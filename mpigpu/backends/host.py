@@ -142,15 +142,15 @@ class _Engine(abc.ABC):
     """The steps of the pipeline for one call; subclasses move host or device data."""
 
     def __init__(self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: ChunkPlan) -> None:
-        self.b, self.x, self.out, self.op, self.plan = backend, x, out, op, plan
+        self.backend, self.x, self.out, self.op, self.plan = backend, x, out, op, plan
         self.dtype = x.dtype
-        self.seg = backend._segment
-        self.lay = backend._layout
-        assert self.seg is not None and self.lay is not None
+        self.segment = backend._segment
+        self.layout = backend._layout
+        assert self.segment is not None and self.layout is not None
         self.final = backend._nodes == 1
         self.acc_np = np.dtype(np.float32) if self.dtype.is_half else self.dtype.np
         self.ring = self.ring_for(backend)
-        self.position_bytes = self.lay.stride // self.ring // PAGE * PAGE
+        self.position_bytes = self.layout.stride // self.ring // PAGE * PAGE
         assert plan.chunk * self.dtype.itemsize <= self.position_bytes
 
     @staticmethod
@@ -163,26 +163,26 @@ class _Engine(abc.ABC):
         return k % self.ring * self.position_bytes
 
     def my_slice(self, k: int) -> tuple[int, int]:
-        return self.plan.slices(k)[self.b._local]
+        return self.plan.slices(k)[self.backend._local]
 
     def partial_view(self, k: int, lo: int, hi: int) -> np.ndarray:
-        offset = self.lay.partial_at(self.at(k)) + lo * self.acc_np.itemsize
-        return self.seg.view(offset, hi - lo, self.acc_np)
+        offset = self.layout.partial_at(self.at(k)) + lo * self.acc_np.itemsize
+        return self.segment.view(offset, hi - lo, self.acc_np)
 
     def result_view(self, k: int, lo: int, hi: int) -> np.ndarray:
-        offset = self.lay.result(self.at(k)) + lo * self.dtype.itemsize
-        return self.seg.view(offset, hi - lo, self.dtype.np)
+        offset = self.layout.result(self.at(k)) + lo * self.dtype.itemsize
+        return self.segment.view(offset, hi - lo, self.dtype.np)
 
     def internode(self, k: int, lo: int, hi: int) -> None:
         """Reduce [lo, hi) of chunk k's partial across nodes, then finish it into the result area."""
         if hi <= lo:
             return
-        b = self.b
+        backend = self.backend
         partial = self.partial_view(k, lo, hi)
         t0 = time.perf_counter()
-        internode(b._inter, partial, self.op, b._scratch("gather", b._inter_size * partial.nbytes))
-        finish(partial, self.op, self.dtype, b.ctx.size, self.result_view(k, lo, hi))
-        b._add_phase("internode", time.perf_counter() - t0)
+        internode(backend._inter, partial, self.op, backend._scratch("gather", backend._inter_size * partial.nbytes))
+        finish(partial, self.op, self.dtype, backend.ctx.size, self.result_view(k, lo, hi))
+        backend._add_phase("internode", time.perf_counter() - t0)
 
     @abc.abstractmethod
     def put(self, k: int) -> None:
@@ -227,18 +227,18 @@ class _HostEngine(_Engine):
         self.scratch = backend._block
 
     def slot_view(self, rank: int, k: int, lo: int, hi: int) -> np.ndarray:
-        offset = self.lay.slot(rank, self.at(k)) + lo * self.dtype.itemsize
-        return self.seg.view(offset, hi - lo, self.dtype.np)
+        offset = self.layout.slot(rank, self.at(k)) + lo * self.dtype.itemsize
+        return self.segment.view(offset, hi - lo, self.dtype.np)
 
     def put(self, k: int) -> None:
         """Only the other ranks' slices: they are all anyone reads from this rank's slot."""
         t0 = time.perf_counter()
         e0, e1 = self.plan.span(k)
         lo, hi = self.my_slice(k)
-        for a, b in ((0, lo), (hi, e1 - e0)):
-            if b > a:
-                np.copyto(self.slot_view(self.b._local, k, a, b), self.src[e0 + a : e0 + b])
-        self.b._add_phase("copy_out", time.perf_counter() - t0)
+        for start, stop in ((0, lo), (hi, e1 - e0)):
+            if stop > start:
+                np.copyto(self.slot_view(self.backend._local, k, start, stop), self.src[e0 + start : e0 + stop])
+        self.backend._add_phase("copy_out", time.perf_counter() - t0)
 
     def reduce(self, k: int) -> None:
         lo, hi = self.my_slice(k)
@@ -246,17 +246,17 @@ class _HostEngine(_Engine):
             return
         t0 = time.perf_counter()
         e0 = self.plan.span(k)[0]
-        rows = [self.slot_view(r, k, lo, hi) for r in range(self.b._n)]
-        rows[self.b._local] = self.src[e0 + lo : e0 + hi]  # this rank's own slice, read in place
+        rows = [self.slot_view(r, k, lo, hi) for r in range(self.backend._n)]
+        rows[self.backend._local] = self.src[e0 + lo : e0 + hi]  # this rank's own slice, read in place
         dst = self.result_view(k, lo, hi) if self.final else self.partial_view(k, lo, hi)
-        reduce_rows(rows, self.op, self.dtype, self.b.ctx.size, dst, final=self.final, scratch=self.scratch)
-        self.b._add_phase("reduce", time.perf_counter() - t0)
+        reduce_rows(rows, self.op, self.dtype, self.backend.ctx.size, dst, final=self.final, scratch=self.scratch)
+        self.backend._add_phase("reduce", time.perf_counter() - t0)
 
     def get(self, k: int) -> None:
         t0 = time.perf_counter()
         e0, e1 = self.plan.span(k)
         np.copyto(self.dst[e0:e1], self.result_view(k, 0, e1 - e0))
-        self.b._add_phase("copy_in", time.perf_counter() - t0)
+        self.backend._add_phase("copy_in", time.perf_counter() - t0)
 
     def wait_put(self, k: int) -> None:
         """Host copies are complete when put() returns."""
@@ -281,9 +281,9 @@ class _DeviceEngine(_Engine):
     ) -> None:
         super().__init__(backend, x, out, op, plan)
         gpu = backend._gpu
-        assert gpu is not None and self.seg.registered
+        assert gpu is not None and self.segment.registered
         self.gpu, self.rt = gpu, gpu.rt
-        self.dev = self.seg.register()  # the segment's device address (cached)
+        self.dev = self.segment.register()  # the segment's device address (cached)
         kind = "final" if self.final else "partial"
         self.kernel = gpu.module.kernel(f"reduce_{kind}_{self.dtype.name}")
         self.caller = stream
@@ -296,7 +296,7 @@ class _DeviceEngine(_Engine):
     def put(self, k: int) -> None:
         e0, e1 = self.plan.span(k)
         size = self.dtype.itemsize
-        dst = self.seg.ptr + self.lay.slot(self.b._local, self.at(k))
+        dst = self.segment.ptr + self.layout.slot(self.backend._local, self.at(k))
         src = self.x.ptr + e0 * size
 
         def enqueue() -> None:
@@ -312,14 +312,15 @@ class _DeviceEngine(_Engine):
             return
         size = self.dtype.itemsize
         at = self.at(k)
-        slots = self.dev + self.lay.slot(0, at) + lo * size
+        slots = self.dev + self.layout.slot(0, at) + lo * size
         if self.final:
-            dst = self.dev + self.lay.result(at) + lo * size
+            dst = self.dev + self.layout.result(at) + lo * size
         else:
-            dst = self.dev + self.lay.partial_at(at) + lo * self.acc_np.itemsize
+            dst = self.dev + self.layout.partial_at(at) + lo * self.acc_np.itemsize
         count = hi - lo
         vectors = max(1, count * size // 16)
-        args = (slots, i64(self.lay.stride), i32(self.b._n), i64(count), i32(self.op.index), i32(self.b.ctx.size), dst)
+        ranks, nranks = self.backend._n, self.backend.ctx.size
+        args = (slots, i64(self.layout.stride), i32(ranks), i64(count), i32(self.op.index), i32(nranks), dst)
 
         def enqueue() -> None:
             launch(self.gpu.reduce_core, self.kernel, vectors, *args)
@@ -329,7 +330,7 @@ class _DeviceEngine(_Engine):
     def get(self, k: int) -> None:
         e0, e1 = self.plan.span(k)
         size = self.dtype.itemsize
-        src = self.seg.ptr + self.lay.result(self.at(k))
+        src = self.segment.ptr + self.layout.result(self.at(k))
         dst = self.out.ptr + e0 * size
 
         def enqueue() -> None:
@@ -538,17 +539,17 @@ class HostBackend(Backend):
             buffer = self._buffers[name] = np.empty(max(nbytes, 64), np.uint8)
         return buffer
 
-    def _agree(self, what: str, action: Callable[[], None]) -> None:
+    def _collective_step(self, what: str, action: Callable[[], None]) -> None:
         """Run ``action`` on every rank (collective): where it failed, that rank raises its error and
         every other rank a MismatchError naming it, so no rank waits in the next barrier."""
-        from mpigpu.check import agree
+        from mpigpu.check import fail_together
 
         error: BaseException | None = None
         try:
             action()
         except (MpigpuError, ImportError, RuntimeError, OSError) as exc:
             error = exc
-        agree(self.ctx.comm, error, f"host backend: {what}")
+        fail_together(self.ctx.comm, error, f"host backend: {what}")
 
     def _ensure_gpu(self) -> None:
         """Streams, events and the kernel module, created collectively on the first GPU call."""
@@ -559,7 +560,7 @@ class HostBackend(Backend):
             self._gpu = _GpuStaging(self.ctx)
 
         try:
-            self._agree("setting up the GPU staging (streams, events, kernels)", create)
+            self._collective_step("setting up the GPU staging (streams, events, kernels)", create)
         except MpigpuError:
             if self._gpu is not None:
                 self._gpu.close()
@@ -598,7 +599,7 @@ class HostBackend(Backend):
                 self._layout = layout
                 self._first_touch()
 
-            self._agree(f"allocating the {layout.total}-byte node-shared segment", create)
+            self._collective_step(f"allocating the {layout.total}-byte node-shared segment", create)
         segment = self._segment
         assert segment is not None
         if grow:
@@ -608,20 +609,20 @@ class HostBackend(Backend):
             def pin() -> None:
                 segment.register()
 
-            self._agree("pinning the node-shared segment for CUDA", pin)
+            self._collective_step("pinning the node-shared segment for CUDA", pin)
 
     def _first_touch(self) -> None:
         """Each rank touches the areas it writes, so their pages sit near it (NUMA)."""
         assert self._segment is not None and self._layout is not None
-        lay, me = self._layout, self._local
+        layout, me = self._layout, self._local
         for parity in (0, 1):
-            self._segment.touch(lay.small_in(parity, me), lay.small)
-            self._segment.touch(lay.small_out(parity, me), lay.small)
-        self._segment.touch(lay.slot(me, 0), lay.stride)
-        lo, hi = split_even(lay.stride, self._n, PAGE)[me]  # a share of the areas every rank writes
-        self._segment.touch(lay.result(lo), hi - lo)
-        if lay.partial:
-            self._segment.touch(lay.partial_at(lo), 2 * (hi - lo))
+            self._segment.touch(layout.small_in(parity, me), layout.small)
+            self._segment.touch(layout.small_out(parity, me), layout.small)
+        self._segment.touch(layout.slot(me, 0), layout.stride)
+        lo, hi = split_even(layout.stride, self._n, PAGE)[me]  # a share of the areas every rank writes
+        self._segment.touch(layout.result(lo), hi - lo)
+        if layout.partial:
+            self._segment.touch(layout.partial_at(lo), 2 * (hi - lo))
 
     def _release_segment(self, *, at_exit: bool = False) -> None:
         """Wait for every copy that still reads or writes the segment, then free it (collective).
@@ -646,22 +647,23 @@ class HostBackend(Backend):
         key = (parity, dtype.name, count)
         views = self._small_cache.get(key)
         if views is None:
-            seg, lay, me = self._segment, self._layout, self._local
-            assert seg is not None and lay is not None
+            segment, layout, me = self._segment, self._layout, self._local
+            assert segment is not None and layout is not None
             if len(self._small_cache) >= 64:
                 self._small_cache.clear()
-            first = seg.view(lay.small_in(parity, 0), count + (self._n - 1) * lay.small // dtype.itemsize, dtype.np)
+            span = count + (self._n - 1) * layout.small // dtype.itemsize  # rank 0's slot through the last one's
+            first = segment.view(layout.small_in(parity, 0), span, dtype.np)
             rows = np.lib.stride_tricks.as_strided(
-                first, shape=(self._n, count), strides=(lay.small, dtype.itemsize), writeable=False
+                first, shape=(self._n, count), strides=(layout.small, dtype.itemsize), writeable=False
             )
             views = self._small_cache[key] = _SmallViews(
                 rows=rows,
-                mine=seg.view(lay.small_in(parity, me), count, dtype.np),
-                result=seg.view(lay.small_out(parity, me), count, dtype.np),
-                shared=seg.view(lay.small_out(parity, 0), count, dtype.np),
-                mine_ptr=seg.ptr + lay.small_in(parity, me),
-                result_ptr=seg.ptr + lay.small_out(parity, me),
-                shared_ptr=seg.ptr + lay.small_out(parity, 0),
+                mine=segment.view(layout.small_in(parity, me), count, dtype.np),
+                result=segment.view(layout.small_out(parity, me), count, dtype.np),
+                shared=segment.view(layout.small_out(parity, 0), count, dtype.np),
+                mine_ptr=segment.ptr + layout.small_in(parity, me),
+                result_ptr=segment.ptr + layout.small_out(parity, me),
+                shared_ptr=segment.ptr + layout.small_out(parity, 0),
             )
         return views
 
@@ -725,40 +727,40 @@ class HostBackend(Backend):
         self._add_phase("internode", time.perf_counter() - t1)
 
     # -- the pipeline ---------------------------------------------------------------------------
-    def _pipeline(self, eng: _Engine) -> None:
+    def _pipeline(self, engine: _Engine) -> None:
         """One barrier per chunk. Barrier k certifies, on every rank of the node: chunk k is in
         every slot, chunk k-1 is reduced (and, on several nodes, reduced across nodes), and the
         copy back that last read chunk k's result position has finished. So after it: chunk k-1
         can be copied back, chunk k reduced, and slots up to chunk k+ring-1 refilled."""
-        ring = eng.ring
-        chunks = eng.plan.chunks
+        ring = engine.ring
+        chunks = engine.plan.chunks
         ahead = min(self._depth, ring - 1)
         staged = 0
 
         def stage(limit: int) -> None:
             nonlocal staged
             while staged < min(limit, chunks):
-                eng.put(staged)
+                engine.put(staged)
                 staged += 1
 
         several, by_slice = self._nodes > 1, self._equal
         stage(ahead + 1)  # every slot position is free: the last call ended with a barrier
         for k in range(chunks + 1):
             if k > 0:
-                eng.wait_reduce(k - 1)
+                engine.wait_reduce(k - 1)
                 if several and by_slice:
-                    eng.internode(k - 1, *eng.my_slice(k - 1))
+                    engine.internode(k - 1, *engine.my_slice(k - 1))
             if k < chunks:
-                eng.wait_put(k)
-                eng.wait_get(k - ring)
+                engine.wait_put(k)
+                engine.wait_get(k - ring)
             self._barrier()
             if k > 0 and several and not by_slice:
                 if self._local == 0:
-                    lo, hi = eng.plan.span(k - 1)
-                    eng.internode(k - 1, 0, hi - lo)
+                    lo, hi = engine.plan.span(k - 1)
+                    engine.internode(k - 1, 0, hi - lo)
                 self._barrier()
             if k > 0:
-                eng.get(k - 1)
+                engine.get(k - 1)
             if k < chunks:
-                eng.reduce(k)
+                engine.reduce(k)
             stage(k + ahead + 1)

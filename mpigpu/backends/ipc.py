@@ -20,7 +20,7 @@ import numpy as np
 
 from mpigpu._cuda import core_stream, cupy, require_cuda_core
 from mpigpu.backends.base import Availability, Backend
-from mpigpu.backends.ipc_memory import SharedAllocation, agree
+from mpigpu.backends.ipc_memory import SharedAllocation, collective_step
 from mpigpu.backends.ipc_plan import (
     DEFAULT_MAX_BLOCKS,
     FLAG_TEMP_RESULT,
@@ -32,7 +32,7 @@ from mpigpu.backends.ipc_plan import (
     default_two_shot_min,
     plan_launches,
 )
-from mpigpu.errors import BackendUnavailable, DeviceError, MismatchError
+from mpigpu.errors import BackendUnavailable, CollectiveTimeout, DeviceError, MismatchError
 
 if TYPE_CHECKING:
     from mpigpu._cuda import StreamRef
@@ -148,7 +148,7 @@ class IpcBackend(Backend):
             if problem:
                 return Availability(False, f"node rank {rank}: {problem}")
         try:
-            agree(comm, "selecting the GPU", ctx.activate_gpu)
+            collective_step(comm, "selecting the GPU", ctx.activate_gpu)
             trial = SharedAllocation.create(comm, _PROBE_BYTES, "a probe buffer")
         except BackendUnavailable as exc:
             return Availability(False, f"CUDA IPC between the ranks' GPUs does not work here: {exc}")
@@ -185,12 +185,12 @@ class IpcBackend(Backend):
             sms = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, gpu.index)
             return load_module("ipc.cu", arch), int(sms)
 
-        self._module, sms = agree(self._comm, "setting up the ipc kernels", local_setup)
+        self._module, sms = collective_step(self._comm, "setting up the ipc kernels", local_setup)
         # Launch shapes must be identical on every rank: agree on the smallest GPU.
         self.max_blocks = int(self._comm.allreduce(min(DEFAULT_MAX_BLOCKS, sms), op=_mpi_min()))
         self._main = SharedAllocation.create(self._comm, allocation_bytes(self._stage_bytes), "the ipc buffers")
         try:
-            agree(self._comm, "initialising the ipc buffers", self._local_init)
+            collective_step(self._comm, "initialising the ipc buffers", self._local_init)
         except BackendUnavailable:
             self._free_host_side()
             _release(self._comm, [self._main])
@@ -247,7 +247,9 @@ class IpcBackend(Backend):
             return ptr
 
         try:
-            table_ptr = agree(self._comm, "writing the ipc_buffer's address table", upload, cupy().cuda.runtime.free)
+            table_ptr = collective_step(
+                self._comm, "writing the ipc_buffer's address table", upload, cupy().cuda.runtime.free
+            )
         except BackendUnavailable:
             _release(self._comm, [alloc])
             raise
@@ -379,7 +381,7 @@ class IpcBackend(Backend):
         _, barrier, rank, peer, block, target, seen, waited = (int(v) for v in self._record)
         if barrier == 0:  # start flags hold 2 x call + direct
             target, seen = target // 2, seen // 2
-        raise DeviceError(
+        raise CollectiveTimeout(
             f"ipc: node rank {rank} (block {block}) waited {waited / 1e9:.1f} s at the {_BARRIERS[barrier]} "
             f"barrier of call {target} for node rank {peer}, which had reached call {seen} only "
             f"(MPIGPU_TIMEOUT={self.ctx.settings.timeout:g}). The ranks did not make the same allreduce calls, "

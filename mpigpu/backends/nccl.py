@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from mpigpu.backends.base import Availability, Backend
 from mpigpu.backends.device_scratch import DeviceScratch, by_keys_or_parts, needs_keys_or_parts
-from mpigpu.check import agree
+from mpigpu.check import fail_together
 from mpigpu.errors import BackendUnavailable, InvalidArgument
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ class NcclBackend(Backend):
                 uid = nccl.get_unique_id()
         except Exception as exc:
             error = _unavailable(ctx, "could not prepare", exc)
-        agree(ctx.comm, error, "nccl backend: preparing the NCCL communicator")
+        fail_together(ctx.comm, error, "nccl backend: preparing the NCCL communicator")
         uid = ctx.comm.bcast(uid, root=0)
         self._scratch = DeviceScratch()  # keys of the half types, parts of integer averages
         try:
@@ -98,7 +98,7 @@ class NcclBackend(Backend):
         except Exception as exc:
             error = _unavailable(ctx, "could not create", exc)
         try:
-            agree(ctx.comm, error, "nccl backend: creating the NCCL communicator")
+            fail_together(ctx.comm, error, "nccl backend: creating the NCCL communicator")
         except BaseException:
             self.close()  # the ranks whose init succeeded: no communicator the others lack
             raise

@@ -110,7 +110,7 @@ def _register(platform: str) -> None:
 # -- lowering: choose, check across ranks, emit the custom call ---------------------------------------------------
 
 
-def _agree(ch: Channel, aval: Any, op: Op, backend: str, platform: str) -> Choice:
+def _choose_and_check(ch: Channel, aval: Any, op: Op, backend: str, platform: str) -> Choice:
     """Choose the backend for this call and check, across ranks, that all agree (collective on the check
     communicator). A rank that cannot make the call raises its own error; the others MismatchError."""
     ctx = ch.ctx
@@ -159,7 +159,7 @@ def _lowering(ctx: Any, x: Any, *, op: str, comm: int, backend: str) -> list[Any
         raise InvalidArgument(f"mpigpu.jax compiles for one platform at a time, got {platforms}")
     platform = platforms[0]
     op_ = Op(op)
-    choice = _agree(channel(comm), aval, op_, backend, platform)
+    choice = _choose_and_check(channel(comm), aval, op_, backend, platform)
     _register(platform)
     layout = tuple(range(len(aval.shape) - 1, -1, -1))  # row-major, minor-to-major
     build = jax.ffi.build_ffi_lowering_function(
