@@ -6,10 +6,11 @@
 Importing mpigpu starts nothing: MPI, CUDA and the GPU libraries load on first use.
 """
 
-from mpigpu.api import allreduce, explain
+from mpigpu._version import __version__
+from mpigpu.api import allreduce, explain, select_device
 from mpigpu.averager import Averager
 from mpigpu.context import finalize
-from mpigpu.device import GpuInfo, select_device
+from mpigpu.device import GpuInfo
 from mpigpu.errors import (
     BackendUnavailable,
     CollectiveTimeout,
@@ -29,8 +30,6 @@ from mpigpu.ops import Op
 from mpigpu.persistent import Graph, Request, allreduce_init
 from mpigpu.plan import Choice
 from mpigpu.timing import Result
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Averager",

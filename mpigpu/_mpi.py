@@ -15,12 +15,21 @@ from typing import Any
 
 from mpigpu.errors import MissingDependency
 
-__all__ = ["MPI", "LibraryInfo", "libmpi_path", "library_info", "world"]
+__all__ = ["MPI", "LibraryInfo", "launcher_rank", "libmpi_path", "library_info", "world"]
 
 _FIX = (
     "Install an MPI: `pip install 'mpigpu[mpi]'` bundles MPICH (laptops, CI); on a cluster load the "
     "site's MPI module instead (mpi4py then finds it, or set MPI4PY_LIBMPI=/path/to/libmpi.so)."
 )
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher announced it (-1 outside a launcher); starts no MPI."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return -1
 
 
 @functools.cache

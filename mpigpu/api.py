@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,14 +9,24 @@ import numpy as np
 
 from mpigpu._cuda import StreamRef, resolve_stream
 from mpigpu.arrays import ArrayView, as_view, check_out
-from mpigpu.backends import backend_class
-from mpigpu.check import Signature, check_signature
+from mpigpu.backends import backend_code
+from mpigpu.check import Signature, announce_rejection, check_signature
 from mpigpu.context import Context
-from mpigpu.errors import DeviceError, InvalidArgument, MismatchError
+from mpigpu.device import GpuInfo
+from mpigpu.errors import DeviceError, InvalidArgument
 from mpigpu.ops import Op, parse_op
 from mpigpu.plan import Choice, choose, choose_cached
 
-__all__ = ["Prepared", "agree", "allreduce", "announce_rejection", "explain", "prepare", "validate"]
+__all__ = [
+    "Prepared",
+    "allreduce",
+    "announce_rejection",
+    "check_call",
+    "explain",
+    "prepare",
+    "select_device",
+    "validate",
+]
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a setattr call per field, on every call
@@ -118,20 +127,11 @@ def _prepare(ctx: Context, x: Any, op: Any, out: Any, backend: str, stream: Any)
     except Exception as exc:  # not only MpigpuError: any failure here must reach the other ranks
         announce_rejection(ctx, exc)
         raise
-    agree(prepared)
+    check_call(prepared)
     return prepared
 
 
-def announce_rejection(ctx: Context, exc: Exception) -> None:
-    """Join the cross-rank check with this rank's own error, so every other rank raises MismatchError
-    naming it instead of waiting (collective; this rank then raises its own error)."""
-    if ctx.settings.check:
-        # watched: a rank that never arrives would leave this one waiting in the check
-        with contextlib.suppress(MismatchError), ctx.watchdog.watch("allreduce (reporting an invalid call)"):
-            check_signature(ctx.comm, Signature(0, 0, 0, 0, 0, error=f"{type(exc).__name__}: {exc}"))
-
-
-def agree(prepared: Prepared) -> None:
+def check_call(prepared: Prepared) -> None:
     """The cross-rank check of a validated call: MismatchError on every rank unless all agree (collective)."""
     ctx, xv = prepared.ctx, prepared.x
     if ctx.settings.check:
@@ -139,15 +139,16 @@ def agree(prepared: Prepared) -> None:
             count=xv.size,
             dtype=xv.dtype.code,
             op=prepared.op.code,
-            backend=backend_class(prepared.choice.backend).code,
+            backend=backend_code(prepared.choice.backend),
             placement=int(xv.on_device),
             shape=xv.shape,
         )
+        name = prepared.choice.backend
         if ctx.watchdog.timeout > 0:  # a rank that never arrives would leave the others waiting here
             with ctx.watchdog.watch(f"allreduce of {xv.size} {xv.dtype.name} (cross-rank argument check)"):
-                check_signature(ctx.comm, signature)
+                check_signature(ctx.comm, signature, backend_name=name)
         else:
-            check_signature(ctx.comm, signature)
+            check_signature(ctx.comm, signature, backend_name=name)
 
 
 def _single_rank(prepared: Prepared) -> None:
@@ -246,3 +247,15 @@ def explain(x: Any, op: str | Op = "avg", *, comm: Any = None, backend: str = "a
     """Which backend ``allreduce`` would use for ``x``, and why (local; moves no data)."""
     ctx = Context.get(comm)
     return choose(ctx, as_view(x), parse_op(op), backend)
+
+
+def select_device(comm: Any = None) -> GpuInfo | None:
+    """Bind this rank to its GPU (node-local rank modulo visible GPUs), make it current, and return it.
+
+    Collective over ``comm`` (default: the world). Returns None on a machine with no GPU. Use the
+    returned ``index`` for your framework: ``torch.cuda.set_device(mpigpu.select_device().index)``.
+    """
+    ctx = Context.get(comm)
+    if ctx.gpu is not None:
+        ctx.activate_gpu()
+    return ctx.gpu

@@ -36,6 +36,7 @@ import numpy as np
 
 from mpigpu._cuda import StreamRef, resolve_stream
 from mpigpu.arrays import as_view, framework_of
+from mpigpu.compression import parse_compression
 from mpigpu.config import parse_count
 from mpigpu.context import Context
 from mpigpu.dtypes import DType, parse_dtype
@@ -145,18 +146,6 @@ def _spec(obj: Any, name: str) -> Spec:
         )
         raise InvalidArgument(f"{name} is read-only; the Averager writes the averages in place.{hint}")
     return Spec(view.shape, view.dtype, view.device)
-
-
-def _parse_compression(value: Any) -> DType | None:
-    if value is None:
-        return None
-    try:
-        dtype = parse_dtype(value)
-    except InvalidArgument:
-        dtype = None
-    if dtype is None or dtype.name not in ("float16", "bfloat16"):
-        raise InvalidArgument(f"compression must be None, 'float16' or 'bfloat16', not {value!r}")
-    return dtype
 
 
 def _allocate(framework: str, count: int, dtype: DType, device: int | None) -> Any:
@@ -279,7 +268,7 @@ class Averager:
         self.op = parse_op(op)
         self.bucket_bytes = parse_count(bucket_bytes, what="bucket_bytes")
         self.first_bucket_bytes = None if first_bytes is None else parse_count(first_bytes, what="first_bucket_bytes")
-        self.compression = _parse_compression(compression)
+        self.compression = parse_compression(compression)
         if self.compression is not None and self.op not in (Op.AVG, Op.SUM):
             raise InvalidArgument(f"compression works with op 'avg' or 'sum', not {self.op.value!r}")
         if not isinstance(self._backend, str):
@@ -452,6 +441,42 @@ class Averager:
             self._side = None
 
     # -- one step, bucket by bucket (integrations.torch drives these from backward hooks) ----------
+    @property
+    def bucket_members(self) -> list[list[int]]:
+        """Per bucket, in the order they are sent, the indices of its arrays (as given at construction)."""
+        return [list(b.members) for b in self._buckets]
+
+    @property
+    def step_in_flight(self) -> bool:
+        """True between the start of a step (``start``, ``begin_step``) and its ``finish``."""
+        return self._step is not None
+
+    def begin_step(self, arrays: Sequence[Any] | None = None) -> None:
+        """Start a step whose buckets are then started one by one with ``start_bucket`` (for
+        integrations that see arrays become ready one at a time, such as backward hooks). ``arrays``
+        as for ``start``. Nothing moves until a bucket is started."""
+        self._begin(arrays)
+
+    def start_bucket(self, index: int, *, stream: Any = None) -> None:
+        """Pack bucket ``index`` of the step begun with ``begin_step`` and start its allreduce.
+        Collective: every rank starts the buckets in the same order, 0, 1, ... (``bucket_members``);
+        ``finish`` then waits for them all. A rank whose arrays are wrong raises its error; the other
+        ranks raise MismatchError for this bucket and every later one, and the step ends."""
+        if self._step is None:
+            raise InvalidArgument("start_bucket() without begin_step(): no step is in flight")
+        bucket = self._buckets[index]
+        self._ctx.enter("Averager")
+        try:
+            try:
+                entries = self._collect(bucket)
+            except MpigpuError as exc:
+                self._reject(index, exc)
+                raise
+            self._pack(bucket, entries, stream)
+            self._launch(bucket)
+        finally:
+            self._ctx.leave()
+
     def _begin(self, arrays: Sequence[Any] | None) -> None:
         if self._step is not None:
             raise InvalidArgument("a step is already in flight: call finish() before starting another")

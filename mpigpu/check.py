@@ -4,32 +4,39 @@ rejected its own arguments. Mismatches become the same MismatchError on every ra
 hang or a read past a buffer. The shape is checked too (as a 62-bit hash): ranks that pass the same
 element count in different shapes are almost certainly reducing different tensors into each other.
 
-Cost: one MPI_Allreduce(MAX) of 14 int64 values per call. It runs on every call, by design: any
+Cost: one MPI_Allreduce(MAX) of 16 int64 values per call. It runs on every call, by design: any
 scheme where ranks skip the check independently (say, once per signature seen) can leave one rank
 checking while another has moved on, which is the hang the check exists to prevent. Example: rank 0
 has seen (1000, float32) before and skips; rank 1 passes 1001 for the first time and checks, so
 rank 1 waits in the check while rank 0 is already in the data collective. MPIGPU_CHECK=0 turns it
 off for production runs whose call sequence has been validated with it on.
 
-``agree`` is the same mechanism for a step that can fail on some ranks only (reading the
+``fail_together`` is the same mechanism for a step that can fail on some ranks only (reading the
 MPIGPU_* settings at start-up): every rank learns of the failure instead of waiting for the rank
 that failed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from array import array
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from mpigpu._mpi import MPI
 from mpigpu.dtypes import DTYPES
 from mpigpu.errors import MismatchError
 from mpigpu.ops import Op
 
-__all__ = ["Signature", "agree", "check_signature"]
+if TYPE_CHECKING:
+    from mpigpu.context import Context
 
-_FIELDS = ("failed", "count", "dtype", "op", "backend", "placement", "shape")
+__all__ = ["COLLECTIVES", "Signature", "announce_rejection", "check_signature", "fail_together"]
+
+_FIELDS = ("failed", "count", "dtype", "op", "backend", "placement", "shape", "collective")
+# A collective's code in the signature is its index here: one collective per call, and two ranks in
+# different collectives fail the check like any other difference. Add broadcast, allgather here.
+COLLECTIVES: tuple[str, ...] = ("allreduce",)
 _ZEROS = bytes(16 * len(_FIELDS))  # [v, -v] as int64 (array.array: cheaper per call than NumPy here)
 
 
@@ -45,12 +52,13 @@ class Signature(NamedTuple):
     placement: int  # 0 host, 1 GPU
     error: str | None = None
     shape: tuple[int, ...] = ()
+    collective: int = 0  # index in COLLECTIVES
 
     def values(self) -> list[int]:
         """The checked fields, in _FIELDS order."""
         return [
             1 if self.error else 0, self.count, self.dtype, self.op, self.backend, self.placement,
-            shape_hash(self.shape),
+            shape_hash(self.shape), self.collective,
         ]  # fmt: skip
 
 
@@ -79,19 +87,17 @@ def _label(field: str, value: Any) -> str:
         return next((d.name for d in DTYPES.values() if d.code == value), str(value))
     if field == "op":
         return next((o.value for o in Op if o.code == value), str(value))
-    if field == "backend":
-        from mpigpu.backends import BACKEND_NAMES, backend_class
-
-        return next((n for n in BACKEND_NAMES if backend_class(n).code == value), str(value))
     if field == "placement":
         return "GPU array" if value else "host array"
     if field == "shape":
         return "[" + ", ".join(map(str, value)) + "]"
+    if field == "collective" and 0 <= value < len(COLLECTIVES):
+        return COLLECTIVES[value]
     return str(value)
 
 
-def _describe(name: str, gathered: list[tuple[list[int], str | None, tuple[int, ...]]], failure: str) -> str:
-    failed = [(r, err) for r, (_, err, _) in enumerate(gathered) if err]
+def _describe(name: str, gathered: list[tuple[list[int], str | None, tuple[int, ...], str]], failure: str) -> str:
+    failed = [(r, err) for r, (_, err, _, _) in enumerate(gathered) if err]
     if failed:
         lines = [f"rank {r}: {err}" for r, err in failed]
         return f"{name} did not run: {_ranks([r for r, _ in failed])} {failure}.\n  " + "\n  ".join(lines)
@@ -100,10 +106,11 @@ def _describe(name: str, gathered: list[tuple[list[int], str | None, tuple[int, 
         if field == "failed":
             continue
         by_value: dict[Any, list[int]] = {}
-        for r, (vec, _, shape) in enumerate(gathered):
+        for r, (vec, _, shape, _) in enumerate(gathered):
             by_value.setdefault(shape if field == "shape" else vec[index], []).append(r)
         if len(by_value) > 1:
-            shown = "; ".join(f"{_label(field, v)} on {_ranks(rs)}" for v, rs in by_value.items())
+            labels = {vec[index]: backend for vec, _, _, backend in gathered} if field == "backend" else {}
+            shown = "; ".join(f"{labels.get(v) or _label(field, v)} on {_ranks(rs)}" for v, rs in by_value.items())
             parts.append(f"{field}: {shown}")
     if not parts:
         parts.append("arguments differ")
@@ -114,27 +121,34 @@ def _describe(name: str, gathered: list[tuple[list[int], str | None, tuple[int, 
 
 
 def check_signature(
-    comm: Any, sig: Signature, name: str = "allreduce", failure: str = "rejected the arguments"
+    comm: Any,
+    sig: Signature,
+    name: str = "allreduce",
+    failure: str = "rejected the arguments",
+    backend_name: str = "",
 ) -> None:
-    """Raise MismatchError (the same text on every rank) unless all ranks agree and none failed.
+    """Raise MismatchError (the same text on every rank) unless all ranks fail_together and none failed.
 
-    ``failure`` completes "<name> did not run: rank 1 ..." when a rank reports an error."""
+    ``failure`` completes "<name> did not run: rank 1 ..." when a rank reports an error;
+    ``backend_name`` names ``sig.backend`` in that message (this module sits below the backends)."""
     mpi = MPI()
     mine = sig.values()
-    f, c, d, o, b, p, s = mine
+    f, c, d, o, b, p, s, k = mine
     # MAX over [v, -v] gives max and -min of every field in one collective. max - min >= 0 per field,
-    # so all fields agree iff the 14 results sum to 0; result[0] is 1 if any rank failed.
+    # so all fields fail_together iff the 16 results sum to 0; result[0] is 1 if any rank failed.
     result = array("q", _ZEROS)
     comm.Allreduce(
-        [array("q", (f, c, d, o, b, p, s, -f, -c, -d, -o, -b, -p, -s)), mpi.INT64_T], [result, mpi.INT64_T], mpi.MAX
+        [array("q", (f, c, d, o, b, p, s, k, -f, -c, -d, -o, -b, -p, -s, -k)), mpi.INT64_T],
+        [result, mpi.INT64_T],
+        mpi.MAX,
     )
     if result[0] == 0 and sum(result) == 0:
         return
-    gathered = comm.allgather((mine, sig.error, tuple(int(d) for d in sig.shape)))
+    gathered = comm.allgather((mine, sig.error, tuple(int(d) for d in sig.shape), backend_name))
     raise MismatchError(_describe(name, gathered, failure))
 
 
-def agree(comm: Any, error: BaseException | None, name: str) -> None:
+def fail_together(comm: Any, error: BaseException | None, name: str) -> None:
     """Collective: if ``error`` is set on any rank, raise on every rank (the failing rank raises its own
     error, the others a MismatchError naming it and its message); otherwise return."""
     text = None if error is None else f"{type(error).__name__}: {error}"
@@ -144,3 +158,12 @@ def agree(comm: Any, error: BaseException | None, name: str) -> None:
         if error is not None:
             raise error from None
         raise
+
+
+def announce_rejection(ctx: Context, exc: Exception) -> None:
+    """Join the cross-rank check with this rank's own error, so every other rank raises MismatchError
+    naming it instead of waiting (collective; this rank then raises its own error)."""
+    if ctx.settings.check:
+        # watched: a rank that never arrives would leave this one waiting in the check
+        with contextlib.suppress(MismatchError), ctx.watchdog.watch("allreduce (reporting an invalid call)"):
+            check_signature(ctx.comm, Signature(0, 0, 0, 0, 0, error=f"{type(exc).__name__}: {exc}"))

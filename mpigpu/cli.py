@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from mpigpu._mpi import launcher_rank
+from mpigpu._version import __version__
 from mpigpu.backends import BACKEND_NAMES
 from mpigpu.config import parse_count
 from mpigpu.dtypes import DTYPES, parse_dtype
@@ -30,6 +32,7 @@ __all__ = [
     "count_arg",
     "dtype_arg",
     "header_lines",
+    "launcher_rank",
     "nonneg_int",
     "op_arg",
     "parse_command",
@@ -64,15 +67,6 @@ def parse_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> ar
 
     abort_on_exception()
     return args
-
-
-def launcher_rank() -> int:
-    """This process's rank as the launcher announced it (-1 outside a launcher); starts no MPI."""
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return -1
 
 
 def prog(module: str) -> str:
@@ -202,8 +196,6 @@ def refuse(module: str, problem: Exception | str, rank: int = 0) -> int:
 
 def header_lines(ctx: Any) -> list[str]:
     """The ``#`` header (collective; meaningful on rank 0): library, ranks, one line per rank."""
-    from mpigpu import __version__
-
     layout, lib = ctx.layout, ctx.mpi_lib
     gpu = ctx.gpu.describe() if ctx.gpu else "cpu"
     mine = f"host {layout.hostnames[ctx.rank]:<16} node {layout.node_index} local {layout.local_rank}  {gpu}"

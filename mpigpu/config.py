@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mpigpu.errors import ConfigError, InvalidArgument
 
-__all__ = ["ENV_VARS", "MAX_TIMEOUT_S", "Settings", "disagreement", "parse_count", "settings"]
+__all__ = ["ENV_VARS", "MAX_TIMEOUT_S", "Settings", "disagreement", "parse_count", "settings", "size_label"]
 
 # MPIGPU_TIMEOUT's upper bound: the ipc kernels count it in nanoseconds in a 64-bit integer (2**64 ns
 # is 584 years; 2e10 s and more overflow it). 1e6 s (11.6 days) is longer than any job's step.
@@ -55,6 +55,15 @@ def parse_count(text: str | int, *, what: str = "size", allow_zero: bool = False
     if value < 0 or (value == 0 and not allow_zero):
         raise InvalidArgument(f"invalid {what} {text!r}: it must be {'>= 0' if allow_zero else '> 0'}")
     return value
+
+
+def size_label(nbytes: int) -> str:
+    """``8 B``, ``4 KiB``, ``1.5 MiB``: sizes as tables and ``info`` show them (``parse_count`` reads them)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            value = nbytes / (1 << shift)
+            return f"{value:g} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{nbytes} B"
 
 
 def _raw(name: str) -> str | None:

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 from mpigpu._mpi import MPI, LibraryInfo, library_info, world
 from mpigpu.backends import BACKEND_NAMES, Availability, Backend, backend_class
-from mpigpu.check import agree
+from mpigpu.check import announce_rejection, fail_together
 from mpigpu.config import ENV_VARS, Settings, disagreement
 from mpigpu.detect import CudaAwareness, NcclInfo, detect_cuda_awareness, detect_nccl
 from mpigpu.device import GpuInfo, map_device
@@ -204,8 +204,6 @@ class Context:
             "each thread its own communicator (e.g. `comm = MPI.COMM_WORLD.Dup()`, created on every rank in "
             "the same order, then `allreduce(x, comm=comm)`)."
         )
-        from mpigpu.api import announce_rejection
-
         with self._calls:  # between two calls of the owner, after its queued ones: the same place on every rank
             with contextlib.suppress(MpigpuError):
                 self.wait_async()
@@ -287,7 +285,7 @@ def _agreed_settings(comm: Any, settings: Settings | None, error: ConfigError | 
     """Collective: a bad MPIGPU_* value on any rank fails start-up on every rank with that rank's
     message, and so does a setting that changes which collectives run (Settings.agreed) when it
     differs between ranks, instead of leaving the others waiting in the next collective."""
-    agree(comm, error, "mpigpu start-up")
+    fail_together(comm, error, "mpigpu start-up")
     assert settings is not None
     problem = disagreement(comm.allgather(settings.agreed()))
     if problem is not None:

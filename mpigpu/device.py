@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 from mpigpu._cuda import visible_device_count
 from mpigpu.errors import DeviceError
 from mpigpu.topology import Layout
 
-__all__ = ["GpuInfo", "map_device", "select_device"]
+__all__ = ["GpuInfo", "map_device"]
 
 
 @dataclass(frozen=True)
@@ -86,17 +85,3 @@ def map_device(layout: Layout, allow_shared: bool) -> GpuInfo | None:
             warnings.warn(f"mpigpu: {message} (MPIGPU_ALLOW_SHARED_GPU=1)", RuntimeWarning, stacklevel=3)
             _warned_shared = True
     return info
-
-
-def select_device(comm: Any = None) -> GpuInfo | None:
-    """Bind this rank to its GPU (node-local rank modulo visible GPUs), make it current, and return it.
-
-    Collective over ``comm`` (default: the world). Returns None on a machine with no GPU. Use the
-    returned ``index`` for your framework: ``torch.cuda.set_device(mpigpu.select_device().index)``.
-    """
-    from mpigpu.context import Context
-
-    ctx = Context.get(comm)
-    if ctx.gpu is not None:
-        ctx.activate_gpu()
-    return ctx.gpu

@@ -1,4 +1,4 @@
-"""The element types mpigpu reduces, and how each maps to NumPy, MPI, NCCL and CUDA C."""
+"""The element types mpigpu reduces, and how each maps to NumPy, MPI, NCCL and CUDA C (one table)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from mpigpu._mpi import MPI
 from mpigpu.errors import InvalidArgument
 
 __all__ = ["DTYPES", "DType", "parse_dtype"]
@@ -24,6 +25,7 @@ class DType:
     acc_name: str  # type the reduction accumulates in: float32 for the half types
     nccl: int | None  # ncclDataType_t, or None where NCCL has no such type
     code: int  # stable small integer, used in the cross-rank signature check
+    mpi_name: str | None  # mpi4py's name of the MPI datatype; None for the half types (float32 or keys on the wire)
 
     @property
     def itemsize(self) -> int:
@@ -43,6 +45,18 @@ class DType:
         return DTYPES[self.acc_name]
 
     @property
+    def unsigned(self) -> DType:
+        """The unsigned integer type of the same width: the type of float keys and bit patterns."""
+        return DTYPES[f"uint{8 * self.itemsize}"]
+
+    @property
+    def mpi(self) -> Any:
+        """The MPI datatype (initialises MPI). The half types have none: reduce them as float32 or as keys."""
+        if self.mpi_name is None:
+            raise InvalidArgument(f"{self.name} has no MPI datatype: it travels as float32 or as keys")
+        return getattr(MPI(), self.mpi_name)
+
+    @property
     def eps(self) -> float:
         """Machine epsilon (floats) or 0 (ints)."""
         if not self.is_float:
@@ -50,8 +64,8 @@ class DType:
         return float(ml_dtypes.finfo(self.np).eps)
 
 
-def _d(name: str, np_dtype: Any, ctype: str, acc: str | None, nccl: int | None, code: int) -> DType:
-    return DType(name, np.dtype(np_dtype), ctype, acc or name, nccl, code)
+def _d(name: str, np_dtype: Any, ctype: str, acc: str | None, nccl: int | None, code: int, mpi: str | None) -> DType:
+    return DType(name, np.dtype(np_dtype), ctype, acc or name, nccl, code, mpi)
 
 
 # ncclDataType_t values: int8 0, uint8 1, int32 2, uint32 3, int64 4, uint64 5, half 6, float 7,
@@ -59,18 +73,18 @@ def _d(name: str, np_dtype: Any, ctype: str, acc: str | None, nccl: int | None, 
 DTYPES: dict[str, DType] = {
     d.name: d
     for d in (
-        _d("float16", np.float16, "__half", "float32", 6, 1),
-        _d("bfloat16", ml_dtypes.bfloat16, "__nv_bfloat16", "float32", 9, 2),
-        _d("float32", np.float32, "float", None, 7, 3),
-        _d("float64", np.float64, "double", None, 8, 4),
-        _d("int8", np.int8, "signed char", None, 0, 5),
-        _d("uint8", np.uint8, "unsigned char", None, 1, 6),
-        _d("int16", np.int16, "short", None, None, 7),
-        _d("uint16", np.uint16, "unsigned short", None, None, 8),
-        _d("int32", np.int32, "int", None, 2, 9),
-        _d("uint32", np.uint32, "unsigned int", None, 3, 10),
-        _d("int64", np.int64, "long long", None, 4, 11),
-        _d("uint64", np.uint64, "unsigned long long", None, 5, 12),
+        _d("float16", np.float16, "__half", "float32", 6, 1, None),
+        _d("bfloat16", ml_dtypes.bfloat16, "__nv_bfloat16", "float32", 9, 2, None),
+        _d("float32", np.float32, "float", None, 7, 3, "FLOAT"),
+        _d("float64", np.float64, "double", None, 8, 4, "DOUBLE"),
+        _d("int8", np.int8, "signed char", None, 0, 5, "INT8_T"),
+        _d("uint8", np.uint8, "unsigned char", None, 1, 6, "UINT8_T"),
+        _d("int16", np.int16, "short", None, None, 7, "INT16_T"),
+        _d("uint16", np.uint16, "unsigned short", None, None, 8, "UINT16_T"),
+        _d("int32", np.int32, "int", None, 2, 9, "INT32_T"),
+        _d("uint32", np.uint32, "unsigned int", None, 3, 10, "UINT32_T"),
+        _d("int64", np.int64, "long long", None, 4, 11, "INT64_T"),
+        _d("uint64", np.uint64, "unsigned long long", None, 5, 12, "UINT64_T"),
     )
 }
 

@@ -56,4 +56,7 @@ class MismatchError(MpigpuError):
 
 
 class CollectiveTimeout(MpigpuError):
-    """A collective did not complete within MPIGPU_TIMEOUT seconds."""
+    """A collective did not complete within MPIGPU_TIMEOUT seconds.
+
+    Raised where the timeout is found on a thread that can raise (the ipc kernel's barrier timed
+    out); the watchdog, which finds it on its own thread, ends the job with a message of this name."""

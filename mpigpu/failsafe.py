@@ -18,6 +18,8 @@ import traceback
 from types import TracebackType
 from typing import Any, NoReturn
 
+from mpigpu._mpi import launcher_rank
+
 __all__ = [
     "Watchdog",
     "abort_before_start",
@@ -46,8 +48,6 @@ def _rank() -> int:
             return sys.modules["mpi4py.MPI"].COMM_WORLD.Get_rank()
         except Exception:
             pass
-    from mpigpu.cli import launcher_rank
-
     return launcher_rank()
 
 

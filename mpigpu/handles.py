@@ -2,7 +2,7 @@
 
 Two ways a call proceeds, chosen by the backend:
 
-- Backends that only enqueue GPU work (``nccl``, ``ipc``) run at once on the caller's thread: the
+- Backends that only enqueue GPU work (``Backend.enqueues``: ``nccl``, ``ipc``) run at once on the caller's thread: the
   reduction is enqueued on the stream, so later work on that stream sees the result. ``done()``
   queries an event recorded after it, ``wait()`` synchronises that event.
 - Backends that block the host while they work (``cpu``, ``host``, ``cuda-aware``) run on one
@@ -36,16 +36,14 @@ from queue import SimpleQueue
 from typing import Any
 
 from mpigpu._cuda import StreamRef, core_stream
-from mpigpu.api import Prepared, agree, announce_rejection, run, validate
+from mpigpu.api import Prepared, announce_rejection, check_call, run, validate
+from mpigpu.backends import backend_class
 from mpigpu.context import Context
 from mpigpu.errors import MismatchError, MpigpuError
 from mpigpu.failsafe import report_background_failure
 from mpigpu.ops import Op
 
-__all__ = ["ENQUEUE_BACKENDS", "Handle", "Worker", "allreduce_async", "reject"]
-
-# Backends whose allreduce returns once the work is enqueued on the stream (no host blocking).
-ENQUEUE_BACKENDS = frozenset({"nccl", "ipc"})
+__all__ = ["Handle", "Worker", "allreduce_async", "reject"]
 
 
 class Worker:
@@ -200,7 +198,7 @@ def _on_worker(worker: Worker, prepared: Prepared, ready: Any) -> Any:
     """The worker's task: the cross-rank check, then the reduction. GPU data is reduced on the
     worker's own non-blocking stream, after ``ready`` (the caller's stream at the call), and
     synchronised before the task ends, so the result is complete when the handle says so."""
-    agree(prepared)
+    check_call(prepared)
     if ready is None:
         return run(prepared)
     device = prepared.ctx.activate_gpu()
@@ -259,9 +257,9 @@ def _submit(ctx: Context, x: Any, op: Any, out: Any, comm: Any, backend: str, st
         reject(ctx, exc)
         raise
     name = prepared.choice.backend
-    if name in ENQUEUE_BACKENDS:
+    if backend_class(name).enqueues:
         ctx.wait_async()  # a queued call on another backend goes first
-        agree(prepared)
+        check_call(prepared)
         result = run(prepared)
         assert prepared.stream is not None
         return Handle(name, result=result, event=core_stream(prepared.stream.handle).record())

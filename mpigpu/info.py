@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from mpigpu.cli import Parser, header_lines, parse_command, prog, versions
+from mpigpu.config import size_label
 
 __all__ = ["gather_info", "main"]
 
@@ -40,15 +41,8 @@ def _auto_examples(ctx: Any) -> list[tuple[str, str, str]]:
                 text = f"{choice.backend}  ({choice.reason})"
             except MpigpuError as exc:
                 text = f"none: {exc}"
-            rows.append((place, _size(nbytes), text))
+            rows.append((place, size_label(nbytes), text))
     return rows
-
-
-def _size(nbytes: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
-            return f"{nbytes >> shift} {unit}"
-    return f"{nbytes} B"
 
 
 def gather_info() -> dict[str, Any]:

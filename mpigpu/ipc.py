@@ -32,7 +32,7 @@ def ipc_buffer(shape: int | tuple[int, ...], dtype: Any = "float32", *, comm: An
     ``torch.as_tensor(buf, device="cuda")``. The contents start zeroed.
     """
     from mpigpu._cuda import cupy
-    from mpigpu.backends.ipc_memory import agree
+    from mpigpu.backends.ipc_memory import collective_step
     from mpigpu.context import Context
     from mpigpu.dtypes import parse_dtype
 
@@ -54,7 +54,7 @@ def ipc_buffer(shape: int | tuple[int, ...], dtype: Any = "float32", *, comm: An
         return dims, parse_dtype(dtype)
 
     # collective: a bad shape or dtype on one rank fails on every rank, so none waits below
-    dims, kind = agree(ctx.layout.node_comm, "ipc_buffer", parse, error=InvalidArgument)
+    dims, kind = collective_step(ctx.layout.node_comm, "ipc_buffer", parse, error=InvalidArgument)
     nbytes = math.prod(dims) * kind.itemsize
     backend = ctx.backend("ipc")
     alloc = backend.register(nbytes)  # type: ignore[attr-defined]

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
+from mpigpu._mpi import MPI
 from mpigpu.dtypes import DTYPES, DType
 from mpigpu.errors import InvalidArgument
 
@@ -33,7 +34,6 @@ __all__ = [
     "Op",
     "canonical_nan",
     "canonicalize_nan",
-    "combine_into",
     "finish_avg",
     "from_keys",
     "int_avg_join",
@@ -73,11 +73,23 @@ class Op(str, enum.Enum):
         """The combining op: avg combines as sum."""
         return Op.SUM if self is Op.AVG else self
 
+    @property
+    def ufunc(self) -> np.ufunc:
+        """The NumPy ufunc that combines like this op (avg as sum). Float min/max under mpigpu's
+        semantics (NaN, signed zeros) need ``minmax_rows`` instead."""
+        return _UFUNCS[self.base]
+
+    @property
+    def mpi(self) -> Any:
+        """The MPI operation that combines like this op (avg as sum; initialises MPI)."""
+        return getattr(MPI(), self.base.name)  # MPI.SUM, MPI.MIN, MPI.MAX, MPI.PROD
+
     def __str__(self) -> str:
         return self.value
 
 
 _INDEX = {op: i for i, op in enumerate(Op)}
+_UFUNCS = {Op.SUM: np.add, Op.MIN: np.minimum, Op.MAX: np.maximum, Op.PROD: np.multiply}
 
 
 def parse_op(value: Any) -> Op:
@@ -88,18 +100,6 @@ def parse_op(value: Any) -> Op:
         return Op(str(value).strip().lower())
     except ValueError:
         raise InvalidArgument(f"unknown op {value!r}: use one of {', '.join(o.value for o in Op)}") from None
-
-
-_UFUNC = {Op.SUM: np.add, Op.MIN: np.minimum, Op.MAX: np.maximum, Op.PROD: np.multiply}
-
-
-def combine_into(op: Op, acc: np.ndarray, x: np.ndarray) -> None:
-    """acc = acc (op) x, elementwise, in acc's dtype (integer overflow wraps; float min/max as above)."""
-    if op in (Op.MIN, Op.MAX) and _is_float(acc.dtype):
-        minmax_rows([acc, x.astype(acc.dtype, copy=False)], op, acc)
-        return
-    with np.errstate(over="ignore", invalid="ignore"):
-        _UFUNC[op.base](acc, x, out=acc, casting="unsafe")
 
 
 def finish_avg(acc: np.ndarray, nranks: int, dtype: DType, out: np.ndarray) -> None:
@@ -132,10 +132,6 @@ _BITS = {
         np.dtype(np.uint64), np.dtype(np.int64), 1 << 63, 0x7FF0000000000000, 0x7FF8000000000000
     ),
 }
-
-
-def _is_float(dtype: np.dtype) -> bool:
-    return dtype in _BITS
 
 
 def canonical_nan(dtype: DType | np.dtype) -> int:

@@ -29,16 +29,15 @@ from typing import Any
 
 from mpigpu._cuda import StreamRef, core_stream, resolve_stream
 from mpigpu.api import Prepared, _log_choice, _single_rank, prepare
-from mpigpu.backends import backend_class
+from mpigpu.backends import backend_class, backend_code
 from mpigpu.check import Signature, check_signature
 from mpigpu.errors import DeviceError, InvalidArgument, MpigpuError
-from mpigpu.handles import ENQUEUE_BACKENDS, _worker
+from mpigpu.handles import _worker
 from mpigpu.ops import Op
 
 __all__ = ["Graph", "Request", "allreduce_init"]
 
 _IDLE, _ACTIVE, _FREED = 0, 1, 2
-_GRAPH_BACKENDS = ("nccl", "ipc")
 _CUDA_NOT_READY = 600  # cudaErrorNotReady
 
 
@@ -58,11 +57,11 @@ class Request:
         self._stream = prepared.stream  # default stream of a start (None for host arrays)
         self._on_device = x.on_device
         # nothing to queue where no collective runs (empty arrays, one rank): those run in start()
-        self._queued = self.backend not in ENQUEUE_BACKENDS and x.size > 0 and ctx.size > 1
+        self._queued = not backend_class(self.backend).enqueues and x.size > 0 and ctx.size > 1
         self._launch = self._bind(prepared)
         self._label = f"allreduce start({self.backend}, {x.dtype.name} x {x.size}, op={prepared.op.value})"
         self._signature = Signature(
-            x.size, x.dtype.code, prepared.op.code, backend_class(self.backend).code, int(x.on_device)
+            x.size, x.dtype.code, prepared.op.code, backend_code(self.backend), int(x.on_device)
         )
         self._result = prepared.result
         self._finish = prepared.finish
@@ -87,7 +86,7 @@ class Request:
                 backend = ctx.backend(prepared.choice.backend)
         else:
             backend = ctx.backend(prepared.choice.backend)
-        return backend.bind(x, prepared.out, prepared.op)
+        return backend.bind_allreduce(x, prepared.out, prepared.op)
 
     # -- starting -----------------------------------------------------------------------------------
     def start(self, stream: Any = None) -> None:
@@ -136,7 +135,7 @@ class Request:
             if worker is not None:
                 worker.drain()  # queued calls reach MPI first
         if check:
-            self._agree()
+            self._check_call()
         self._run(ref)
         self._started_on = ref
         self._state = _ACTIVE
@@ -148,7 +147,7 @@ class Request:
         if worker is not None:
             worker.drain()
         if check:
-            self._agree()
+            self._check_call()
         self._run(ref)
         return self._finish(self._result) if self._finish is not None else self._result
 
@@ -162,21 +161,21 @@ class Request:
         else:
             self._launch(ref)
 
-    def _agree(self) -> None:
+    def _check_call(self) -> None:
         ctx = self._ctx
         if not ctx.settings.check:
             return
         if ctx.watchdog.timeout > 0:
             with ctx.watchdog.watch(f"{self._label} (cross-rank argument check)"):
-                check_signature(ctx.comm, self._signature)
+                check_signature(ctx.comm, self._signature, backend_name=self.backend)
         else:
-            check_signature(ctx.comm, self._signature)
+            check_signature(ctx.comm, self._signature, backend_name=self.backend)
 
     def _on_worker(self, worker: Any, ready: Any, check: bool) -> None:
         """The queued start: GPU data is reduced on the worker's own stream after ``ready``, and
         synchronised before the task ends, so ``wait()`` returns with the result complete."""
         if check:
-            self._agree()
+            self._check_call()
         if ready is None:
             self._run(None)
             return
@@ -243,12 +242,12 @@ class Request:
         nccl and ipc only). ``stream``: the default stream of ``launch()``. The request stays
         usable; replays and starts may be interleaved, in the same order on every rank."""
         self._usable("graph()")
-        if self.backend not in _GRAPH_BACKENDS:
+        if not backend_class(self.backend).graphs:
             raise InvalidArgument(
                 f"the {self.backend} backend cannot be captured in a CUDA graph (it blocks the host): "
                 f"use backend='nccl' or 'ipc', or call start()/wait()"
             )
-        from mpigpu.backends.ipc_memory import agree
+        from mpigpu.backends.ipc_memory import collective_step
 
         prepared = self._prepared
         if stream is not None:
@@ -260,10 +259,10 @@ class Request:
         worker = ctx.async_worker
         if worker is not None:
             worker.drain()
-        graph = agree(
+        graph = collective_step(
             ctx.comm,
             f"capturing the {self.backend} allreduce in a CUDA graph",
-            lambda: backend.build_graph(prepared.x, prepared.out, prepared.op),  # type: ignore[attr-defined]
+            lambda: backend.graph_allreduce(prepared.x, prepared.out, prepared.op),  # type: ignore[attr-defined]
             lambda g: g.close(),
         )
         return Graph(prepared, backend, graph, self._launch)

@@ -5,6 +5,9 @@ GPU arrays:  ipc (one node, peer access) up to 4 MiB -> nccl -> cuda-aware MPI -
 Host arrays: cpu (MPI_Allreduce) below 32 MiB -> host (shared-memory reduce) from there on, where
              the host backend is available; cpu otherwise.
 
+The order is the registry's (``mpigpu.backends._REGISTRY``), the size limits are each backend's
+``auto_declines``, and a backend is tried only for the collectives it lists.
+
 Every input to the choice (sizes, dtypes, capabilities agreed at start-up, the table broadcast from
 rank 0) is identical on every rank, so ranks agree without talking.
 """
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpigpu.backends import BACKEND_NAMES, backend_class
+from mpigpu.backends import BACKEND_NAMES, backend_class, preference
 from mpigpu.errors import BackendUnavailable, InvalidArgument
 from mpigpu.privatefs import read_file
 
@@ -27,12 +30,6 @@ if TYPE_CHECKING:
     from mpigpu.ops import Op
 
 __all__ = ["Choice", "TuningTable", "choose", "choose_cached", "load_tuning", "machine_signature"]
-
-# ipc was as fast as NCCL or faster through 4 MiB on 2 and 4 x H200 (bench/results, 2026-11-21)
-IPC_MAX_BYTES = 4 << 20
-HOST_SHM_MIN_BYTES = 32 << 20  # measured crossover with MPICH's MPI_Allreduce, 2 and 4 ranks (docs/host.md)
-_DEVICE_ORDER = ("ipc", "nccl", "cuda-aware", "host")
-_HOST_ORDER = ("host", "cpu")
 
 
 @dataclass(frozen=True)
@@ -151,12 +148,14 @@ def _check_entry(key: str, entry: Any) -> None:
             previous = edge
 
 
-def _usable(ctx: Context, name: str, view: ArrayView, op: Op) -> str | None:
+def _usable(ctx: Context, name: str, view: ArrayView, op: Op, collective: str = "allreduce") -> str | None:
     """None if ``name`` can take this call, else why not."""
     available = ctx.availability.get(name)
     if available is None or not available.ok:
         return available.reason if available else "unknown backend"
     cls = backend_class(name)
+    if collective not in cls.collectives:
+        return f"does not implement {collective}"
     if view.on_device and not cls.device_arrays:
         return "takes host (NumPy) arrays only"
     if not view.on_device and not cls.host_arrays:
@@ -167,27 +166,28 @@ def _usable(ctx: Context, name: str, view: ArrayView, op: Op) -> str | None:
 _CACHE_LIMIT = 4096
 
 
-def choose_cached(ctx: Context, view: ArrayView, op: Op, requested: str) -> Choice:
-    """``choose``, remembered per (placement, shape, dtype, op, request) on the context: the
-    decision depends on nothing else (bytes follow from shape and dtype), and repeated calls (a
+def choose_cached(ctx: Context, view: ArrayView, op: Op, requested: str, collective: str = "allreduce") -> Choice:
+    """``choose``, remembered per (placement, shape, dtype, op, request, collective) on the context:
+    the decision depends on nothing else (bytes follow from shape and dtype), and repeated calls (a
     training loop) then cost a lookup."""
-    key = (view.device is not None, view.shape, view.dtype.name, op, requested)
+    key = (view.device is not None, view.shape, view.dtype.name, op, requested, collective)
     cache = ctx.plan_cache
     choice = cache.get(key)
     if choice is None:
-        choice = choose(ctx, view, op, requested)
+        choice = choose(ctx, view, op, requested, collective)
         if len(cache) >= _CACHE_LIMIT:
             cache.clear()
         cache[key] = choice
     return choice
 
 
-def choose(ctx: Context, view: ArrayView, op: Op, requested: str) -> Choice:
-    """Resolve ``requested`` ("auto" or a backend name) for this call, or raise saying why not."""
+def choose(ctx: Context, view: ArrayView, op: Op, requested: str, collective: str = "allreduce") -> Choice:
+    """Resolve ``requested`` ("auto" or a backend name) for this call of ``collective``, or raise
+    saying why not."""
     if requested != "auto":
         if requested not in BACKEND_NAMES:
             backend_class(requested)  # raises the "unknown backend" error
-        problem = _usable(ctx, requested, view, op)
+        problem = _usable(ctx, requested, view, op, collective)
         if problem is None:
             return Choice(requested, "requested")
         available = ctx.availability[requested]
@@ -211,16 +211,14 @@ def choose(ctx: Context, view: ArrayView, op: Op, requested: str) -> Choice:
     placement = "device" if view.on_device else "host"
     if ctx.tuning is not None:
         name = ctx.tuning.lookup(placement, view.nbytes)
-        if name is not None and _usable(ctx, name, view, op) is None:
+        if name is not None and _usable(ctx, name, view, op, collective) is None:
             return Choice(name, f"tuned table ({ctx.tuning.source}) for {view.nbytes} B")
-    order = _DEVICE_ORDER if view.on_device else _HOST_ORDER
+    order = preference(view.on_device, collective)
     skipped = []
     for name in order:
-        problem = _usable(ctx, name, view, op)
-        if problem is None and name == "ipc" and view.nbytes > IPC_MAX_BYTES:
-            problem = f"message above {IPC_MAX_BYTES >> 20} MiB"
-        if problem is None and name == "host" and not view.on_device and view.nbytes < HOST_SHM_MIN_BYTES:
-            problem = f"message below {HOST_SHM_MIN_BYTES >> 20} MiB (MPI_Allreduce is faster there)"
+        problem = _usable(ctx, name, view, op, collective)
+        if problem is None:
+            problem = backend_class(name).auto_declines(view.on_device, view.nbytes)
         if problem is None:
             why = "; ".join(skipped)
             return Choice(name, f"rule: first usable of {', '.join(order)}" + (f" (skipped {why})" if why else ""))

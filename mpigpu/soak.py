@@ -387,6 +387,7 @@ def check_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
     backend and placement (collective). Medians over repetitions, each the max over ranks."""
     import mpigpu
     from mpigpu._mpi import world
+    from mpigpu.backends import backend_code
     from mpigpu.check import Signature, check_signature
     from mpigpu.context import Context
     from mpigpu.timing import max_over_ranks, time_calls
@@ -404,7 +405,8 @@ def check_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
             device=ctx.gpu if gpu else None, stream=stream,
         )  # fmt: skip
         x = work.x
-        signature = Signature(count, dtype.code, Op.AVG.code, 1, int(gpu))
+        # the check alone: its cost does not depend on which backend the signature names
+        signature = Signature(count, dtype.code, Op.AVG.code, backend_code("cpu"), int(gpu))
 
         def check(signature: Signature = signature) -> None:
             check_signature(comm, signature)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mpigpu.config import size_label
 from mpigpu.errors import ConfigError
 from mpigpu.plan import load_tuning, machine_signature, signature_key
 from mpigpu.privatefs import UntrustedPath, read_file, write_file
@@ -103,15 +104,6 @@ def bands_from_samples(samples: Iterable[Sample]) -> Bands:
             merged.append((edge, name))
         bands[placement] = merged
     return bands
-
-
-def size_label(nbytes: int) -> str:
-    """``8 B``, ``4 KiB``, ``1.5 MiB``: sizes as tables show them."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift:
-            value = nbytes / (1 << shift)
-            return f"{value:g} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-    return f"{nbytes} B"
 
 
 def describe_bands(bands: Bands) -> list[str]:

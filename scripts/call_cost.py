@@ -15,7 +15,7 @@ Rows:
   prepared run         api.run(p) with p = api.prepare(...) made once (no validation, no check)
   request start+wait   req.start(); req.wait() with req = allreduce_init(x) made once
   request()            req(): start and wait in one
-  check alone          the cross-rank signature check (api.agree) of a prepared call, collective
+  check alone          the cross-rank signature check (api.check_call) of a prepared call, collective
   backend alone        the chosen backend's allreduce(x, out, op, stream), collective
   validate             api.validate: everything local in a call (the next rows are its parts)
   parse_op, as_view, Context.get, choose_cached, resolve_stream
@@ -114,7 +114,7 @@ def profile(framework: str, nbytes: int, dtype: str, backend: str, iters: int, w
         "prepared run": lambda: api.run(prepared),
         "request start+wait": start_wait,
         "request()": req,
-        "check alone": lambda: api.agree(prepared),
+        "check alone": lambda: api.check_call(prepared),
         "backend alone": lambda: engine.allreduce(view, prepared.out, op, prepared.stream),
     }
     for name, fn in collective.items():

@@ -8,11 +8,21 @@ import math
 import numpy as np
 
 from mpigpu.dtypes import DTYPES
-from mpigpu.ops import Op, canonical_nan
+from mpigpu.ops import Op, canonical_nan, minmax_rows
 
 FLOAT_POOL = [math.nan, -math.nan, 0.0, -0.0, 1.0, -1.0, 2.0, 0.5, math.inf, -math.inf]
 INT_POOL = [0, 1, -1, 2, -3, 5]
 SIZES = range(1, 9)
+
+
+def combine_into(op: Op, acc: np.ndarray, x: np.ndarray) -> None:
+    """acc = acc (op) x, elementwise, in acc's dtype (integer overflow wraps; float min/max under
+    mpigpu's semantics): a reduction one rank at a time, the reference the tests fold with."""
+    if op in (Op.MIN, Op.MAX) and (acc.dtype.kind == "f" or acc.dtype == DTYPES["bfloat16"].np):
+        minmax_rows([acc, x.astype(acc.dtype, copy=False)], op, acc)
+        return
+    with np.errstate(over="ignore", invalid="ignore"):
+        op.ufunc(acc, x, out=acc, casting="unsafe")
 
 
 def inputs(dtype: str, size: int, nranks: int, seed: int) -> np.ndarray:

@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 import mpigpu
-from mpigpu.backends.host import PAGE, SegmentLayout, internode, reduce_rows, split_even
+from mpigpu.backends.host_layout import PAGE, SegmentLayout, split_even
+from mpigpu.backends.host_reduce import internode, reduce_rows
 from mpigpu.context import Context
 from mpigpu.dtypes import DTYPES
 from mpigpu.ops import Op

@@ -17,12 +17,13 @@ import pytest
 from mpigpu.arrays import ArrayView
 from mpigpu.backends import Availability
 from mpigpu.backends import ipc_plan as P
+from mpigpu.backends.ipc import AUTO_MAX_BYTES as IPC_MAX_BYTES
 from mpigpu.backends.ipc import IpcBackend
-from mpigpu.backends.ipc_memory import agree
+from mpigpu.backends.ipc_memory import collective_step
 from mpigpu.dtypes import DTYPES
 from mpigpu.errors import BackendUnavailable, InvalidArgument
 from mpigpu.ops import Op
-from mpigpu.plan import IPC_MAX_BYTES, TuningTable, choose
+from mpigpu.plan import TuningTable, choose
 
 KERNEL = Path(__file__).resolve().parent.parent / "mpigpu" / "kernels" / "ipc.cu"
 
@@ -124,7 +125,7 @@ def test_plan_refuses_impossible_shapes(kwargs: dict) -> None:
         P.plan_launches(count, itemsize, nranks, **args)
 
 
-# -- agree: a step failing on one rank fails on all -----------------------------------------------
+# -- collective_step: a step failing on one rank fails on all -----------------------------------------------
 class _Comm:
     """A stand-in node communicator: ``allgather`` returns ``others`` around this rank's value."""
 
@@ -141,22 +142,22 @@ class _Comm:
 
 
 def test_agree_returns_the_value_when_every_rank_succeeds() -> None:
-    assert agree(_Comm(0, [None]), "step", lambda: 42) == 42
+    assert collective_step(_Comm(0, [None]), "step", lambda: 42) == 42
 
 
 def test_agree_raises_everywhere_and_undoes_local_success() -> None:
     undone = []
     with pytest.raises(BackendUnavailable, match=r"step failed on node rank 1: RuntimeError: boom"):
-        agree(_Comm(0, ["RuntimeError: boom"]), "step", lambda: 7, undone.append)
+        collective_step(_Comm(0, ["RuntimeError: boom"]), "step", lambda: 7, undone.append)
     assert undone == [7]
 
     def fail() -> int:
         raise RuntimeError("cudaErrorPeerAccessUnsupported: peer access is not supported")
 
     with pytest.raises(BackendUnavailable, match=r"node rank 0 \(and on 1 more rank\(s\)\).*PeerAccessUnsupported"):
-        agree(_Comm(0, ["RuntimeError: x"]), "step", fail)
+        collective_step(_Comm(0, ["RuntimeError: x"]), "step", fail)
     with pytest.raises(InvalidArgument, match="ipc_buffer failed on node rank 1: InvalidArgument: bad shape"):
-        agree(_Comm(0, ["InvalidArgument: bad shape"]), "ipc_buffer", lambda: 1, error=InvalidArgument)
+        collective_step(_Comm(0, ["InvalidArgument: bad shape"]), "ipc_buffer", lambda: 1, error=InvalidArgument)
 
 
 # -- probe reasons (before any CUDA call) ---------------------------------------------------------

@@ -5,12 +5,13 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from semantics import combine_into
 
 from mpigpu.arrays import as_view, check_out
 from mpigpu.config import Settings, parse_count
 from mpigpu.dtypes import DTYPES, parse_dtype
 from mpigpu.errors import ConfigError, InvalidArgument
-from mpigpu.ops import Op, combine_into, finish_avg, parse_op
+from mpigpu.ops import Op, finish_avg, parse_op
 from mpigpu.patterns import rank_values
 from mpigpu.verify import count_wrong_host, reference
 

@@ -1,4 +1,9 @@
-"""The registry of allreduce paths. Modules are imported when a backend is first used."""
+"""The registry of collective paths. Modules are imported when a backend is first used.
+
+A backend is one module (a ``Backend`` subclass that describes itself: see ``backends.base``) plus
+one line in ``_REGISTRY``. The registry's order is ``auto``'s preference among the backends that
+can take a call; each backend's code in the cross-rank check is its position here.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,9 @@ import importlib
 from mpigpu.backends.base import Availability, Backend
 from mpigpu.errors import InvalidArgument
 
-__all__ = ["BACKEND_NAMES", "Availability", "Backend", "backend_class"]
+__all__ = ["BACKEND_NAMES", "Availability", "Backend", "backend_class", "backend_code", "preference"]
 
-# name -> "module:Class". Order = preference of the fallback rules (see mpigpu.plan).
+# name -> "module:Class", in auto's order of preference
 _REGISTRY: dict[str, str] = {
     "ipc": "mpigpu.backends.ipc:IpcBackend",
     "nccl": "mpigpu.backends.nccl:NcclBackend",
@@ -19,6 +24,8 @@ _REGISTRY: dict[str, str] = {
     "cpu": "mpigpu.backends.cpu:CpuBackend",
 }
 BACKEND_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+# the backend's field in the cross-rank signature (0 is "no backend": a rank reporting its error)
+_CODES: dict[str, int] = {name: index + 1 for index, name in enumerate(BACKEND_NAMES)}
 
 
 @functools.cache  # on every call's path (the argument check): import once, then a lookup
@@ -29,4 +36,27 @@ def backend_class(name: str) -> type[Backend]:
     except KeyError:
         raise InvalidArgument(f"unknown backend {name!r}: use 'auto' or one of {', '.join(BACKEND_NAMES)}") from None
     module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)
+    found = getattr(importlib.import_module(module), cls)
+    if found.name != name:
+        raise AssertionError(f"{target} is registered as {name!r} but names itself {found.name!r}")
+    return found
+
+
+def backend_code(name: str) -> int:
+    """``name``'s small integer in the cross-rank signature (the same on every rank of a job)."""
+    try:
+        return _CODES[name]
+    except KeyError:
+        backend_class(name)  # raises the "unknown backend" error
+        raise
+
+
+@functools.cache
+def preference(on_device: bool, collective: str = "allreduce") -> tuple[str, ...]:
+    """The backends ``auto``'s rules try, in order, for GPU (``on_device``) or host arrays."""
+    return tuple(
+        name
+        for name in BACKEND_NAMES
+        if collective in backend_class(name).collectives
+        and (backend_class(name).device_arrays if on_device else backend_class(name).host_arrays)
+    )

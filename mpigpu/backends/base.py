@@ -1,15 +1,25 @@
-"""The protocol every allreduce path implements.
+"""The protocol every collective path implements.
 
 A backend is created once per communicator (creation may be collective: an NCCL communicator, a
-shared-memory window, CUDA IPC handles) and reused. ``allreduce`` is stream-ordered: it starts after
-the work already enqueued on ``stream`` and returns with the output ready in stream order (device
-paths) or written (host arrays).
+shared-memory window, CUDA IPC handles) and reused. Every collective is stream-ordered: it starts
+after the work already enqueued on ``stream`` and returns with the output ready in stream order
+(device paths) or written (host arrays).
+
+A backend describes itself in class attributes, so that adding one is its module plus one line in
+``mpigpu.backends._REGISTRY`` (whose order is ``auto``'s preference): which arrays it takes, which
+collectives it implements, whether it only enqueues GPU work, whether it captures CUDA graphs, the
+size limits ``auto``'s rules apply (``auto_declines``) and the anchor bench reports it beside.
+
+Method naming, per collective ``C`` listed in ``collectives``: ``C(...)`` runs it (``allreduce(x,
+out, op, stream)``); ``bind_C(...)`` returns it with all but the stream fixed, for a persistent
+request; where ``graphs`` is set, ``graph_C(...)`` captures it in a CUDA graph that
+``launch_graph`` replays. Broadcast and allgather, when they come, follow the same pattern.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -33,12 +43,19 @@ class Availability:
 
 
 class Backend(abc.ABC):
-    """One allreduce path."""
+    """One collective path."""
 
-    name: ClassVar[str]
-    code: ClassVar[int]  # stable small integer for the cross-rank signature check
+    name: ClassVar[str]  # as registered, and as users pass it (backend="nccl")
     host_arrays: ClassVar[bool]  # accepts NumPy (host) arrays
     device_arrays: ClassVar[bool]  # accepts CUDA arrays
+    collectives: ClassVar[frozenset[str]] = frozenset({"allreduce"})  # the collectives it implements
+    # True: a call returns once its GPU work is enqueued on the caller's stream (allreduce_async
+    # and persistent starts run it on the caller's thread); False: it blocks the host while it
+    # works, so those run it on the communicator's background thread
+    enqueues: ClassVar[bool] = False
+    graphs: ClassVar[bool] = False  # implements graph_allreduce / launch_graph (persistent Request.graph)
+    # placement ("device" or "host") -> the raw library anchor python -m mpigpu.bench reports it beside
+    anchors: ClassVar[Mapping[str, str]] = {}
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -59,11 +76,17 @@ class Backend(abc.ABC):
         """``supports``, with limits that depend on the communicator's layout (the same on every rank)."""
         return cls.supports(dtype, op)
 
+    @classmethod
+    def auto_declines(cls, on_device: bool, nbytes: int) -> str | None:
+        """Why ``auto``'s built-in rules pass over this backend for a message of ``nbytes`` that it
+        could take (a measured crossover), or None. A tuning table or an explicit request overrides it."""
+        return None
+
     @abc.abstractmethod
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
         """Reduce ``x`` across ranks into ``out`` (which may be ``x`` itself)."""
 
-    def bind(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[[StreamRef | None], None]:
+    def bind_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[[StreamRef | None], None]:
         """``allreduce(x, out, op, stream)`` with all but the stream fixed, for a persistent request
         (mpigpu.persistent). Backends override it to do once what every call would repeat."""
         return partial(self.allreduce, x, out, op)

@@ -8,12 +8,14 @@ sum or product leaves is made the canonical NaN, whose bits then match on every 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from mpigpu._mpi import MPI
 from mpigpu.backends.base import Availability, Backend
+from mpigpu.dtypes import DTYPES
 from mpigpu.ops import Op, canonicalize_nan, finish_avg, from_keys, int_avg_join, int_avg_parts, to_keys
 
 if TYPE_CHECKING:
@@ -21,29 +23,18 @@ if TYPE_CHECKING:
     from mpigpu.arrays import ArrayView
     from mpigpu.context import Context
 
-__all__ = ["CpuBackend", "key_datatype", "mpi_datatype", "mpi_op"]
+__all__ = ["CpuBackend", "mpi_datatype", "mpi_op"]
 
 
+# TODO(lead): mpigpu.anchors still imports these two; switch it to DTYPES[name].mpi and op.mpi, then delete them.
 def mpi_datatype(name: str) -> Any:
-    """The MPI datatype of a (non-half) element type."""
-    mpi = MPI()
-    return {
-        "float32": mpi.FLOAT, "float64": mpi.DOUBLE,
-        "int8": mpi.INT8_T, "uint8": mpi.UINT8_T, "int16": mpi.INT16_T, "uint16": mpi.UINT16_T,
-        "int32": mpi.INT32_T, "uint32": mpi.UINT32_T, "int64": mpi.INT64_T, "uint64": mpi.UINT64_T,
-    }[name]  # fmt: skip
-
-
-def key_datatype(itemsize: int) -> Any:
-    """The unsigned MPI datatype of ``to_keys`` keys (and bits) of floats of ``itemsize`` bytes."""
-    mpi = MPI()
-    return {2: mpi.UINT16_T, 4: mpi.UINT32_T, 8: mpi.UINT64_T}[itemsize]
+    """``DTYPES[name].mpi``."""
+    return DTYPES[name].mpi
 
 
 def mpi_op(op: Op) -> Any:
-    """The MPI operation that combines like ``op`` (avg combines as sum)."""
-    mpi = MPI()
-    return {Op.SUM: mpi.SUM, Op.MIN: mpi.MIN, Op.MAX: mpi.MAX, Op.PROD: mpi.PROD}[op.base]
+    """``op.mpi``."""
+    return op.mpi
 
 
 def _same_nan(dst: np.ndarray, probe: np.ndarray) -> None:
@@ -59,9 +50,9 @@ class CpuBackend(Backend):
     """MPI_Allreduce on host memory; float16/bfloat16 go through a reused float32 buffer."""
 
     name: ClassVar[str] = "cpu"
-    code: ClassVar[int] = 1
     host_arrays: ClassVar[bool] = True
     device_arrays: ClassVar[bool] = False
+    anchors: ClassVar[Mapping[str, str]] = {"host": "mpi-host"}
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
@@ -82,7 +73,7 @@ class CpuBackend(Backend):
         src, dst = x.host.reshape(-1), out.host.reshape(-1)
         if dtype.is_float and op in (Op.MIN, Op.MAX):  # keys: MPI's integer MIN/MAX is order-independent
             keys = to_keys(src, op)
-            comm.Allreduce(MPI().IN_PLACE, [keys, key_datatype(dtype.itemsize)], mpi_op(op))
+            comm.Allreduce(MPI().IN_PLACE, [keys, dtype.unsigned.mpi], op.mpi)
             from_keys(keys, dst)
             return
         if op is Op.AVG and not dtype.is_float:  # exact: 64-bit parts cannot overflow
@@ -93,7 +84,7 @@ class CpuBackend(Backend):
         if dtype.is_half:  # reduce in float32, round once
             acc = self._accumulator(src.size)
             acc[...] = src
-            comm.Allreduce(MPI().IN_PLACE, [acc, MPI().FLOAT], mpi_op(op))
+            comm.Allreduce(MPI().IN_PLACE, [acc, MPI().FLOAT], op.mpi)
             with np.errstate(over="ignore"):  # overflow to inf is IEEE behaviour, not an error
                 if op is Op.AVG:
                     finish_avg(acc, nranks, dtype, dst)
@@ -101,11 +92,11 @@ class CpuBackend(Backend):
                     dst[...] = acc.astype(dtype.np)
             _same_nan(dst, acc)
             return
-        kind = mpi_datatype(dtype.name)
+        kind = dtype.mpi
         if x.same_memory(out):
-            comm.Allreduce(MPI().IN_PLACE, [dst, kind], mpi_op(op))
+            comm.Allreduce(MPI().IN_PLACE, [dst, kind], op.mpi)
         else:
-            comm.Allreduce([src, kind], [dst, kind], mpi_op(op))
+            comm.Allreduce([src, kind], [dst, kind], op.mpi)
         if op is Op.AVG:
             finish_avg(dst, nranks, dtype, dst)
         if dtype.is_float:

@@ -12,12 +12,13 @@ MPIGPU_CUDA_AWARE=1 and not contradicted: a device pointer never reaches an MPI 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mpigpu._mpi import MPI
 from mpigpu.backends.base import Availability, Backend
-from mpigpu.backends.cpu import mpi_datatype, mpi_op
 from mpigpu.backends.device_scratch import DeviceScratch, by_keys_or_parts
+from mpigpu.dtypes import DTYPES
 from mpigpu.ops import Op
 
 if TYPE_CHECKING:
@@ -32,9 +33,9 @@ class CudaAwareBackend(Backend):
     """MPI_Allreduce on device buffers."""
 
     name: ClassVar[str] = "cuda-aware"
-    code: ClassVar[int] = 3
     host_arrays: ClassVar[bool] = False
     device_arrays: ClassVar[bool] = True
+    anchors: ClassVar[Mapping[str, str]] = {"device": "mpi-device"}
 
     @classmethod
     def probe(cls, ctx: Context) -> Availability:
@@ -81,7 +82,7 @@ class CudaAwareBackend(Backend):
         def reduce(ptr: int, items: int, kind: str, how: Op) -> None:
             runtime.streamSynchronize(stream.handle)  # MPI must not read before the kernel wrote
             buf = mpi.buffer.fromaddress(ptr, items * (8 if kind == "uint64" else 4))
-            self.ctx.comm.Allreduce(mpi.IN_PLACE, [buf, items, getattr(mpi, kind.upper() + "_T")], mpi_op(how))
+            self.ctx.comm.Allreduce(mpi.IN_PLACE, [buf, items, DTYPES[kind].mpi], how.mpi)
 
         if by_keys_or_parts(self._kernels, self._scratch, x, out, op, n, stream, reduce):
             return
@@ -95,21 +96,21 @@ class CudaAwareBackend(Backend):
             launch(stream, kernels.kernel(f"widen_{x.dtype.name}"), count, x.ptr, int(wide.data.ptr), i64(count))
             runtime.streamSynchronize(stream.handle)  # MPI must not read before the widening is done
             buf = mpi.buffer.fromaddress(int(wide.data.ptr), count * 4)
-            self.ctx.comm.Allreduce(mpi.IN_PLACE, [buf, count, mpi.FLOAT], mpi_op(op))
+            self.ctx.comm.Allreduce(mpi.IN_PLACE, [buf, count, mpi.FLOAT], op.mpi)
             launch(
                 stream, kernels.kernel(f"narrow_{x.dtype.name}"), count,
                 int(wide.data.ptr), out.ptr, i64(count), i32(op.index), i32(n),
             )  # fmt: skip
             runtime.eventRecord(self._wide_free, stream.handle)
             return
-        kind = mpi_datatype(x.dtype.name)
+        kind = x.dtype.mpi
         runtime.streamSynchronize(stream.handle)  # the producer of x is done before MPI reads it
         recv = mpi.buffer.fromaddress(out.ptr, out.nbytes)
         if x.same_memory(out):
-            self.ctx.comm.Allreduce(mpi.IN_PLACE, [recv, count, kind], mpi_op(op))
+            self.ctx.comm.Allreduce(mpi.IN_PLACE, [recv, count, kind], op.mpi)
         else:
             send = mpi.buffer.fromaddress(x.ptr, x.nbytes, readonly=True)
-            self.ctx.comm.Allreduce([send, count, kind], [recv, count, kind], mpi_op(op))
+            self.ctx.comm.Allreduce([send, count, kind], [recv, count, kind], op.mpi)
         if x.dtype.is_float:  # avg: divide; every float op: NaN made canonical (the same bits everywhere)
             name = "finish_avg" if op is Op.AVG else "canonical_nan"
             kernel = self._kernels().kernel(f"{name}_{x.dtype.name}")

@@ -26,17 +26,18 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import mmap
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from mpigpu.backends.base import Availability, Backend
+from mpigpu.backends.host_layout import ALIGN, PAGE, ChunkPlan, SegmentLayout, round_up, split_even
+from mpigpu.backends.host_reduce import CPU_BLOCK, INT_AVG_NODES, finish, internode, reduce_rows, reduce_stacked
 from mpigpu.errors import BackendUnavailable, ConfigError, InvalidArgument, MpigpuError
-from mpigpu.ops import Op, finish_avg, from_keys, int_avg_rows, minmax_rows, to_keys
+from mpigpu.ops import Op
 
 if TYPE_CHECKING:
     from mpigpu._cuda import StreamRef
@@ -45,227 +46,12 @@ if TYPE_CHECKING:
     from mpigpu.dtypes import DType
     from mpigpu.shm import SharedSegment
 
-__all__ = ["HostBackend", "SegmentLayout", "finish", "internode", "reduce_rows", "reduce_stacked", "split_even"]
+__all__ = ["AUTO_HOST_MIN_BYTES", "HostBackend"]
 
-PAGE = mmap.PAGESIZE
 GPU_CHUNK = 4 << 20  # default pipeline chunk for GPU arrays
 GPU_MIN_CHUNK = 1 << 20  # mid-size GPU messages split into chunks no smaller than this ...
 GPU_MIN_CHUNKS = 4  # ... and into at least this many, so copies and reduction overlap
 CPU_CHUNK = 16 << 20  # default pipeline chunk for NumPy arrays (measured: docs/host.md)
-CPU_BLOCK = 1 << 20  # NumPy reduction block, bytes per row (larger blocks measured faster: fewer calls)
-GATHER_MAX = 1 << 20  # across nodes, gather whole partials up to this many bytes in all
-ALIGN = 16  # slice boundaries (bytes): the kernel's 16-byte loads stay aligned
-_UFUNC = {Op.SUM: np.add, Op.MIN: np.minimum, Op.MAX: np.maximum, Op.PROD: np.multiply}
-
-
-def split_even(count: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
-    """``parts`` contiguous ranges covering ``count`` items, each start a multiple of ``align``
-    (the last ranges may be short or empty)."""
-    step = -(-count // parts)
-    step = -(-step // align) * align
-    return [(min(count, i * step), min(count, (i + 1) * step)) for i in range(parts)]
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-@dataclass(frozen=True)
-class SegmentLayout:
-    """Byte offsets of every area in the node segment (identical on every rank of the node).
-
-    [latency route: 2 parities x (n input slots + n output slots) of ``small`` bytes]
-    [pipeline: n slots of ``stride`` bytes][result: ``stride`` bytes]
-    [partial results in the accumulator type: 2 x ``stride`` bytes, only with several nodes]
-
-    A pipeline divides ``stride`` into ring positions of its own size; ``at`` is a byte offset into
-    a slot (and the same offset into the result area, twice it into the partial area).
-    """
-
-    ranks: int
-    stride: int
-    small: int
-    partial: bool
-
-    @property
-    def small_area(self) -> int:
-        return 4 * self.ranks * self.small
-
-    def small_in(self, parity: int, rank: int) -> int:
-        return (2 * parity * self.ranks + rank) * self.small
-
-    def small_out(self, parity: int, rank: int) -> int:
-        return ((2 * parity + 1) * self.ranks + rank) * self.small
-
-    def slot(self, rank: int, at: int) -> int:
-        return self.small_area + rank * self.stride + at
-
-    def result(self, at: int) -> int:
-        return self.small_area + self.ranks * self.stride + at
-
-    def partial_at(self, at: int) -> int:
-        return self.small_area + (self.ranks + 1) * self.stride + 2 * at
-
-    @property
-    def total(self) -> int:
-        return self.small_area + (self.ranks + 1 + (2 if self.partial else 0)) * self.stride
-
-    @staticmethod
-    def max_stride(ranks: int, small: int, partial: bool, pool_bytes: int) -> int:
-        """The largest page-multiple stride whose segment stays within ``pool_bytes`` per rank."""
-        budget = pool_bytes * ranks - 4 * ranks * small
-        return max(0, budget // (ranks + 1 + (2 if partial else 0))) // PAGE * PAGE
-
-
-# -- NumPy reduction (both routes, and the finishing step after a GPU partial) --------------------
-def reduce_rows(
-    rows: Sequence[np.ndarray],
-    op: Op,
-    dtype: DType,
-    nranks: int,
-    dst: np.ndarray,
-    *,
-    final: bool,
-    scratch: np.ndarray,
-) -> None:
-    """dst = rows[0] op rows[1] op ... in rank order, in the accumulator type.
-
-    final: dst holds ``dtype`` values, finished (avg divided by ``nranks``, half types rounded once);
-    otherwise dst holds the unfinished accumulator (float32 for half types). ``scratch`` is a float32
-    buffer of at least one block, used for the half types."""
-    if _by_semantics(rows, op, dtype, nranks, dst, final):
-        return
-    count = dst.size
-    step = max(1, CPU_BLOCK // dtype.itemsize)
-    if dtype.is_float:  # overflow to inf and NaN are IEEE results, not errors
-        with np.errstate(all="ignore"):
-            _reduce_blocks(rows, op, dtype, nranks, dst, final, scratch, count, step)
-    else:
-        _reduce_blocks(rows, op, dtype, nranks, dst, final, scratch, count, step)
-
-
-def _reduce_blocks(
-    rows: Sequence[np.ndarray],
-    op: Op,
-    dtype: DType,
-    nranks: int,
-    dst: np.ndarray,
-    final: bool,
-    scratch: np.ndarray,
-    count: int,
-    step: int,
-) -> None:
-    ufunc = _UFUNC[op.base]
-    direct = not dtype.is_half or dst.dtype == np.float32  # accumulate straight into dst
-    for b0 in range(0, count, step):
-        b1 = min(count, b0 + step)
-        block = rows if count <= step else [row[b0:b1] for row in rows]  # one block: no slicing
-        acc = (dst if count <= step else dst[b0:b1]) if direct else scratch[: b1 - b0]
-        if dtype.is_half:  # widen first: float16 + float16 would round in float16
-            np.copyto(acc, block[0], casting="unsafe")
-            for row in block[1:]:
-                ufunc(acc, row, out=acc, casting="unsafe")
-        elif len(block) == 1:
-            np.copyto(acc, block[0])
-        else:
-            ufunc(block[0], block[1], out=acc)
-            for row in block[2:]:
-                ufunc(acc, row, out=acc)
-        if final and (op is Op.AVG or not direct):
-            _finish(acc, op, dtype, nranks, dst if count <= step else dst[b0:b1])
-
-
-def reduce_stacked(
-    stacked: np.ndarray, op: Op, dtype: DType, nranks: int, dst: np.ndarray, *, final: bool, scratch: np.ndarray
-) -> None:
-    """Like reduce_rows, for rows that are one strided 2-D array (ranks x count): a single NumPy
-    reduction along the rank axis, in rank order (the latency route, where calls are what costs)."""
-    if _by_semantics(stacked, op, dtype, nranks, dst, final):
-        return
-    acc_np = np.dtype(np.float32) if dtype.is_half else dtype.np
-    acc = dst if dst.dtype == acc_np else scratch[: dst.size]
-    with np.errstate(all="ignore"):
-        _UFUNC[op.base].reduce(stacked, axis=0, dtype=acc_np, out=acc, **_start(op, acc_np))
-        if final and (op is Op.AVG or acc is not dst):
-            _finish(acc, op, dtype, nranks, dst)
-
-
-# -- semantics NumPy's ufuncs lack (mpigpu.ops): float min/max, exact integer avg ----------------
-INT_AVG_NODES = (
-    "integer avg across several nodes is not supported by the host backend (its per-node partial is held "
-    "in the element type, where the exact sum does not fit); use backend 'cpu' for NumPy arrays, 'nccl' "
-    "or 'cuda-aware' for GPU arrays, or backend='auto', which picks one of them"
-)
-
-
-def _by_semantics(
-    rows: Sequence[np.ndarray] | np.ndarray, op: Op, dtype: DType, nranks: int, dst: np.ndarray, final: bool
-) -> bool:
-    """Reduce the ops whose NumPy ufunc does not follow mpigpu's semantics; False for the others."""
-    if dtype.is_float and op in (Op.MIN, Op.MAX):
-        minmax_rows(rows, op, dst)  # NaN propagates, -0.0 < +0.0, canonical NaN
-        return True
-    if op is Op.AVG and not dtype.is_float:
-        assert final, INT_AVG_NODES
-        int_avg_rows(rows, nranks, dst)  # exact: no wrap-around
-        return True
-    return False
-
-
-def _start(op: Op, acc: np.dtype) -> dict[str, Any]:
-    """NumPy's add.reduce starts from +0.0, which turns a sum of -0.0s into +0.0; -0.0 is the identity."""
-    return {"initial": -0.0} if op.base is Op.SUM and acc.kind == "f" else {}
-
-
-def finish(acc: np.ndarray, op: Op, dtype: DType, nranks: int, dst: np.ndarray) -> None:
-    """dst = acc finished: avg divided by ``nranks`` (C truncation for integers), rounded once to
-    ``dtype``. ``acc`` may be ``dst`` itself (same type) or a float32 accumulator."""
-    with np.errstate(all="ignore"):
-        _finish(acc, op, dtype, nranks, dst)
-
-
-def _finish(acc: np.ndarray, op: Op, dtype: DType, nranks: int, dst: np.ndarray) -> None:
-    if op is Op.AVG and not dtype.is_float:
-        finish_avg(acc, nranks, dtype, dst)
-        return
-    if op is Op.AVG:
-        np.divide(acc, acc.dtype.type(nranks), out=acc)
-    if not np.may_share_memory(acc, dst):
-        np.copyto(dst, acc, casting="unsafe")
-
-
-# -- across nodes ---------------------------------------------------------------------------------
-def internode(comm: Any, buf: np.ndarray, op: Op, gather: np.ndarray) -> None:
-    """Reduce ``buf`` over the members of ``comm`` (one per node, ordered by node), in place.
-
-    Small messages: every member gathers every partial and folds them in member order. Larger:
-    MPI_Reduce_scatter gives each member one block, reduced once, then MPI_Allgatherv. Either way
-    each element is computed once or identically everywhere, so all members hold the same bits.
-    ``gather`` is scratch of at least ``comm size * buf.nbytes`` bytes (uint8) for the first form.
-    """
-    from mpigpu.backends.cpu import mpi_op
-
-    members = comm.Get_size()
-    if members == 1:
-        return
-    if op in (Op.MIN, Op.MAX) and buf.dtype.kind == "f":  # as keys: MPI's integer MIN/MAX is exact
-        keys = to_keys(buf, op)
-        internode(comm, keys, op, gather)
-        from_keys(keys, buf)
-        return
-    if members <= 2 or buf.nbytes * members <= GATHER_MAX or buf.size < members:
-        rows = gather[: members * buf.nbytes].view(buf.dtype).reshape(members, buf.size)
-        comm.Allgather(buf, rows)
-        with np.errstate(all="ignore"):
-            _UFUNC[op.base].reduce(rows, axis=0, dtype=buf.dtype, out=buf, **_start(op, buf.dtype))  # node order
-        return
-    ranges = split_even(buf.size, members)
-    counts = [b - a for a, b in ranges]
-    displs = [a for a, _ in ranges]
-    mine = ranges[comm.Get_rank()]
-    block = buf[mine[0] : mine[1]].copy()
-    comm.Reduce_scatter(buf, block, counts, op=mpi_op(op))
-    comm.Allgatherv(block, [buf, (counts, displs)])
 
 
 # -- the GPU side ---------------------------------------------------------------------------------
@@ -352,42 +138,19 @@ class _GpuStaging:
         self.pending.clear()
 
 
-# -- one call's chunks ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Plan:
-    """How one message maps onto the ring: chunk k covers elements [k*chunk, ...)."""
-
-    count: int
-    chunk: int  # elements per chunk
-    ranks: int  # ranks on this node
-    align: int  # slice boundary, in elements
-
-    @property
-    def chunks(self) -> int:
-        return -(-self.count // self.chunk)
-
-    def span(self, k: int) -> tuple[int, int]:
-        return k * self.chunk, min(self.count, (k + 1) * self.chunk)
-
-    def slices(self, k: int) -> list[tuple[int, int]]:
-        """Each local rank's slice of chunk k, relative to the chunk."""
-        e0, e1 = self.span(k)
-        return split_even(e1 - e0, self.ranks, self.align)
-
-
 class _Engine(abc.ABC):
     """The steps of the pipeline for one call; subclasses move host or device data."""
 
-    def __init__(self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: _Plan) -> None:
-        self.b, self.x, self.out, self.op, self.plan = backend, x, out, op, plan
+    def __init__(self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: ChunkPlan) -> None:
+        self.backend, self.x, self.out, self.op, self.plan = backend, x, out, op, plan
         self.dtype = x.dtype
-        self.seg = backend._segment
-        self.lay = backend._layout
-        assert self.seg is not None and self.lay is not None
+        self.segment = backend._segment
+        self.layout = backend._layout
+        assert self.segment is not None and self.layout is not None
         self.final = backend._nodes == 1
         self.acc_np = np.dtype(np.float32) if self.dtype.is_half else self.dtype.np
         self.ring = self.ring_for(backend)
-        self.position_bytes = self.lay.stride // self.ring // PAGE * PAGE
+        self.position_bytes = self.layout.stride // self.ring // PAGE * PAGE
         assert plan.chunk * self.dtype.itemsize <= self.position_bytes
 
     @staticmethod
@@ -400,26 +163,26 @@ class _Engine(abc.ABC):
         return k % self.ring * self.position_bytes
 
     def my_slice(self, k: int) -> tuple[int, int]:
-        return self.plan.slices(k)[self.b._local]
+        return self.plan.slices(k)[self.backend._local]
 
     def partial_view(self, k: int, lo: int, hi: int) -> np.ndarray:
-        offset = self.lay.partial_at(self.at(k)) + lo * self.acc_np.itemsize
-        return self.seg.view(offset, hi - lo, self.acc_np)
+        offset = self.layout.partial_at(self.at(k)) + lo * self.acc_np.itemsize
+        return self.segment.view(offset, hi - lo, self.acc_np)
 
     def result_view(self, k: int, lo: int, hi: int) -> np.ndarray:
-        offset = self.lay.result(self.at(k)) + lo * self.dtype.itemsize
-        return self.seg.view(offset, hi - lo, self.dtype.np)
+        offset = self.layout.result(self.at(k)) + lo * self.dtype.itemsize
+        return self.segment.view(offset, hi - lo, self.dtype.np)
 
     def internode(self, k: int, lo: int, hi: int) -> None:
         """Reduce [lo, hi) of chunk k's partial across nodes, then finish it into the result area."""
         if hi <= lo:
             return
-        b = self.b
+        backend = self.backend
         partial = self.partial_view(k, lo, hi)
         t0 = time.perf_counter()
-        internode(b._inter, partial, self.op, b._scratch("gather", b._inter_size * partial.nbytes))
-        finish(partial, self.op, self.dtype, b.ctx.size, self.result_view(k, lo, hi))
-        b._add_phase("internode", time.perf_counter() - t0)
+        internode(backend._inter, partial, self.op, backend._scratch("gather", backend._inter_size * partial.nbytes))
+        finish(partial, self.op, self.dtype, backend.ctx.size, self.result_view(k, lo, hi))
+        backend._add_phase("internode", time.perf_counter() - t0)
 
     @abc.abstractmethod
     def put(self, k: int) -> None:
@@ -456,7 +219,7 @@ class _HostEngine(_Engine):
     def ring_for(backend: HostBackend) -> int:
         return 2  # nothing overlaps on one thread: two positions let the schedule run
 
-    def __init__(self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: _Plan) -> None:
+    def __init__(self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: ChunkPlan) -> None:
         super().__init__(backend, x, out, op, plan)
         assert x.host is not None and out.host is not None
         self.src = x.host.reshape(-1)
@@ -464,18 +227,18 @@ class _HostEngine(_Engine):
         self.scratch = backend._block
 
     def slot_view(self, rank: int, k: int, lo: int, hi: int) -> np.ndarray:
-        offset = self.lay.slot(rank, self.at(k)) + lo * self.dtype.itemsize
-        return self.seg.view(offset, hi - lo, self.dtype.np)
+        offset = self.layout.slot(rank, self.at(k)) + lo * self.dtype.itemsize
+        return self.segment.view(offset, hi - lo, self.dtype.np)
 
     def put(self, k: int) -> None:
         """Only the other ranks' slices: they are all anyone reads from this rank's slot."""
         t0 = time.perf_counter()
         e0, e1 = self.plan.span(k)
         lo, hi = self.my_slice(k)
-        for a, b in ((0, lo), (hi, e1 - e0)):
-            if b > a:
-                np.copyto(self.slot_view(self.b._local, k, a, b), self.src[e0 + a : e0 + b])
-        self.b._add_phase("copy_out", time.perf_counter() - t0)
+        for start, stop in ((0, lo), (hi, e1 - e0)):
+            if stop > start:
+                np.copyto(self.slot_view(self.backend._local, k, start, stop), self.src[e0 + start : e0 + stop])
+        self.backend._add_phase("copy_out", time.perf_counter() - t0)
 
     def reduce(self, k: int) -> None:
         lo, hi = self.my_slice(k)
@@ -483,17 +246,17 @@ class _HostEngine(_Engine):
             return
         t0 = time.perf_counter()
         e0 = self.plan.span(k)[0]
-        rows = [self.slot_view(r, k, lo, hi) for r in range(self.b._n)]
-        rows[self.b._local] = self.src[e0 + lo : e0 + hi]  # this rank's own slice, read in place
+        rows = [self.slot_view(r, k, lo, hi) for r in range(self.backend._n)]
+        rows[self.backend._local] = self.src[e0 + lo : e0 + hi]  # this rank's own slice, read in place
         dst = self.result_view(k, lo, hi) if self.final else self.partial_view(k, lo, hi)
-        reduce_rows(rows, self.op, self.dtype, self.b.ctx.size, dst, final=self.final, scratch=self.scratch)
-        self.b._add_phase("reduce", time.perf_counter() - t0)
+        reduce_rows(rows, self.op, self.dtype, self.backend.ctx.size, dst, final=self.final, scratch=self.scratch)
+        self.backend._add_phase("reduce", time.perf_counter() - t0)
 
     def get(self, k: int) -> None:
         t0 = time.perf_counter()
         e0, e1 = self.plan.span(k)
         np.copyto(self.dst[e0:e1], self.result_view(k, 0, e1 - e0))
-        self.b._add_phase("copy_in", time.perf_counter() - t0)
+        self.backend._add_phase("copy_in", time.perf_counter() - t0)
 
     def wait_put(self, k: int) -> None:
         """Host copies are complete when put() returns."""
@@ -513,12 +276,14 @@ class _DeviceEngine(_Engine):
     def ring_for(backend: HostBackend) -> int:
         return backend._depth + 2  # copies out run `depth` chunks ahead; +2 lets copies back drain
 
-    def __init__(self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: _Plan, stream: int) -> None:
+    def __init__(
+        self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: ChunkPlan, stream: int
+    ) -> None:
         super().__init__(backend, x, out, op, plan)
         gpu = backend._gpu
-        assert gpu is not None and self.seg.registered
+        assert gpu is not None and self.segment.registered
         self.gpu, self.rt = gpu, gpu.rt
-        self.dev = self.seg.register()  # the segment's device address (cached)
+        self.dev = self.segment.register()  # the segment's device address (cached)
         kind = "final" if self.final else "partial"
         self.kernel = gpu.module.kernel(f"reduce_{kind}_{self.dtype.name}")
         self.caller = stream
@@ -531,7 +296,7 @@ class _DeviceEngine(_Engine):
     def put(self, k: int) -> None:
         e0, e1 = self.plan.span(k)
         size = self.dtype.itemsize
-        dst = self.seg.ptr + self.lay.slot(self.b._local, self.at(k))
+        dst = self.segment.ptr + self.layout.slot(self.backend._local, self.at(k))
         src = self.x.ptr + e0 * size
 
         def enqueue() -> None:
@@ -547,14 +312,15 @@ class _DeviceEngine(_Engine):
             return
         size = self.dtype.itemsize
         at = self.at(k)
-        slots = self.dev + self.lay.slot(0, at) + lo * size
+        slots = self.dev + self.layout.slot(0, at) + lo * size
         if self.final:
-            dst = self.dev + self.lay.result(at) + lo * size
+            dst = self.dev + self.layout.result(at) + lo * size
         else:
-            dst = self.dev + self.lay.partial_at(at) + lo * self.acc_np.itemsize
+            dst = self.dev + self.layout.partial_at(at) + lo * self.acc_np.itemsize
         count = hi - lo
         vectors = max(1, count * size // 16)
-        args = (slots, i64(self.lay.stride), i32(self.b._n), i64(count), i32(self.op.index), i32(self.b.ctx.size), dst)
+        ranks, nranks = self.backend._n, self.backend.ctx.size
+        args = (slots, i64(self.layout.stride), i32(ranks), i64(count), i32(self.op.index), i32(nranks), dst)
 
         def enqueue() -> None:
             launch(self.gpu.reduce_core, self.kernel, vectors, *args)
@@ -564,7 +330,7 @@ class _DeviceEngine(_Engine):
     def get(self, k: int) -> None:
         e0, e1 = self.plan.span(k)
         size = self.dtype.itemsize
-        src = self.seg.ptr + self.lay.result(self.at(k))
+        src = self.segment.ptr + self.layout.result(self.at(k))
         dst = self.out.ptr + e0 * size
 
         def enqueue() -> None:
@@ -606,13 +372,23 @@ class _SmallViews:
 
 
 # -- the backend ----------------------------------------------------------------------------------
+# auto's limit for host arrays: the measured crossover with MPICH's MPI_Allreduce, 2 and 4 ranks (docs/host.md)
+AUTO_HOST_MIN_BYTES = 32 << 20
+
+
 class HostBackend(Backend):
     """Host staging through node-shared pinned memory, for NumPy and GPU arrays."""
 
     name: ClassVar[str] = "host"
-    code: ClassVar[int] = 2
     host_arrays: ClassVar[bool] = True
     device_arrays: ClassVar[bool] = True
+    anchors: ClassVar[Mapping[str, str]] = {"device": "seed-staging", "host": "mpi-host"}
+
+    @classmethod
+    def auto_declines(cls, on_device: bool, nbytes: int) -> str | None:
+        if not on_device and nbytes < AUTO_HOST_MIN_BYTES:
+            return f"message below {AUTO_HOST_MIN_BYTES >> 20} MiB (MPI_Allreduce is faster there)"
+        return None
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
@@ -628,7 +404,7 @@ class HostBackend(Backend):
         self._chunk_setting = s.host_chunk
         self._depth = s.host_depth
         self._small_limit = s.host_small
-        self._small = _round_up(self._small_limit, PAGE)
+        self._small = round_up(self._small_limit, PAGE)
         partial = self._nodes > 1
         self._max_stride = SegmentLayout.max_stride(self._n, self._small, partial, self._pool)
         rings = max(_DeviceEngine.ring_for(self), _HostEngine.ring_for(self))
@@ -697,7 +473,7 @@ class HostBackend(Backend):
         ring = (_DeviceEngine if x.on_device else _HostEngine).ring_for(self)
         chunk = self._chunk_bytes(nbytes, x.on_device, ring)
         self._ensure_segment(ring * chunk, x.on_device)
-        plan = _Plan(count=x.size, chunk=chunk // x.dtype.itemsize, ranks=self._n, align=ALIGN // x.dtype.itemsize)
+        plan = ChunkPlan(count=x.size, chunk=chunk // x.dtype.itemsize, ranks=self._n, align=ALIGN // x.dtype.itemsize)
         if x.on_device:
             assert stream is not None
             engine: _Engine = _DeviceEngine(self, x, out, op, plan, stream.handle)
@@ -763,17 +539,17 @@ class HostBackend(Backend):
             buffer = self._buffers[name] = np.empty(max(nbytes, 64), np.uint8)
         return buffer
 
-    def _agree(self, what: str, action: Callable[[], None]) -> None:
+    def _collective_step(self, what: str, action: Callable[[], None]) -> None:
         """Run ``action`` on every rank (collective): where it failed, that rank raises its error and
         every other rank a MismatchError naming it, so no rank waits in the next barrier."""
-        from mpigpu.check import agree
+        from mpigpu.check import fail_together
 
         error: BaseException | None = None
         try:
             action()
         except (MpigpuError, ImportError, RuntimeError, OSError) as exc:
             error = exc
-        agree(self.ctx.comm, error, f"host backend: {what}")
+        fail_together(self.ctx.comm, error, f"host backend: {what}")
 
     def _ensure_gpu(self) -> None:
         """Streams, events and the kernel module, created collectively on the first GPU call."""
@@ -784,7 +560,7 @@ class HostBackend(Backend):
             self._gpu = _GpuStaging(self.ctx)
 
         try:
-            self._agree("setting up the GPU staging (streams, events, kernels)", create)
+            self._collective_step("setting up the GPU staging (streams, events, kernels)", create)
         except MpigpuError:
             if self._gpu is not None:
                 self._gpu.close()
@@ -800,7 +576,7 @@ class HostBackend(Backend):
             chunk = min(GPU_CHUNK, max(GPU_MIN_CHUNK, -(-nbytes // GPU_MIN_CHUNKS)))
         else:
             chunk = CPU_CHUNK
-        return min(_round_up(min(chunk, nbytes), PAGE), self._max_stride // ring // PAGE * PAGE)
+        return min(round_up(min(chunk, nbytes), PAGE), self._max_stride // ring // PAGE * PAGE)
 
     def _ensure_segment(self, stride: int, on_device: bool) -> None:
         """A segment whose slots hold at least ``stride`` bytes (collective; grows by reallocating,
@@ -823,7 +599,7 @@ class HostBackend(Backend):
                 self._layout = layout
                 self._first_touch()
 
-            self._agree(f"allocating the {layout.total}-byte node-shared segment", create)
+            self._collective_step(f"allocating the {layout.total}-byte node-shared segment", create)
         segment = self._segment
         assert segment is not None
         if grow:
@@ -833,20 +609,20 @@ class HostBackend(Backend):
             def pin() -> None:
                 segment.register()
 
-            self._agree("pinning the node-shared segment for CUDA", pin)
+            self._collective_step("pinning the node-shared segment for CUDA", pin)
 
     def _first_touch(self) -> None:
         """Each rank touches the areas it writes, so their pages sit near it (NUMA)."""
         assert self._segment is not None and self._layout is not None
-        lay, me = self._layout, self._local
+        layout, me = self._layout, self._local
         for parity in (0, 1):
-            self._segment.touch(lay.small_in(parity, me), lay.small)
-            self._segment.touch(lay.small_out(parity, me), lay.small)
-        self._segment.touch(lay.slot(me, 0), lay.stride)
-        lo, hi = split_even(lay.stride, self._n, PAGE)[me]  # a share of the areas every rank writes
-        self._segment.touch(lay.result(lo), hi - lo)
-        if lay.partial:
-            self._segment.touch(lay.partial_at(lo), 2 * (hi - lo))
+            self._segment.touch(layout.small_in(parity, me), layout.small)
+            self._segment.touch(layout.small_out(parity, me), layout.small)
+        self._segment.touch(layout.slot(me, 0), layout.stride)
+        lo, hi = split_even(layout.stride, self._n, PAGE)[me]  # a share of the areas every rank writes
+        self._segment.touch(layout.result(lo), hi - lo)
+        if layout.partial:
+            self._segment.touch(layout.partial_at(lo), 2 * (hi - lo))
 
     def _release_segment(self, *, at_exit: bool = False) -> None:
         """Wait for every copy that still reads or writes the segment, then free it (collective).
@@ -871,22 +647,23 @@ class HostBackend(Backend):
         key = (parity, dtype.name, count)
         views = self._small_cache.get(key)
         if views is None:
-            seg, lay, me = self._segment, self._layout, self._local
-            assert seg is not None and lay is not None
+            segment, layout, me = self._segment, self._layout, self._local
+            assert segment is not None and layout is not None
             if len(self._small_cache) >= 64:
                 self._small_cache.clear()
-            first = seg.view(lay.small_in(parity, 0), count + (self._n - 1) * lay.small // dtype.itemsize, dtype.np)
+            span = count + (self._n - 1) * layout.small // dtype.itemsize  # rank 0's slot through the last one's
+            first = segment.view(layout.small_in(parity, 0), span, dtype.np)
             rows = np.lib.stride_tricks.as_strided(
-                first, shape=(self._n, count), strides=(lay.small, dtype.itemsize), writeable=False
+                first, shape=(self._n, count), strides=(layout.small, dtype.itemsize), writeable=False
             )
             views = self._small_cache[key] = _SmallViews(
                 rows=rows,
-                mine=seg.view(lay.small_in(parity, me), count, dtype.np),
-                result=seg.view(lay.small_out(parity, me), count, dtype.np),
-                shared=seg.view(lay.small_out(parity, 0), count, dtype.np),
-                mine_ptr=seg.ptr + lay.small_in(parity, me),
-                result_ptr=seg.ptr + lay.small_out(parity, me),
-                shared_ptr=seg.ptr + lay.small_out(parity, 0),
+                mine=segment.view(layout.small_in(parity, me), count, dtype.np),
+                result=segment.view(layout.small_out(parity, me), count, dtype.np),
+                shared=segment.view(layout.small_out(parity, 0), count, dtype.np),
+                mine_ptr=segment.ptr + layout.small_in(parity, me),
+                result_ptr=segment.ptr + layout.small_out(parity, me),
+                shared_ptr=segment.ptr + layout.small_out(parity, 0),
             )
         return views
 
@@ -950,40 +727,40 @@ class HostBackend(Backend):
         self._add_phase("internode", time.perf_counter() - t1)
 
     # -- the pipeline ---------------------------------------------------------------------------
-    def _pipeline(self, eng: _Engine) -> None:
+    def _pipeline(self, engine: _Engine) -> None:
         """One barrier per chunk. Barrier k certifies, on every rank of the node: chunk k is in
         every slot, chunk k-1 is reduced (and, on several nodes, reduced across nodes), and the
         copy back that last read chunk k's result position has finished. So after it: chunk k-1
         can be copied back, chunk k reduced, and slots up to chunk k+ring-1 refilled."""
-        ring = eng.ring
-        chunks = eng.plan.chunks
+        ring = engine.ring
+        chunks = engine.plan.chunks
         ahead = min(self._depth, ring - 1)
         staged = 0
 
         def stage(limit: int) -> None:
             nonlocal staged
             while staged < min(limit, chunks):
-                eng.put(staged)
+                engine.put(staged)
                 staged += 1
 
         several, by_slice = self._nodes > 1, self._equal
         stage(ahead + 1)  # every slot position is free: the last call ended with a barrier
         for k in range(chunks + 1):
             if k > 0:
-                eng.wait_reduce(k - 1)
+                engine.wait_reduce(k - 1)
                 if several and by_slice:
-                    eng.internode(k - 1, *eng.my_slice(k - 1))
+                    engine.internode(k - 1, *engine.my_slice(k - 1))
             if k < chunks:
-                eng.wait_put(k)
-                eng.wait_get(k - ring)
+                engine.wait_put(k)
+                engine.wait_get(k - ring)
             self._barrier()
             if k > 0 and several and not by_slice:
                 if self._local == 0:
-                    lo, hi = eng.plan.span(k - 1)
-                    eng.internode(k - 1, 0, hi - lo)
+                    lo, hi = engine.plan.span(k - 1)
+                    engine.internode(k - 1, 0, hi - lo)
                 self._barrier()
             if k > 0:
-                eng.get(k - 1)
+                engine.get(k - 1)
             if k < chunks:
-                eng.reduce(k)
+                engine.reduce(k)
             stage(k + ahead + 1)

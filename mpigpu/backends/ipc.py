@@ -12,7 +12,7 @@ its memory-ordering argument are written down at the top of ``kernels/ipc.cu``.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -20,7 +20,7 @@ import numpy as np
 
 from mpigpu._cuda import core_stream, cupy, require_cuda_core
 from mpigpu.backends.base import Availability, Backend
-from mpigpu.backends.ipc_memory import SharedAllocation, agree
+from mpigpu.backends.ipc_memory import SharedAllocation, collective_step
 from mpigpu.backends.ipc_plan import (
     DEFAULT_MAX_BLOCKS,
     FLAG_TEMP_RESULT,
@@ -32,7 +32,7 @@ from mpigpu.backends.ipc_plan import (
     default_two_shot_min,
     plan_launches,
 )
-from mpigpu.errors import BackendUnavailable, DeviceError, MismatchError
+from mpigpu.errors import BackendUnavailable, CollectiveTimeout, DeviceError, MismatchError
 
 if TYPE_CHECKING:
     from mpigpu._cuda import StreamRef
@@ -106,13 +106,23 @@ def _release(comm: Any, allocations: Sequence[SharedAllocation]) -> list[str]:
     return errors
 
 
+# auto's limit: ipc was as fast as NCCL or faster through 4 MiB on 2 and 4 x H200 (bench/results, 2026-11-21)
+AUTO_MAX_BYTES = 4 << 20
+
+
 class IpcBackend(Backend):
     """Peer-to-peer all-reduce kernel over CUDA IPC mappings (one node, one GPU per rank)."""
 
     name: ClassVar[str] = "ipc"
-    code: ClassVar[int] = 5
     host_arrays: ClassVar[bool] = False
     device_arrays: ClassVar[bool] = True
+    enqueues: ClassVar[bool] = True
+    graphs: ClassVar[bool] = True
+    anchors: ClassVar[Mapping[str, str]] = {"device": "nccl-raw"}
+
+    @classmethod
+    def auto_declines(cls, on_device: bool, nbytes: int) -> str | None:
+        return f"message above {AUTO_MAX_BYTES >> 20} MiB" if nbytes > AUTO_MAX_BYTES else None
 
     # -- availability -------------------------------------------------------------------------------
     @classmethod
@@ -138,7 +148,7 @@ class IpcBackend(Backend):
             if problem:
                 return Availability(False, f"node rank {rank}: {problem}")
         try:
-            agree(comm, "selecting the GPU", ctx.activate_gpu)
+            collective_step(comm, "selecting the GPU", ctx.activate_gpu)
             trial = SharedAllocation.create(comm, _PROBE_BYTES, "a probe buffer")
         except BackendUnavailable as exc:
             return Availability(False, f"CUDA IPC between the ranks' GPUs does not work here: {exc}")
@@ -175,12 +185,12 @@ class IpcBackend(Backend):
             sms = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, gpu.index)
             return load_module("ipc.cu", arch), int(sms)
 
-        self._module, sms = agree(self._comm, "setting up the ipc kernels", local_setup)
+        self._module, sms = collective_step(self._comm, "setting up the ipc kernels", local_setup)
         # Launch shapes must be identical on every rank: agree on the smallest GPU.
         self.max_blocks = int(self._comm.allreduce(min(DEFAULT_MAX_BLOCKS, sms), op=_mpi_min()))
         self._main = SharedAllocation.create(self._comm, allocation_bytes(self._stage_bytes), "the ipc buffers")
         try:
-            agree(self._comm, "initialising the ipc buffers", self._local_init)
+            collective_step(self._comm, "initialising the ipc buffers", self._local_init)
         except BackendUnavailable:
             self._free_host_side()
             _release(self._comm, [self._main])
@@ -237,7 +247,9 @@ class IpcBackend(Backend):
             return ptr
 
         try:
-            table_ptr = agree(self._comm, "writing the ipc_buffer's address table", upload, cupy().cuda.runtime.free)
+            table_ptr = collective_step(
+                self._comm, "writing the ipc_buffer's address table", upload, cupy().cuda.runtime.free
+            )
         except BackendUnavailable:
             _release(self._comm, [alloc])
             raise
@@ -257,7 +269,7 @@ class IpcBackend(Backend):
         self._check_open()
         self._enqueue(self._prepared(x, out, op), 0 if stream is None else stream.handle, graph=None)
 
-    def bind(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[[StreamRef | None], None]:
+    def bind_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[[StreamRef | None], None]:
         """The launches built once (rebuilt only if ``two_shot_min_bytes`` changes): a call is the
         ordering check and the kernel launches."""
         bound = [self.two_shot_min_bytes, self._build_calls(x, out, op)]
@@ -337,7 +349,7 @@ class IpcBackend(Backend):
             self._last_stream = handle
 
     # -- CUDA graphs (mpigpu.ipc_graph) ---------------------------------------------------------------
-    def build_graph(self, x: ArrayView, out: ArrayView, op: Op) -> Any:
+    def graph_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Any:
         """A cuda.core Graph of this call's launches for fixed ``x`` and ``out`` (local)."""
         self._check_open()
         calls = self._prepared(x, out, op)
@@ -353,7 +365,7 @@ class IpcBackend(Backend):
             builder.close()
 
     def launch_graph(self, graph: Any, stream: StreamRef | None) -> None:
-        """Replay a graph from ``build_graph`` on ``stream``, ordered after the previous call."""
+        """Replay a graph from ``graph_allreduce`` on ``stream``, ordered after the previous call."""
         self._check_open()
         self._enqueue([], 0 if stream is None else stream.handle, graph=graph)
 
@@ -369,7 +381,7 @@ class IpcBackend(Backend):
         _, barrier, rank, peer, block, target, seen, waited = (int(v) for v in self._record)
         if barrier == 0:  # start flags hold 2 x call + direct
             target, seen = target // 2, seen // 2
-        raise DeviceError(
+        raise CollectiveTimeout(
             f"ipc: node rank {rank} (block {block}) waited {waited / 1e9:.1f} s at the {_BARRIERS[barrier]} "
             f"barrier of call {target} for node rank {peer}, which had reached call {seen} only "
             f"(MPIGPU_TIMEOUT={self.ctx.settings.timeout:g}). The ranks did not make the same allreduce calls, "

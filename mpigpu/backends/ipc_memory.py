@@ -1,7 +1,7 @@
 """Device memory shared by the ranks of one node through CUDA IPC handles.
 
 Every step that can fail on one rank alone (an allocation, opening a peer's handle) runs through
-``agree``: all ranks learn of a failure and raise the same error, so none is left waiting in the
+``collective_step``: all ranks learn of a failure and raise the same error, so none is left waiting in the
 next collective.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from mpigpu._cuda import cupy
 from mpigpu.errors import BackendUnavailable, DeviceError, MpigpuError
 
-__all__ = ["SharedAllocation", "agree"]
+__all__ = ["SharedAllocation", "collective_step"]
 
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 # cudaMalloc may carve small allocations out of a larger block, and CUDA IPC then shares the whole
@@ -24,7 +24,7 @@ _GRANULE = 2 << 20
 T = TypeVar("T")
 
 
-def agree(
+def collective_step(
     comm: Any,
     what: str,
     step: Callable[[], T],
@@ -80,7 +80,7 @@ class SharedAllocation:
                 rt.free(ptr)
                 raise
 
-        ptr, handle = agree(comm, f"allocating {what} ({nbytes} B)", allocate, undo=lambda v: rt.free(v[0]))
+        ptr, handle = collective_step(comm, f"allocating {what} ({nbytes} B)", allocate, undo=lambda v: rt.free(v[0]))
         handles = comm.allgather(handle)
 
         def open_peers() -> tuple[int, ...]:
@@ -94,7 +94,7 @@ class SharedAllocation:
             return tuple(opened)
 
         try:
-            peers = agree(
+            peers = collective_step(
                 comm,
                 f"opening the other ranks' {what} (cudaIpcOpenMemHandle)",
                 open_peers,

@@ -8,12 +8,12 @@ avg wraps): they travel as order-preserving integer keys (ncclMin/ncclMax on uin
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mpigpu.backends.base import Availability, Backend
 from mpigpu.backends.device_scratch import DeviceScratch, by_keys_or_parts, needs_keys_or_parts
-from mpigpu.check import agree
+from mpigpu.check import fail_together
 from mpigpu.errors import BackendUnavailable, InvalidArgument
 
 if TYPE_CHECKING:
@@ -50,9 +50,11 @@ class NcclBackend(Backend):
     """ncclAllReduce on the caller's stream."""
 
     name: ClassVar[str] = "nccl"
-    code: ClassVar[int] = 4
     host_arrays: ClassVar[bool] = False
     device_arrays: ClassVar[bool] = True
+    enqueues: ClassVar[bool] = True
+    graphs: ClassVar[bool] = True
+    anchors: ClassVar[Mapping[str, str]] = {"device": "nccl-raw"}
 
     @classmethod
     def probe(cls, ctx: Context) -> Availability:
@@ -88,7 +90,7 @@ class NcclBackend(Backend):
                 uid = nccl.get_unique_id()
         except Exception as exc:
             error = _unavailable(ctx, "could not prepare", exc)
-        agree(ctx.comm, error, "nccl backend: preparing the NCCL communicator")
+        fail_together(ctx.comm, error, "nccl backend: preparing the NCCL communicator")
         uid = ctx.comm.bcast(uid, root=0)
         self._scratch = DeviceScratch()  # keys of the half types, parts of integer averages
         try:
@@ -96,7 +98,7 @@ class NcclBackend(Backend):
         except Exception as exc:
             error = _unavailable(ctx, "could not create", exc)
         try:
-            agree(ctx.comm, error, "nccl backend: creating the NCCL communicator")
+            fail_together(ctx.comm, error, "nccl backend: creating the NCCL communicator")
         except BaseException:
             self.close()  # the ranks whose init succeeded: no communicator the others lack
             raise
@@ -115,12 +117,12 @@ class NcclBackend(Backend):
             return
         self._comm.allReduce(x.ptr, out.ptr, x.size, x.dtype.nccl, op.nccl, handle)
 
-    def bind(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[[StreamRef | None], None]:
+    def bind_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[[StreamRef | None], None]:
         """The communicator, pointers, count, datatype and op fixed: a call is the NCCL launch.
         Float min/max and integer avg keep their key/part passes (the full ``allreduce``)."""
         assert x.dtype.nccl is not None
         if needs_keys_or_parts(x.dtype, op):
-            return super().bind(x, out, op)
+            return super().bind_allreduce(x, out, op)
         launch, args = self._comm.allReduce, (x.ptr, out.ptr, x.size, x.dtype.nccl, op.nccl)
 
         def call(stream: StreamRef | None) -> None:
@@ -129,7 +131,7 @@ class NcclBackend(Backend):
         return call
 
     # -- CUDA graphs (mpigpu.persistent.Graph) --------------------------------------------------------
-    def build_graph(self, x: ArrayView, out: ArrayView, op: Op) -> Any:
+    def graph_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Any:
         """A cuda.core Graph of this call (local): the NCCL launch captured on a private stream."""
         if needs_keys_or_parts(x.dtype, op):  # their scratch buffer's events cannot be captured
             raise InvalidArgument(
@@ -148,7 +150,7 @@ class NcclBackend(Backend):
             builder.close()
 
     def launch_graph(self, graph: Any, stream: StreamRef | None) -> None:
-        """Replay a graph from ``build_graph`` on ``stream`` (stream order is NCCL's order)."""
+        """Replay a graph from ``graph_allreduce`` on ``stream`` (stream order is NCCL's order)."""
         from mpigpu._cuda import core_stream
 
         graph.launch(core_stream(0 if stream is None else stream.handle))

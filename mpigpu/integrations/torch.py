@@ -83,13 +83,13 @@ class BackwardAverager:
         except BaseException:
             self._comm.Free()  # every rank fails the (collective) construction together
             raise
-        buckets = self._averager._buckets
+        members = self._averager.bucket_members
         self._bucket_of = [0] * len(ordered)
-        for b in buckets:
-            for index in b.members:
-                self._bucket_of[index] = b.index
-        self._sizes = [len(b.members) for b in buckets]
-        self._ready = [0] * len(buckets)
+        for bucket, indices in enumerate(members):
+            for index in indices:
+                self._bucket_of[index] = bucket
+        self._sizes = [len(indices) for indices in members]
+        self._ready = [0] * len(members)
         self._next = 0  # the first bucket not started this step
         self._syncing = True
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, i)) for i, p in enumerate(ordered)]
@@ -104,8 +104,8 @@ class BackwardAverager:
     def _on_grad(self, index: int, _param: Any) -> None:
         if not self._syncing:
             return
-        if self._averager._step is None:
-            self._averager._begin(None)
+        if not self._averager.step_in_flight:
+            self._averager.begin_step()
         b = self._bucket_of[index]
         self._ready[b] += 1
         if self._ready[b] > self._sizes[b]:
@@ -117,16 +117,9 @@ class BackwardAverager:
             self._start(self._next)
 
     def _start(self, b: int) -> None:
-        averager = self._averager
-        bucket = averager._buckets[b]
         try:
-            try:
-                entries = averager._collect(bucket)
-            except MpigpuError as exc:
-                averager._reject(b, exc)  # the other ranks raise MismatchError for this bucket and the rest
-                raise
-            averager._pack(bucket, entries, None)
-            averager._launch(bucket)
+            # on failure the other ranks raise MismatchError for this bucket and the rest
+            self._averager.start_bucket(b)
         except MpigpuError:
             self._reset()
             raise
@@ -143,7 +136,7 @@ class BackwardAverager:
         """Start the buckets still waiting (parameters without gradients count as zeros), wait for
         all, and leave every ``p.grad`` averaged. Does nothing when no step is in flight."""
         averager = self._averager
-        if averager._step is None:
+        if not averager.step_in_flight:
             return
         try:
             while self._next < len(self._sizes):

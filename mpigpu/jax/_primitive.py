@@ -39,7 +39,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from mpigpu.arrays import ArrayView
-from mpigpu.backends import BACKEND_NAMES, backend_class
+from mpigpu.backends import BACKEND_NAMES, backend_code
 from mpigpu.check import Signature, check_signature
 from mpigpu.dtypes import parse_dtype
 from mpigpu.errors import DeviceError, InvalidArgument, MismatchError
@@ -110,7 +110,7 @@ def _register(platform: str) -> None:
 # -- lowering: choose, check across ranks, emit the custom call ---------------------------------------------------
 
 
-def _agree(ch: Channel, aval: Any, op: Op, backend: str, platform: str) -> Choice:
+def _choose_and_check(ch: Channel, aval: Any, op: Op, backend: str, platform: str) -> Choice:
     """Choose the backend for this call and check, across ranks, that all agree (collective on the check
     communicator). A rank that cannot make the call raises its own error; the others MismatchError."""
     ctx = ch.ctx
@@ -137,14 +137,14 @@ def _agree(ch: Channel, aval: Any, op: Op, backend: str, platform: str) -> Choic
             host = choose_cached(ctx, spec, op, "host")  # raises if host staging cannot take it either
             choice = Choice(host.backend, "a CUDA-aware MPI is not used on XLA's buffers; host staging instead")
         signature = Signature(
-            spec.size, dtype.code, op.code, backend_class(choice.backend).code, int(on_gpu), shape=spec.shape
+            spec.size, dtype.code, op.code, backend_code(choice.backend), int(on_gpu), shape=spec.shape
         )
     except Exception as exc:  # any failure here must reach the other ranks, which are in the check
         with contextlib.suppress(MismatchError), _watched(ch, f"{name} (reporting an invalid call)"):
             check_signature(ch.check, Signature(0, 0, 0, 0, 0, error=f"{type(exc).__name__}: {exc}"), name)
         raise
     with _watched(ch, f"{name} of {spec.size} {dtype.name} (cross-rank check while compiling)"):
-        check_signature(ch.check, signature, name)
+        check_signature(ch.check, signature, name, backend_name=choice.backend)
     if ctx.settings.log and ctx.rank == 0:
         sys.stderr.write(f"mpigpu.jax: {spec.nbytes} B {dtype.name} on {spec.where} -> {choice.backend} "
                          f"({choice.reason})\n")  # fmt: skip
@@ -170,7 +170,7 @@ def _lowering(ctx: Any, x: Any, *, op: str, comm: int, backend: str) -> list[Any
         raise InvalidArgument(f"mpigpu.jax compiles for one platform at a time, got {platforms}")
     platform = platforms[0]
     op_ = Op(op)
-    choice = _agree(channel(comm), aval, op_, backend, platform)
+    choice = _choose_and_check(channel(comm), aval, op_, backend, platform)
     _register(platform)
     layout = tuple(range(len(aval.shape) - 1, -1, -1))  # row-major, minor-to-major
     build = jax.ffi.build_ffi_lowering_function(

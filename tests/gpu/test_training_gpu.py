@@ -14,9 +14,10 @@ import pytest
 
 import mpigpu
 from mpigpu.averager import Averager
+from mpigpu.backends import backend_class
 from mpigpu.context import Context
 from mpigpu.dtypes import DTYPES
-from mpigpu.handles import ENQUEUE_BACKENDS, allreduce_async
+from mpigpu.handles import allreduce_async
 from mpigpu.ops import Op
 from mpigpu.patterns import fill
 from mpigpu.verify import count_wrong_host
@@ -109,7 +110,7 @@ def test_async_stream_order(ctx, comm, cp, backend: str) -> None:
         handles = [allreduce_async(x, "sum", backend=backend, stream=stream) for x in xs]
         results = []
         for x, handle in zip(xs, handles, strict=True):
-            if handle.backend not in ENQUEUE_BACKENDS:
+            if not backend_class(handle.backend).enqueues:
                 handle.wait()  # background-thread backends: complete when wait() returns
             results.append(x * 1)  # consumed on the same stream, right away
     stream.synchronize()
