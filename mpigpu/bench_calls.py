@@ -82,6 +82,21 @@ def user_arrays(work: Workload, framework: str) -> tuple[Any, Any]:
     return x, None if work.out is work.x else make(work.out)
 
 
+def _check_current_stream(framework: str, work: Workload, stream: Any) -> None:
+    """Raise unless the framework's current stream (what the user's call and the request take) is
+    ``stream``, the benchmark's: on any other stream the call would race the fills and checks, and
+    its timing would not wait for it."""
+    from mpigpu._cuda import resolve_stream
+
+    name = "torch" if framework == "torch" else "cupy"  # native GPU arrays: CuPy's, or mpigpu's views
+    current = resolve_stream(None, name, work.gpu.index).handle
+    if current != stream.handle:
+        raise RuntimeError(
+            f"{name}'s current stream is {current:#x}, not the benchmark's stream {stream.handle:#x}: "
+            "something switched the current stream (a benchmark defect: report it)"
+        )
+
+
 def bind_call(
     path: Any, work: Workload, op: Op, *, framework: str, comm: Any, stream: Any, anchor: Any = None
 ) -> Bound:
@@ -98,6 +113,8 @@ def bind_call(
         prepared = prepare(work.x, op, out=out, comm=comm, backend=backend, stream=stream)
         return Bound(partial(run, prepared), _nothing, prepared.choice.backend, prepared.choice.reason)
     x, out = user_arrays(work, framework)
+    if stream is not None:
+        _check_current_stream(framework, work, stream)
     kwargs: dict[str, Any] = {} if out is None else {"out": out}
     if backend != "auto":
         kwargs["backend"] = backend  # auto is the default: left out, as a user leaves it out

@@ -8,6 +8,7 @@ clock (``mpigpu.bench_calls``). Collective: every rank runs the same sequence.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
@@ -103,24 +104,30 @@ class Sweep:
         self.cp_stream: Any = None
         self.stream: Any = None  # StreamRef of cp_stream
         self._torch_stream: Any = None
+        self._current = contextlib.ExitStack()  # the CuPy stream made current, until close()
         if ctx.all_have_gpus:
             self.cp_stream, self.stream = command_stream(ctx)
-            # the user's call and the request take the framework's current stream, as a user's do
-            self.cp_stream.use()
-            if args.framework == "torch":
-                from mpigpu.anchors import use_torch_stream
+            # The user's call and the request take the framework's current stream, as a user's do.
+            # Entered, not .use(): CuPy ends a `with stream:` block (the staging anchor's) by going
+            # back to the innermost entered stream, which would drop a stream set by .use() and leave
+            # the legacy stream current, unordered with this stream's fills, checks and timing.
+            self._current.enter_context(self.cp_stream)
+            try:
+                if args.framework == "torch":
+                    from mpigpu.anchors import use_torch_stream
 
-                self._torch_stream = use_torch_stream(ctx, self.cp_stream)
+                    self._torch_stream = use_torch_stream(ctx, self.cp_stream)
+            except BaseException:
+                self.close()
+                raise
 
     def close(self) -> None:
-        """Close the anchors and give the frameworks their default streams back (collective)."""
+        """Close the anchors; CuPy gets back the stream current before the sweep, torch its default (collective)."""
         for anchor in self._anchors.values():
             anchor.close()
         self._anchors.clear()
+        self._current.close()  # CuPy's current stream: the one before this sweep
         if self.cp_stream is not None:
-            from mpigpu._cuda import cupy
-
-            cupy().cuda.Stream.null.use()
             torch = sys.modules.get("torch")
             if torch is not None and torch.cuda.is_initialized():
                 torch.cuda.set_stream(torch.cuda.default_stream(self.ctx.gpu.index))

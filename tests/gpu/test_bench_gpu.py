@@ -59,6 +59,23 @@ def test_every_gpu_path_is_verified_and_paired_with_its_anchor(comm) -> None:
     assert doc["versions"]["cuda"], "the CUDA driver/runtime versions belong in the JSON"
 
 
+def test_user_calls_keep_the_benchmark_stream_after_the_staging_anchor(comm) -> None:
+    """Regression (2 x H200, CuPy arrays): the seed-staging anchor's ``with stream:`` block ended by
+    making CuPy's legacy stream current (CuPy goes back to the innermost *entered* stream, and the
+    sweep had made its stream current with ``.use()``). Every later user call and request on CuPy
+    arrays then ran on the legacy stream, racing the fills and checks (poisoned or unreduced
+    results, some half written) and escaping the timing's synchronisation. The sweep now enters its
+    stream, and binding a call refuses a current stream other than the benchmark's."""
+    ctx = Context.get(comm)
+    backends = [b for b in ("nccl", "ipc") if ctx.availability[b].ok]
+    args = ["--sizes", "8,64K,1M", "--dtypes", "float32", "--ops", "sum,avg", "--framework", "native",
+            "--backends", ",".join(["seed-staging", *backends, "auto"])]  # fmt: skip
+    status, doc = _bench(comm, *args)
+    assert status == 0 and doc["ok"], doc["failures"]
+    columns = {r["column"] for r in doc["results"]}
+    assert {"seed-staging", "auto", "auto:req", *backends, *(f"{b}:req" for b in backends)} <= columns
+
+
 def test_a_damaged_device_result_exits_1(comm) -> None:
     status, doc = _bench(comm, "-b", "64", "-e", "512", "--backends", "seed-staging", "--corrupt", "3")
     assert status == 1 and not doc["ok"]
