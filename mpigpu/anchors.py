@@ -38,20 +38,13 @@ if TYPE_CHECKING:
 
 __all__ = ["ANCHORS", "Anchor", "anchor_for", "device_bytes", "torch_tensor", "use_torch_stream"]
 
-# (placement, mpigpu backend) -> the anchor it is reported beside
-_PAIRS: dict[tuple[str, str], str] = {
-    ("device", "nccl"): "nccl-raw",
-    ("device", "ipc"): "nccl-raw",
-    ("device", "cuda-aware"): "mpi-device",
-    ("device", "host"): "seed-staging",
-    ("host", "cpu"): "mpi-host",
-    ("host", "host"): "mpi-host",
-}
-
 
 def anchor_for(placement: str, backend: str) -> str | None:
-    """The anchor a backend is compared with on ``placement`` ("device" or "host")."""
-    return _PAIRS.get((placement, backend))
+    """The anchor a backend is compared with on ``placement`` ("device" or "host"): the backend says
+    (``Backend.anchors``)."""
+    from mpigpu.backends import backend_class
+
+    return backend_class(backend).anchors.get(placement)
 
 
 class Anchor(abc.ABC):
@@ -88,11 +81,10 @@ class Anchor(abc.ABC):
 def _mpi_args(x: ArrayView, out: ArrayView, op: Op, xbuf: Any, outbuf: Any) -> tuple[Any, Any, Any]:
     """(sendbuf, recvbuf, op) for comm.Allreduce, in place when ``out`` is ``x``."""
     from mpigpu._mpi import MPI
-    from mpigpu.backends.cpu import mpi_datatype, mpi_op
 
-    kind = mpi_datatype(x.dtype.name)
+    kind = x.dtype.mpi
     send = MPI().IN_PLACE if x.same_memory(out) else [xbuf, kind]
-    return send, [outbuf, kind], mpi_op(op)
+    return send, [outbuf, kind], op.mpi
 
 
 def device_bytes(view: ArrayView) -> Any:

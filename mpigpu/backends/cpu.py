@@ -15,7 +15,6 @@ import numpy as np
 
 from mpigpu._mpi import MPI
 from mpigpu.backends.base import Availability, Backend
-from mpigpu.dtypes import DTYPES
 from mpigpu.ops import Op, canonicalize_nan, finish_avg, from_keys, int_avg_join, int_avg_parts, to_keys
 
 if TYPE_CHECKING:
@@ -23,18 +22,7 @@ if TYPE_CHECKING:
     from mpigpu.arrays import ArrayView
     from mpigpu.context import Context
 
-__all__ = ["CpuBackend", "mpi_datatype", "mpi_op"]
-
-
-# TODO(lead): mpigpu.anchors still imports these two; switch it to DTYPES[name].mpi and op.mpi, then delete them.
-def mpi_datatype(name: str) -> Any:
-    """``DTYPES[name].mpi``."""
-    return DTYPES[name].mpi
-
-
-def mpi_op(op: Op) -> Any:
-    """``op.mpi``."""
-    return op.mpi
+__all__ = ["CpuBackend"]
 
 
 def _same_nan(dst: np.ndarray, probe: np.ndarray) -> None:
