@@ -101,8 +101,10 @@ stage_tests() {
     for n in $counts; do
       local paths="tests/gpu"
       # the whole MPI suite (CPU and GPU) at full size under the image's MPI; the GPU tests under both
+      # (IMPI_TESTS: other paths for Intel MPI; TESTS_LIMIT: seconds per run)
+      [ "$mpi" = impi ] && paths=${IMPI_TESTS:-tests/gpu}
       [ "$n" = "$NGPU" ] && [ "$mpi" = ompi ] && paths="tests"
-      step "tests-$mpi-$n" 300 0 "export MPIGPU_TIMEOUT=120; ${LAUNCH[$mpi]} -n $n $PY -m pytest -q --with-mpi --only-mpi $paths -p no:cacheprovider"
+      step "tests-$mpi-$n" "${TESTS_LIMIT:-300}" 0 "export MPIGPU_TIMEOUT=120; ${LAUNCH[$mpi]} -n $n $PY -m pytest -q --with-mpi --only-mpi $paths -p no:cacheprovider"
     done
   done
 }
