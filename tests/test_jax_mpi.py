@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import ROOT, gpu_count
 
 jax = pytest.importorskip("jax", reason="jax is not installed (the CI test script installs it)")
 jnp = jax.numpy
@@ -106,9 +106,8 @@ def test_new_programs_work_after_finalize(comm) -> None:
     """mpigpu.finalize() closes mpigpu.jax's communicator; a program compiled after it sets up a new one
     (a test suite, or a program that finalizes between phases, must not be left with a dead channel)."""
     import mpigpu
-    from conftest import gpu_count
 
-    if gpu_count():  # docs/jax.md, "Known limits"
+    if gpu_count():  # docs/jax.md, "Things to know"
         pytest.skip("on the 2 x H200 machine the ranks fell out of step in the compile-time check here (open)")
 
     rank, size = comm.Get_rank(), comm.Get_size()
