@@ -46,7 +46,23 @@ def allreduce(x: Any, op: str | Op = "avg", *, comm: Any = None, backend: str = 
         raise InvalidArgument(f"backend must be a string such as 'auto' or 'nccl', not {type(backend).__name__}")
     if backend != "auto":
         backend_class(backend)  # an unknown name fails here, on the caller's line
-    return _allreduce(jnp.asarray(x), op_.value, comm_key(comm), backend)
+    return _allreduce(_as_jax(x, comm), op_.value, comm_key(comm), backend)
+
+
+def _as_jax(x: Any, comm: Any) -> Any:
+    """``x`` as a JAX value. A JAX array or tracer stays where it is; anything else (NumPy) goes to this
+    rank's device, its GPU or else the CPU, not to JAX's default device: where every rank sees all of a
+    node's GPUs, that default is GPU 0 on every rank, and the call would then fail on the other ranks."""
+    if isinstance(x, jax.Array):  # tracers are jax.Array too
+        return x
+    from mpigpu.api import select_device
+
+    gpu = select_device(comm)
+    if gpu is not None:
+        for device in jax.local_devices():
+            if device.platform == "gpu" and getattr(device, "local_hardware_id", device.id) == gpu.index:
+                return jax.device_put(jnp.asarray(x), device)
+    return jax.device_put(jnp.asarray(x), jax.devices("cpu")[0])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
