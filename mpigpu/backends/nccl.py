@@ -38,6 +38,7 @@ def distinct_gpus(ctx: Context) -> str | None:
 
 
 _NCCL_UINT = {"uint32": 3, "uint64": 5}  # ncclDataType_t
+_NCCL_UINT8 = 1  # ncclUint8: broadcast and allgather move bytes, whatever the dtype
 
 
 def _unavailable(ctx: Context, doing: str, exc: BaseException) -> BackendUnavailable:
@@ -55,6 +56,7 @@ class NcclBackend(Backend):
     enqueues: ClassVar[bool] = True
     graphs: ClassVar[bool] = True
     anchors: ClassVar[Mapping[str, str]] = {"device": "nccl-raw"}
+    collectives: ClassVar[frozenset[str]] = frozenset({"allreduce", "broadcast", "allgather"})
 
     @classmethod
     def probe(cls, ctx: Context) -> Availability:
@@ -129,6 +131,33 @@ class NcclBackend(Backend):
             launch(*args, 0 if stream is None else stream.handle)
 
         return call
+
+    def broadcast(self, x: ArrayView, root: int, stream: StreamRef | None) -> None:
+        """ncclBroadcast of x's bytes from ``root``, in place, on the caller's stream."""
+        self._comm.broadcast(x.ptr, x.ptr, x.nbytes, _NCCL_UINT8, root, 0 if stream is None else stream.handle)
+
+    def allgather(self, x: ArrayView, out: ArrayView, rows: list[int], stream: StreamRef | None) -> None:
+        """ncclAllGather when every rank has the same number of rows; otherwise (ncclAllGather needs
+        equal counts) one ncclBroadcast per rank with rows, from its input into its place in ``out``,
+        all in one NCCL group. Both on the caller's stream."""
+        from cupy.cuda import nccl
+
+        handle = 0 if stream is None else stream.handle
+        row_bytes = out.nbytes // sum(rows)
+        if len(set(rows)) == 1:
+            self._comm.allGather(x.ptr, out.ptr, x.nbytes, _NCCL_UINT8, handle)
+            return
+        nccl.groupStart()
+        try:
+            offset = 0
+            for rank, count in enumerate(rows):
+                nbytes = count * row_bytes
+                if nbytes:  # every rank knows rows: all skip the same ranks
+                    send = x.ptr if rank == self.ctx.rank else out.ptr + offset
+                    self._comm.broadcast(send, out.ptr + offset, nbytes, _NCCL_UINT8, rank, handle)
+                offset += nbytes
+        finally:
+            nccl.groupEnd()
 
     # -- CUDA graphs (mpigpu.persistent.Graph) --------------------------------------------------------
     def graph_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Any:
