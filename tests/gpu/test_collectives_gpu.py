@@ -109,7 +109,7 @@ def test_broadcast_every_root(ctx, comm, cp, backend: str, framework: str) -> No
                 assert mpigpu.broadcast(x, root, backend=backend, stream=frame.stream) is x
                 if frame.host(x).tobytes() != want.tobytes():
                     failures.append(f"{dtype} {shape} root {root}")
-    failures = sum(comm.allgather(failures), [])
+    failures = [f for rank_failures in comm.allgather(failures) for f in rank_failures]
     assert not failures, f"{backend}/{framework}: wrong on " + "; ".join(failures)
 
 
@@ -133,7 +133,7 @@ def test_allgather(ctx, comm, cp, backend: str, framework: str, equal: bool) -> 
                 failures.append(f"{dtype} {trailing}")
             if frame.host(x).tobytes() != _pattern(rank, (rows(rank), *trailing), dtype).tobytes():
                 failures.append(f"{dtype} {trailing}: input changed")
-    failures = sum(comm.allgather(failures), [])
+    failures = [f for rank_failures in comm.allgather(failures) for f in rank_failures]
     assert not failures, f"{backend}/{framework}: wrong on " + "; ".join(failures)
 
 
@@ -152,7 +152,7 @@ def test_placement_mismatch_raises_everywhere(ctx, comm, cp) -> None:
 
 
 def test_ipc_is_refused(ctx, comm, cp) -> None:
-    with pytest.raises((InvalidArgument, mpigpu.BackendUnavailable), match="broadcast|not available"):
+    with pytest.raises((InvalidArgument, mpigpu.BackendUnavailable), match=r"broadcast|not available"):
         mpigpu.broadcast(cp.zeros(4, np.float32), backend="ipc")
 
 
