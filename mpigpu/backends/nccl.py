@@ -39,6 +39,7 @@ def distinct_gpus(ctx: Context) -> str | None:
 
 _NCCL_UINT = {"uint32": 3, "uint64": 5}  # ncclDataType_t
 _NCCL_UINT8 = 1  # ncclUint8: broadcast and allgather move bytes, whatever the dtype
+_BROADCAST_PIECE = 1 << 30
 
 
 def _unavailable(ctx: Context, doing: str, exc: BaseException) -> BackendUnavailable:
@@ -134,7 +135,19 @@ class NcclBackend(Backend):
 
     def broadcast(self, x: ArrayView, root: int, stream: StreamRef | None) -> None:
         """ncclBroadcast of x's bytes from ``root``, in place, on the caller's stream."""
-        self._comm.broadcast(x.ptr, x.ptr, x.nbytes, _NCCL_UINT8, root, 0 if stream is None else stream.handle)
+        from cupy.cuda import nccl
+
+        nccl.groupStart()
+        try:
+            self._broadcast_bytes(x.ptr, x.ptr, x.nbytes, root, 0 if stream is None else stream.handle)
+        finally:
+            nccl.groupEnd()
+
+    def _broadcast_bytes(self, send: int, recv: int, nbytes: int, root: int, handle: int) -> None:
+        """ncclBroadcast in pieces of at most 1 GiB: CuPy's binding takes the count as a C int."""
+        for offset in range(0, nbytes, _BROADCAST_PIECE):
+            piece = min(_BROADCAST_PIECE, nbytes - offset)
+            self._comm.broadcast(send + offset, recv + offset, piece, _NCCL_UINT8, root, handle)
 
     def allgather(self, x: ArrayView, out: ArrayView, rows: list[int], stream: StreamRef | None) -> None:
         """ncclAllGather when every rank has the same number of rows; otherwise (ncclAllGather needs
@@ -154,7 +167,7 @@ class NcclBackend(Backend):
                 nbytes = count * row_bytes
                 if nbytes:  # every rank knows rows: all skip the same ranks
                     send = x.ptr if rank == self.ctx.rank else out.ptr + offset
-                    self._comm.broadcast(send, out.ptr + offset, nbytes, _NCCL_UINT8, rank, handle)
+                    self._broadcast_bytes(send, out.ptr + offset, nbytes, rank, handle)
                 offset += nbytes
         finally:
             nccl.groupEnd()
