@@ -36,9 +36,7 @@ __all__ = ["COLLECTIVES", "Signature", "announce_rejection", "check_signature", 
 _FIELDS = ("failed", "count", "dtype", "op", "backend", "placement", "shape", "collective", "root")
 # A collective's code in the signature is its index here: one collective per call, and two ranks in
 # different collectives fail the check like any other difference.
-COLLECTIVES: tuple[str, ...] = (
-    "allreduce", "broadcast", "allgather", "broadcast_object", "allgather_object", "broadcast_parameters",
-)  # fmt: skip
+COLLECTIVES: tuple[str, ...] = ("allreduce", "broadcast", "allgather", "broadcast_object", "allgather_object")
 _ZEROS = bytes(16 * len(_FIELDS))  # [v, -v] as int64 (array.array: cheaper per call than NumPy here)
 
 

@@ -169,9 +169,9 @@ def test_broadcast_backend_mismatch(comm) -> None:
     _mismatch(comm, lambda: mpigpu.broadcast(x, comm=comm, backend="cpu" if rank == 0 else "host"), [x])
 
 
-def test_broadcast_placement_mismatch_reaches_every_rank(comm) -> None:
-    """A rank passing something that is not an array (or a GPU array on a rank without a GPU: the same
-    path) rejects it locally; the other ranks raise MismatchError naming it."""
+def test_a_rank_rejecting_its_argument_reaches_every_rank(comm) -> None:
+    """A rank passing something that is not an array rejects it locally; the other ranks raise
+    MismatchError naming it. (Host/GPU placement mismatches: tests/gpu/test_collectives_gpu.py.)"""
     rank, size = comm.Get_rank(), comm.Get_size()
     x = _pattern(rank, (5,), "float32")
     before = x.tobytes()
