@@ -115,15 +115,36 @@ def broadcast_parameters(params: Any, root: int = 0, *, comm: Any = None) -> Non
         _broadcast_tensor(value, root, comm)
 
 
+def _as_bits(value: Any) -> Any:
+    """``value``, or a view of its bits in a dtype mpigpu moves, for dtypes it does not reduce: bool
+    buffers (attention masks) and complex tensors must still reach every rank."""
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        if value.dtype == np.bool_:
+            return value.view(np.uint8)
+        return value.view(value.real.dtype) if np.iscomplexobj(value) else value
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and type(value).__module__.startswith("torch"):
+        import torch
+
+        if dtype == torch.bool:
+            return value.view(torch.uint8)
+        if dtype.is_complex:
+            return torch.view_as_real(value)
+    return value
+
+
 def _broadcast_tensor(value: Any, root: int, comm: Any) -> None:
     """Broadcast one tensor in place (a non-contiguous torch tensor through a contiguous copy)."""
+    value = _as_bits(value.detach() if hasattr(value, "detach") else value)
     if hasattr(value, "is_contiguous") and not value.is_contiguous():
         staged = value.detach().contiguous()
         broadcast(staged, root, comm=comm)
         with _no_grad():
             value.copy_(staged)
         return
-    broadcast(value.detach() if hasattr(value, "detach") else value, root, comm=comm)
+    broadcast(value, root, comm=comm)
 
 
 def _no_grad() -> Any:

@@ -292,6 +292,29 @@ def test_broadcast_parameters_different_seeds_end_equal(comm, form: str) -> None
             assert mine.detach().numpy().tobytes() == theirs.detach().numpy().tobytes()
 
 
+def test_broadcast_parameters_bool_complex_and_non_contiguous(comm) -> None:
+    """dtypes mpigpu does not reduce still move (as their bits); a transposed tensor through a copy."""
+    torch = pytest.importorskip("torch")
+    rank, size = comm.Get_rank(), comm.Get_size()
+    root = size - 1
+
+    def make(r: int) -> dict:
+        gen = torch.Generator().manual_seed(r)
+        return {
+            "mask": torch.rand(4, 4, generator=gen) > 0.5,
+            "phase": torch.randn(3, dtype=torch.complex64, generator=gen),
+            "t": torch.randn(3, 5, generator=gen).t(),
+            "np": (torch.rand(6, generator=gen) > 0.5).numpy(),
+        }
+
+    mine, want = make(rank), make(root)
+    assert not mine["t"].is_contiguous()
+    mpigpu.broadcast_parameters(mine, root, comm=comm)
+    for name in ("mask", "phase", "t"):
+        assert torch.equal(mine[name], want[name]), name
+    assert (mine["np"] == want["np"]).all()
+
+
 def test_broadcast_parameters_name_mismatch(comm) -> None:
     torch = pytest.importorskip("torch")
     rank, size = comm.Get_rank(), comm.Get_size()
