@@ -9,6 +9,8 @@ Importing mpigpu starts nothing: MPI, CUDA and the GPU libraries load on first u
 from mpigpu._version import __version__
 from mpigpu.api import allreduce, explain, select_device
 from mpigpu.averager import Averager
+from mpigpu.broadcast_state import broadcast_optimizer_state, broadcast_parameters
+from mpigpu.collectives import allgather, broadcast
 from mpigpu.context import finalize
 from mpigpu.device import GpuInfo
 from mpigpu.errors import (
@@ -26,6 +28,7 @@ from mpigpu.failsafe import install_abort_handler
 from mpigpu.handles import Handle, allreduce_async
 from mpigpu.integrations.torch import BackwardAverager
 from mpigpu.ipc import IpcGraph, ipc_buffer, ipc_graph
+from mpigpu.objects import allgather_object, broadcast_object
 from mpigpu.ops import Op
 from mpigpu.persistent import Graph, Request, allreduce_init
 from mpigpu.plan import Choice
@@ -52,9 +55,15 @@ __all__ = [
     "Request",
     "Result",
     "__version__",
+    "allgather",
+    "allgather_object",
     "allreduce",
     "allreduce_async",
     "allreduce_init",
+    "broadcast",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
     "explain",
     "finalize",
     "install_abort_handler",

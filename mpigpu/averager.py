@@ -36,6 +36,7 @@ import numpy as np
 
 from mpigpu._cuda import StreamRef, resolve_stream
 from mpigpu.arrays import as_view, framework_of
+from mpigpu.broadcast_state import broadcast_parameters
 from mpigpu.compression import parse_compression
 from mpigpu.config import parse_count
 from mpigpu.context import Context
@@ -224,6 +225,9 @@ class Averager:
     first_bucket_bytes: a smaller cap for the first bucket of each dtype (default: bucket_bytes).
     compression:  None, "float16" or "bfloat16": float32 arrays travel in 16 bits (op avg or sum).
     backend, comm: as for ``allreduce``.
+    broadcast:    True (default) gives every rank rank 0's parameters (and, for a Module, buffers)
+                  at construction, as DDP does, so ranks that built the model with different seeds
+                  start equal; False skips it. Plain arrays (not PyTorch parameters) are not broadcast.
 
     Collective: every rank builds it with the same arrays, and calls it in the same order.
     """
@@ -238,9 +242,11 @@ class Averager:
         compression: str | None = None,
         backend: str = "auto",
         comm: Any = None,
+        broadcast: bool = True,
     ) -> None:
         self._ctx = Context.get(comm)
         self._comm, self._backend = comm, backend
+        items: list[Any] = []
         try:
             items = list(arrays.parameters() if _is_module(arrays) else arrays)
             self._configure(items, op, bucket_bytes, first_bucket_bytes, compression)
@@ -248,6 +254,8 @@ class Averager:
         except MpigpuError as exc:
             problem = exc
         self._check_layout(problem)
+        if broadcast and self._params is not None:  # the same on every rank: the layouts agree
+            broadcast_parameters(arrays if _is_module(arrays) else items, 0, comm=comm)
         # compressed: avg on the wire, and a float32 scale on the way back for sums (no 16-bit overflow)
         self._wire_op = Op.AVG if self.compression is not None else self.op
         self._scale = float(self._ctx.size) if self.compression is not None and self.op is Op.SUM else 1.0

@@ -4,7 +4,7 @@ rejected its own arguments. Mismatches become the same MismatchError on every ra
 hang or a read past a buffer. The shape is checked too (as a 62-bit hash): ranks that pass the same
 element count in different shapes are almost certainly reducing different tensors into each other.
 
-Cost: one MPI_Allreduce(MAX) of 16 int64 values per call. It runs on every call, by design: any
+Cost: one MPI_Allreduce(MAX) of 18 int64 values per call. It runs on every call, by design: any
 scheme where ranks skip the check independently (say, once per signature seen) can leave one rank
 checking while another has moved on, which is the hang the check exists to prevent. Example: rank 0
 has seen (1000, float32) before and skips; rank 1 passes 1001 for the first time and checks, so
@@ -33,10 +33,10 @@ if TYPE_CHECKING:
 
 __all__ = ["COLLECTIVES", "Signature", "announce_rejection", "check_signature", "fail_together"]
 
-_FIELDS = ("failed", "count", "dtype", "op", "backend", "placement", "shape", "collective")
+_FIELDS = ("failed", "count", "dtype", "op", "backend", "placement", "shape", "collective", "root")
 # A collective's code in the signature is its index here: one collective per call, and two ranks in
-# different collectives fail the check like any other difference. Add broadcast, allgather here.
-COLLECTIVES: tuple[str, ...] = ("allreduce",)
+# different collectives fail the check like any other difference.
+COLLECTIVES: tuple[str, ...] = ("allreduce", "broadcast", "allgather", "broadcast_object", "allgather_object")
 _ZEROS = bytes(16 * len(_FIELDS))  # [v, -v] as int64 (array.array: cheaper per call than NumPy here)
 
 
@@ -53,12 +53,13 @@ class Signature(NamedTuple):
     error: str | None = None
     shape: tuple[int, ...] = ()
     collective: int = 0  # index in COLLECTIVES
+    root: int = 0  # the root rank (broadcast); 0 for collectives without one
 
     def values(self) -> list[int]:
         """The checked fields, in _FIELDS order."""
         return [
             1 if self.error else 0, self.count, self.dtype, self.op, self.backend, self.placement,
-            shape_hash(self.shape), self.collective,
+            shape_hash(self.shape), self.collective, self.root,
         ]  # fmt: skip
 
 
@@ -116,7 +117,7 @@ def _describe(name: str, gathered: list[tuple[list[int], str | None, tuple[int, 
         parts.append("arguments differ")
     return (
         f"{name}: ranks passed different arguments ({' | '.join(parts)}). "
-        "Every rank must call it with the same shape, dtype, op and backend."
+        "Every rank must call it with the same shape, dtype, op, root and backend."
     )
 
 
@@ -133,12 +134,12 @@ def check_signature(
     ``backend_name`` names ``sig.backend`` in that message (this module sits below the backends)."""
     mpi = MPI()
     mine = sig.values()
-    f, c, d, o, b, p, s, k = mine
+    f, c, d, o, b, p, s, k, r = mine
     # MAX over [v, -v] gives max and -min of every field in one collective. max - min >= 0 per field,
-    # so all fields fail_together iff the 16 results sum to 0; result[0] is 1 if any rank failed.
+    # so all fields fail_together iff the 18 results sum to 0; result[0] is 1 if any rank failed.
     result = array("q", _ZEROS)
     comm.Allreduce(
-        [array("q", (f, c, d, o, b, p, s, k, -f, -c, -d, -o, -b, -p, -s, -k)), mpi.INT64_T],
+        [array("q", (f, c, d, o, b, p, s, k, r, -f, -c, -d, -o, -b, -p, -s, -k, -r)), mpi.INT64_T],
         [result, mpi.INT64_T],
         mpi.MAX,
     )

@@ -148,6 +148,9 @@ def _check_entry(key: str, entry: Any) -> None:
             previous = edge
 
 
+_REDUCTIONS = frozenset({"allreduce"})  # the collectives whose dtype/op support a backend states
+
+
 def _usable(ctx: Context, name: str, view: ArrayView, op: Op, collective: str = "allreduce") -> str | None:
     """None if ``name`` can take this call, else why not."""
     available = ctx.availability.get(name)
@@ -160,6 +163,8 @@ def _usable(ctx: Context, name: str, view: ArrayView, op: Op, collective: str = 
         return "takes host (NumPy) arrays only"
     if not view.on_device and not cls.host_arrays:
         return "takes GPU arrays only"
+    if collective not in _REDUCTIONS:  # data movement: bytes, any dtype
+        return None
     return cls.supports_on(ctx, view.dtype, op)
 
 
@@ -205,9 +210,12 @@ def choose(ctx: Context, view: ArrayView, op: Op, requested: str, collective: st
             hint = "move the data to the GPU first, or use backend='host' or 'cpu'"
         if view.on_device and not backend_class(requested).device_arrays:
             hint = "use backend='host', 'nccl' or 'auto' for GPU arrays"
-        raise InvalidArgument(
-            f"backend {requested!r} cannot reduce {where} of {view.dtype.name} with op {op.value}: {problem}; {hint}"
+        what = (
+            f"reduce {where} of {view.dtype.name} with op {op.value}"
+            if collective in _REDUCTIONS
+            else (f"{collective} {where}")
         )
+        raise InvalidArgument(f"backend {requested!r} cannot {what}: {problem}; {hint}")
     placement = "device" if view.on_device else "host"
     if ctx.tuning is not None:
         name = ctx.tuning.lookup(placement, view.nbytes)
@@ -223,4 +231,5 @@ def choose(ctx: Context, view: ArrayView, op: Op, requested: str, collective: st
             why = "; ".join(skipped)
             return Choice(name, f"rule: first usable of {', '.join(order)}" + (f" (skipped {why})" if why else ""))
         skipped.append(f"{name}: {problem}")
-    raise BackendUnavailable(f"no backend can reduce this {placement} array: " + "; ".join(skipped))
+    verb = "reduce" if collective in _REDUCTIONS else collective
+    raise BackendUnavailable(f"no backend can {verb} this {placement} array: " + "; ".join(skipped))

@@ -22,7 +22,9 @@ def test_names_and_codes() -> None:
 def test_auto_preference_is_the_registry_order() -> None:
     assert preference(True) == ("ipc", "nccl", "cuda-aware", "host")
     assert preference(False) == ("host", "cpu")
-    assert preference(True, "broadcast") == ()  # no backend implements it yet
+    assert preference(True, "broadcast") == ("nccl", "cuda-aware", "host")  # ipc implements allreduce only
+    assert preference(False, "allgather") == ("host", "cpu")
+    assert preference(True, "reduce_scatter") == ()  # no backend implements it
 
 
 # what each backend is reported beside in the benchmark
@@ -39,7 +41,11 @@ PAIRS = {
 def test_self_description() -> None:
     assert {n for n in BACKEND_NAMES if backend_class(n).enqueues} == {"nccl", "ipc"}
     assert {n for n in BACKEND_NAMES if backend_class(n).graphs} == {"nccl", "ipc"}
-    assert all(backend_class(n).collectives == frozenset(COLLECTIVES) for n in BACKEND_NAMES)
+    moves = frozenset({"allreduce", "broadcast", "allgather"})
+    assert {n: backend_class(n).collectives for n in BACKEND_NAMES} == {
+        "ipc": frozenset({"allreduce"}), "nccl": moves, "cuda-aware": moves, "host": moves, "cpu": moves,
+    }  # fmt: skip
+    assert moves <= set(COLLECTIVES)
     for name in BACKEND_NAMES:
         cls = backend_class(name)
         for placement in ("device", "host"):

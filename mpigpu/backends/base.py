@@ -13,7 +13,14 @@ size limits ``auto``'s rules apply (``auto_declines``) and the anchor bench repo
 Method naming, per collective ``C`` listed in ``collectives``: ``C(...)`` runs it (``allreduce(x,
 out, op, stream)``); ``bind_C(...)`` returns it with all but the stream fixed, for a persistent
 request; where ``graphs`` is set, ``graph_C(...)`` captures it in a CUDA graph that
-``launch_graph`` replays. Broadcast and allgather, when they come, follow the same pattern.
+``launch_graph`` replays. The data-movement collectives:
+
+- ``broadcast(x, root, stream)``: rank ``root``'s ``x`` into every rank's ``x`` (in place);
+- ``allgather(x, out, rows, stream)``: every rank's ``x`` (``rows[r]`` rows of the same trailing shape
+  on rank r) concatenated along the first dimension into ``out``, in rank order.
+
+They move bytes: any dtype, no ``supports`` check. The API calls them only with more than one rank
+and with data to move (``x.size`` for broadcast, ``sum(rows)`` for allgather).
 """
 
 from __future__ import annotations

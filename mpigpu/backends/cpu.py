@@ -15,6 +15,7 @@ import numpy as np
 
 from mpigpu._mpi import MPI
 from mpigpu.backends.base import Availability, Backend
+from mpigpu.backends.mpi_moves import allgather_bytes, broadcast_bytes
 from mpigpu.ops import Op, canonicalize_nan, finish_avg, from_keys, int_avg_join, int_avg_parts, to_keys
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ class CpuBackend(Backend):
     host_arrays: ClassVar[bool] = True
     device_arrays: ClassVar[bool] = False
     anchors: ClassVar[Mapping[str, str]] = {"host": "mpi-host"}
+    collectives: ClassVar[frozenset[str]] = frozenset({"allreduce", "broadcast", "allgather"})
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
@@ -90,5 +92,17 @@ class CpuBackend(Backend):
         if dtype.is_float:
             _same_nan(dst, dst)
 
+    def broadcast(self, x: ArrayView, root: int, stream: StreamRef | None) -> None:
+        """MPI_Bcast of x's bytes from ``root``, in place."""
+        assert x.host is not None
+        broadcast_bytes(self.ctx.comm, x.host.reshape(-1).view(np.uint8), x.nbytes, root)
+
+    def allgather(self, x: ArrayView, out: ArrayView, rows: list[int], stream: StreamRef | None) -> None:
+        """MPI_Allgatherv of every rank's rows into ``out``."""
+        assert x.host is not None and out.host is not None
+        row_bytes = out.nbytes // sum(rows)
+        send, recv = x.host.reshape(-1).view(np.uint8), out.host.reshape(-1).view(np.uint8)
+        allgather_bytes(self.ctx.comm, send, recv, rows, row_bytes)
+
     def describe(self) -> dict[str, Any]:
-        return {"transport": "MPI_Allreduce"}
+        return {"transport": "MPI_Allreduce, MPI_Bcast, MPI_Allgatherv"}

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from mpigpu._mpi import MPI
 from mpigpu.backends.base import Availability, Backend
 from mpigpu.backends.device_scratch import DeviceScratch, by_keys_or_parts
+from mpigpu.backends.mpi_moves import allgather_bytes, broadcast_bytes
 from mpigpu.dtypes import DTYPES
 from mpigpu.ops import Op
 
@@ -36,6 +37,7 @@ class CudaAwareBackend(Backend):
     host_arrays: ClassVar[bool] = False
     device_arrays: ClassVar[bool] = True
     anchors: ClassVar[Mapping[str, str]] = {"device": "mpi-device"}
+    collectives: ClassVar[frozenset[str]] = frozenset({"allreduce", "broadcast", "allgather"})
 
     @classmethod
     def probe(cls, ctx: Context) -> Availability:
@@ -115,6 +117,25 @@ class CudaAwareBackend(Backend):
             name = "finish_avg" if op is Op.AVG else "canonical_nan"
             kernel = self._kernels().kernel(f"{name}_{x.dtype.name}")
             launch(stream, kernel, count, out.ptr, i64(count), *((i32(n),) if op is Op.AVG else ()))
+
+    def broadcast(self, x: ArrayView, root: int, stream: StreamRef | None) -> None:
+        """MPI_Bcast on the device pointer, after the caller's stream (MPI reads outside stream order)."""
+        from mpigpu._cuda import cupy
+
+        cupy().cuda.runtime.streamSynchronize(0 if stream is None else stream.handle)
+        mpi = MPI()
+        broadcast_bytes(self.ctx.comm, mpi.buffer.fromaddress(x.ptr, x.nbytes), x.nbytes, root)
+
+    def allgather(self, x: ArrayView, out: ArrayView, rows: list[int], stream: StreamRef | None) -> None:
+        """MPI_Allgatherv on device pointers, after the caller's stream. ``out`` is new, written by MPI
+        before this returns: later work on the stream sees it."""
+        from mpigpu._cuda import cupy
+
+        cupy().cuda.runtime.streamSynchronize(0 if stream is None else stream.handle)
+        mpi = MPI()
+        send = mpi.buffer.fromaddress(x.ptr, x.nbytes, readonly=True) if x.nbytes else bytearray(0)
+        recv = mpi.buffer.fromaddress(out.ptr, out.nbytes)
+        allgather_bytes(self.ctx.comm, send, recv, rows, out.nbytes // sum(rows))
 
     def close(self) -> None:
         if self._wide_free is not None:

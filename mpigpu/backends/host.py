@@ -36,6 +36,7 @@ import numpy as np
 from mpigpu.backends.base import Availability, Backend
 from mpigpu.backends.host_layout import ALIGN, PAGE, ChunkPlan, SegmentLayout, round_up, split_even
 from mpigpu.backends.host_reduce import CPU_BLOCK, INT_AVG_NODES, finish, internode, reduce_rows, reduce_stacked
+from mpigpu.backends.mpi_moves import allgather_bytes, broadcast_bytes, byte_counts
 from mpigpu.errors import BackendUnavailable, ConfigError, InvalidArgument, MpigpuError
 from mpigpu.ops import Op
 
@@ -383,6 +384,7 @@ class HostBackend(Backend):
     host_arrays: ClassVar[bool] = True
     device_arrays: ClassVar[bool] = True
     anchors: ClassVar[Mapping[str, str]] = {"device": "seed-staging", "host": "mpi-host"}
+    collectives: ClassVar[frozenset[str]] = frozenset({"allreduce", "broadcast", "allgather"})
 
     @classmethod
     def auto_declines(cls, on_device: bool, nbytes: int) -> str | None:
@@ -425,6 +427,8 @@ class HostBackend(Backend):
         self._block = np.empty(max(CPU_BLOCK, self._small) // 2, np.float32)
         self._small_cache: dict[tuple[int, str, int], _SmallViews] = {}
         self._phases: dict[str, float] = {}  # seconds
+        self._pinned: Any = None  # broadcast/allgather of GPU arrays: a private pinned staging buffer
+        self._pinned_free = 0  # event: the last copy out of _pinned to the GPU finished
         self._phase_names = ("copy_out", "reduce", "copy_in", "barrier") + (("internode",) if self._nodes > 1 else ())
         self._closed = False
 
@@ -511,10 +515,94 @@ class HostBackend(Backend):
             info["pinned"] = bool(self._segment is not None and self._segment.registered)
         return info
 
+    # -- broadcast and allgather: MPI on host memory; GPU arrays staged through a private pinned
+    # buffer (not the node-shared segment yet: one copy out, MPI, one copy in) -------------------
+    def broadcast(self, x: ArrayView, root: int, stream: StreamRef | None) -> None:
+        """MPI_Bcast of x's bytes from ``root`` (GPU arrays: through pinned host memory)."""
+        self._refuse_closed()
+        comm = self.ctx.comm
+        if x.host is not None:
+            broadcast_bytes(comm, x.host.reshape(-1).view(np.uint8), x.nbytes, root)
+            return
+        stage = self._pinned_buffer(x.nbytes)
+        runtime, handle = self._runtime(), 0 if stream is None else stream.handle
+        if self.ctx.rank == root:
+            runtime.memcpyAsync(stage.ctypes.data, x.ptr, x.nbytes, runtime.memcpyDeviceToHost, handle)
+            runtime.streamSynchronize(handle)
+        broadcast_bytes(comm, stage, x.nbytes, root)
+        if self.ctx.rank != root:
+            self._copy_in(x.ptr, stage, x.nbytes, handle)
+
+    def allgather(self, x: ArrayView, out: ArrayView, rows: list[int], stream: StreamRef | None) -> None:
+        """MPI_Allgatherv into ``out`` (GPU arrays: this rank's rows copied into its place in a pinned
+        buffer of the whole result, gathered in place, then copied to ``out`` on the stream)."""
+        self._refuse_closed()
+        comm, row_bytes = self.ctx.comm, out.nbytes // sum(rows)
+        if x.host is not None and out.host is not None:
+            send, recv = x.host.reshape(-1).view(np.uint8), out.host.reshape(-1).view(np.uint8)
+            allgather_bytes(comm, send, recv, rows, row_bytes)
+            return
+        stage = self._pinned_buffer(out.nbytes)
+        runtime, handle = self._runtime(), 0 if stream is None else stream.handle
+        counts, displs = byte_counts(rows, row_bytes)
+        mine = displs[self.ctx.rank]
+        if x.nbytes:
+            runtime.memcpyAsync(stage.ctypes.data + mine, x.ptr, x.nbytes, runtime.memcpyDeviceToHost, handle)
+        runtime.streamSynchronize(handle)
+        from mpigpu._mpi import MPI
+
+        byte = MPI().BYTE
+        comm.Allgatherv(MPI().IN_PLACE, [stage, (counts, displs), byte])
+        self._copy_in(out.ptr, stage, out.nbytes, handle)
+
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise BackendUnavailable("this host backend was closed by mpigpu.finalize(); a new call starts a new one")
+
+    @staticmethod
+    def _runtime() -> Any:
+        from mpigpu._cuda import cupy
+
+        return cupy().cuda.runtime
+
+    def _pinned_buffer(self, nbytes: int) -> np.ndarray:
+        """The pinned staging buffer (at least ``nbytes``), once the last copy out of it is done.
+        Collective when it grows (``nbytes`` is the same on every rank): a rank that cannot pin
+        memory raises, the others a MismatchError, instead of waiting in MPI."""
+        runtime = self._runtime()
+        if self._pinned_free:
+            runtime.eventSynchronize(self._pinned_free)  # the previous call's copy in has read it
+        if self._pinned is None or self._pinned.nbytes < nbytes:
+
+            def grow() -> None:
+                from mpigpu._cuda import cupy
+
+                self._pinned = None
+                memory = cupy().cuda.alloc_pinned_memory(max(nbytes, PAGE))
+                self._pinned = np.frombuffer(memory, np.uint8, max(nbytes, PAGE))
+                if not self._pinned_free:
+                    self._pinned_free = runtime.eventCreateWithFlags(runtime.eventDisableTiming)
+
+            self._collective_step("pinning a staging buffer for broadcast/allgather", grow)
+        assert self._pinned is not None
+        return self._pinned[:nbytes]
+
+    def _copy_in(self, ptr: int, stage: np.ndarray, nbytes: int, handle: int) -> None:
+        """Copy the staged bytes to the GPU on the caller's stream; the next call waits for it."""
+        runtime = self._runtime()
+        runtime.memcpyAsync(ptr, stage.ctypes.data, nbytes, runtime.memcpyHostToDevice, handle)
+        runtime.eventRecord(self._pinned_free, handle)
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._pinned_free:
+            with contextlib.suppress(Exception):
+                self._runtime().eventSynchronize(self._pinned_free)
+                self._runtime().eventDestroy(self._pinned_free)
+            self._pinned_free = 0
+        self._pinned = None
         self._release_segment(at_exit=True)
         if self._gpu is not None:
             self._gpu.close()

@@ -38,6 +38,8 @@ def distinct_gpus(ctx: Context) -> str | None:
 
 
 _NCCL_UINT = {"uint32": 3, "uint64": 5}  # ncclDataType_t
+_NCCL_UINT8 = 1  # ncclUint8: broadcast and allgather move bytes, whatever the dtype
+_BROADCAST_PIECE = 1 << 30
 
 
 def _unavailable(ctx: Context, doing: str, exc: BaseException) -> BackendUnavailable:
@@ -55,6 +57,7 @@ class NcclBackend(Backend):
     enqueues: ClassVar[bool] = True
     graphs: ClassVar[bool] = True
     anchors: ClassVar[Mapping[str, str]] = {"device": "nccl-raw"}
+    collectives: ClassVar[frozenset[str]] = frozenset({"allreduce", "broadcast", "allgather"})
 
     @classmethod
     def probe(cls, ctx: Context) -> Availability:
@@ -129,6 +132,45 @@ class NcclBackend(Backend):
             launch(*args, 0 if stream is None else stream.handle)
 
         return call
+
+    def broadcast(self, x: ArrayView, root: int, stream: StreamRef | None) -> None:
+        """ncclBroadcast of x's bytes from ``root``, in place, on the caller's stream."""
+        from cupy.cuda import nccl
+
+        nccl.groupStart()
+        try:
+            self._broadcast_bytes(x.ptr, x.ptr, x.nbytes, root, 0 if stream is None else stream.handle)
+        finally:
+            nccl.groupEnd()
+
+    def _broadcast_bytes(self, send: int, recv: int, nbytes: int, root: int, handle: int) -> None:
+        """ncclBroadcast in pieces of at most 1 GiB: CuPy's binding takes the count as a C int."""
+        for offset in range(0, nbytes, _BROADCAST_PIECE):
+            piece = min(_BROADCAST_PIECE, nbytes - offset)
+            self._comm.broadcast(send + offset, recv + offset, piece, _NCCL_UINT8, root, handle)
+
+    def allgather(self, x: ArrayView, out: ArrayView, rows: list[int], stream: StreamRef | None) -> None:
+        """ncclAllGather when every rank has the same number of rows; otherwise (ncclAllGather needs
+        equal counts) one ncclBroadcast per rank with rows, from its input into its place in ``out``,
+        all in one NCCL group. Both on the caller's stream."""
+        from cupy.cuda import nccl
+
+        handle = 0 if stream is None else stream.handle
+        row_bytes = out.nbytes // sum(rows)
+        if len(set(rows)) == 1:
+            self._comm.allGather(x.ptr, out.ptr, x.nbytes, _NCCL_UINT8, handle)
+            return
+        nccl.groupStart()
+        try:
+            offset = 0
+            for rank, count in enumerate(rows):
+                nbytes = count * row_bytes
+                if nbytes:  # every rank knows rows: all skip the same ranks
+                    send = x.ptr if rank == self.ctx.rank else out.ptr + offset
+                    self._broadcast_bytes(send, out.ptr + offset, nbytes, rank, handle)
+                offset += nbytes
+        finally:
+            nccl.groupEnd()
 
     # -- CUDA graphs (mpigpu.persistent.Graph) --------------------------------------------------------
     def graph_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Any:

@@ -31,11 +31,12 @@ backward passes inside ``with averager.no_sync():``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
 from mpigpu.averager import Averager
+from mpigpu.broadcast_state import broadcast_parameters
 from mpigpu.errors import InvalidArgument, MpigpuError
 
 __all__ = ["DDP_BUCKET_BYTES", "DDP_FIRST_BUCKET_BYTES", "BackwardAverager"]
@@ -51,6 +52,8 @@ class BackwardAverager:
     optimizer:    if given, ``finish()`` runs automatically before each ``optimizer.step()``.
     bucket_bytes, first_bucket_bytes, compression, backend, comm: as for ``mpigpu.Averager`` (the
     defaults are DDP's: 25 MiB, the first bucket 1 MiB).
+    broadcast:    True (default): every rank starts from rank 0's parameters (and buffers, for a
+                  Module), as DDP does; False skips it.
     """
 
     def __init__(
@@ -63,12 +66,14 @@ class BackwardAverager:
         compression: str | None = None,
         backend: str = "auto",
         comm: Any = None,
+        broadcast: bool = True,
     ) -> None:
         import torch
 
         if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
             raise InvalidArgument(f"BackwardAverager needs PyTorch >= 2.1 (this is {torch.__version__})")
-        params: Iterable[Any] = model.parameters() if isinstance(model, torch.nn.Module) else model
+        is_module = isinstance(model, torch.nn.Module)
+        params: list[Any] = list(model.parameters() if is_module else model)
         ordered = [p for p in params if p.requires_grad][::-1]  # backward produces gradients last-first
         self._comm = _private_comm(comm)
         try:
@@ -79,7 +84,10 @@ class BackwardAverager:
                 compression=compression,
                 backend=backend,
                 comm=self._comm,
+                broadcast=False,  # below: the whole model (buffers too), after the layout check
             )
+            if broadcast:
+                broadcast_parameters(model if is_module else params, 0, comm=self._comm)
         except BaseException:
             self._comm.Free()  # every rank fails the (collective) construction together
             raise

@@ -1,0 +1,30 @@
+"""Broadcast and allgather as plain MPI byte moves, shared by the backends that hand memory to MPI
+(cpu: NumPy arrays; cuda-aware: device pointers; host: pinned staging buffers). Data movement needs
+no reduction semantics, so every dtype travels as MPI_BYTE."""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import Any
+
+from mpigpu._mpi import MPI
+
+__all__ = ["allgather_bytes", "broadcast_bytes", "byte_counts"]
+
+
+def byte_counts(rows: list[int], row_bytes: int) -> tuple[list[int], list[int]]:
+    """Per-rank byte counts and displacements of an allgather of ``rows[r]`` rows of ``row_bytes``."""
+    counts = [r * row_bytes for r in rows]
+    return counts, [0, *accumulate(counts)][:-1]
+
+
+def broadcast_bytes(comm: Any, buf: Any, nbytes: int, root: int) -> None:
+    """MPI_Bcast of ``nbytes`` at ``buf`` (a writable buffer: NumPy array or mpi4py buffer)."""
+    comm.Bcast([buf, nbytes, MPI().BYTE], root=root)
+
+
+def allgather_bytes(comm: Any, send: Any, recv: Any, rows: list[int], row_bytes: int) -> None:
+    """MPI_Allgatherv: rank r's ``rows[r] * row_bytes`` bytes at ``send`` land at its offset in ``recv``."""
+    counts, displs = byte_counts(rows, row_bytes)
+    byte = MPI().BYTE
+    comm.Allgatherv([send, counts[comm.Get_rank()], byte], [recv, (counts, displs), byte])
