@@ -326,3 +326,25 @@ def test_errors_before_init() -> None:
                 call()
     finally:
         hvd.init()
+
+
+def test_init_with_a_list_of_ranks() -> None:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD.Get_rank()
+    hvd.shutdown()
+    try:
+        if world < 2:
+            hvd.init(comm=[0, 1] if MPI.COMM_WORLD.Get_size() > 1 else [0])
+            assert hvd.size() == min(2, MPI.COMM_WORLD.Get_size()) and hvd.rank() == world
+            assert torch.equal(
+                hvd.allreduce(torch.tensor([world + 1.0]), op=hvd.Sum), torch.tensor([3.0 if hvd.size() == 2 else 1.0])
+            )
+            hvd.shutdown()
+        else:
+            with pytest.raises(ValueError, match="not in that list"):
+                hvd.init(comm=[0, 1])
+            assert not hvd.is_initialized()
+    finally:
+        hvd.init()
+    assert hvd.size() == MPI.COMM_WORLD.Get_size()
