@@ -348,3 +348,33 @@ def test_init_with_a_list_of_ranks() -> None:
     finally:
         hvd.init()
     assert hvd.size() == MPI.COMM_WORLD.Get_size()
+
+
+def test_broadcast_gradient() -> None:
+    r, n = hvd.rank(), hvd.size()
+    x = _input(r, (4,), torch.float64).requires_grad_()
+    (hvd.broadcast(x, root_rank=0) * (r + 1)).sum().backward()
+    expect = sum(k + 1.0 for k in range(n)) if r == 0 else 0.0  # every rank's gradient lands on the root
+    assert torch.equal(x.grad, torch.full_like(x, expect))
+
+
+def test_distributed_optimizer_arguments() -> None:
+    r, n = hvd.rank(), hvd.size()
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), gradient_predivide_factor=2.0)
+    (p * (r + 1)).sum().backward()
+    optimizer.step()
+    assert torch.equal(p.detach(), torch.full((3,), -sum(k + 1.0 for k in range(n)) / n, dtype=torch.float64))
+    q = torch.nn.Parameter(torch.zeros(1))
+    with pytest.raises(ValueError, match="not in it"):
+        hvd.DistributedOptimizer(torch.optim.SGD([p, q], lr=1.0), named_parameters=[("p", p)])
+    with pytest.raises(ValueError, match="duplicate"):
+        hvd.DistributedOptimizer(torch.optim.SGD([p, q], lr=1.0), named_parameters=[("p", p), ("p", q)])
+    with pytest.raises(ValueError, match="predivide"):
+        hvd.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), op=hvd.Sum, gradient_predivide_factor=2.0)
+
+    class Custom(hvd.Compression.none):
+        pass
+
+    with pytest.raises(NotImplementedError, match=r"Compression\.fp16"):
+        hvd.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), compression=Custom)
