@@ -50,3 +50,10 @@ def test_ddp_check_catches_missing_averaging() -> None:
     result = run_mpi(2, args, timeout=600)
     assert result.returncode != 0, result.stdout + result.stderr
     assert ": FAIL" in result.stdout and "# FAIL" in result.stdout
+
+
+def test_horovod_train() -> None:
+    pytest.importorskip("torch", reason="torch is not installed (the CI test script installs it)")
+    args = ["-m", "mpigpu.run", str(SAMPLES / "horovod_train.py"), "--device", "cpu"]
+    result = run_mpi(2, args, timeout=300)
+    _ok(result, "parameters identical on every rank: True", "# PASS (2 ranks, cpu)")

@@ -1,0 +1,245 @@
+"""Horovod's ``horovod.torch`` API on mpigpu: ``import mpigpu.horovod.torch as hvd``.
+
+    hvd.init()
+    torch.cuda.set_device(hvd.local_rank())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+
+Launch with ``mpiexec -n 4 python -m mpigpu.run train.py``. docs/horovod.md lists every name, what
+mpigpu does for it and what is not supported (Adasum, elastic training, the timeline, Spark/Ray).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mpigpu._mpi import MPI
+from mpigpu.horovod._errors import HorovodInternalError, HostsUpdatedInterrupt, unsupported
+from mpigpu.horovod._state import (
+    ProcessSet,
+    add_process_set,
+    comm_of,
+    cross_rank,
+    cross_size,
+    global_process_set,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_threads_supported,
+    rank,
+    remove_process_set,
+    shutdown,
+    size,
+)
+from mpigpu.horovod.torch._broadcast import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from mpigpu.horovod.torch._ops import (
+    Adasum,
+    Average,
+    Compression,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    poll,
+    synchronize,
+)
+from mpigpu.horovod.torch._optimizer import DistributedOptimizer
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "Compression",
+    "DistributedOptimizer",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "Max",
+    "Min",
+    "ProcessSet",
+    "Product",
+    "ReduceOp",
+    "Sum",
+    "add_process_set",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "elastic",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "init",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "poll",
+    "rank",
+    "remove_process_set",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "start_timeline",
+    "stop_timeline",
+    "synchronize",
+]  # fmt: skip
+
+
+def mpi_built() -> bool:
+    """True: mpigpu always runs on MPI."""
+    return True
+
+
+def mpi_enabled() -> bool:
+    """True: MPI is the only controller (there is no Gloo)."""
+    return True
+
+
+def gloo_built() -> bool:
+    """False: mpigpu has no Gloo controller."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """False: mpigpu has no Gloo controller."""
+    return False
+
+
+def nccl_built() -> bool:
+    """True if NCCL loads on every rank (after init; before it, whether it loads here)."""
+    if is_initialized():
+        from mpigpu.context import Context
+
+        return bool(Context.get(comm_of(global_process_set)).nccl.available)
+    from mpigpu.detect import detect_nccl
+
+    return bool(detect_nccl(1).available)
+
+
+def cuda_built() -> bool:
+    """True if this PyTorch sees a CUDA GPU (mpigpu needs no build step for CUDA)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def rocm_built() -> bool:
+    """False: mpigpu runs on NVIDIA GPUs only."""
+    return False
+
+
+def ddl_built() -> bool:
+    """False."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False."""
+    return False
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Wait until every rank of the process set has arrived (and its queued allreduces have run)."""
+    from mpigpu.context import Context
+
+    comm = comm_of(process_set)
+    Context.get(comm).wait_async()
+    comm.Barrier()
+
+
+_JOIN_TAG = 0x4A4F  # "JO"
+
+
+def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
+    """Wait until every rank of the process set has called join; return the rank that joined last.
+
+    Supported as a synchronisation point only: a rank that has joined does not take part (with zeros)
+    in allreduces the other ranks still issue, as Horovod's does for uneven data; make every rank run
+    the same number of steps (e.g. drop the last partial batch) instead. ``device`` is accepted."""
+    from mpigpu.context import Context
+
+    comm = comm_of(process_set)
+    Context.get(comm).wait_async()
+    me, n = comm.Get_rank(), comm.Get_size()
+    last = me
+    if me == 0:
+        status = MPI().Status()
+        early = 0
+        while early < n - 1 and comm.Iprobe(source=MPI().ANY_SOURCE, tag=_JOIN_TAG):
+            comm.recv(source=MPI().ANY_SOURCE, tag=_JOIN_TAG)
+            early += 1
+        for _ in range(n - 1 - early):  # the ranks that arrive after rank 0, in arrival order
+            comm.recv(source=MPI().ANY_SOURCE, tag=_JOIN_TAG, status=status)
+            last = status.Get_source()
+    else:
+        comm.send(None, dest=0, tag=_JOIN_TAG)
+    return int(comm.bcast(last, root=0))
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Not supported: mpigpu has no timeline."""
+    raise unsupported("hvd.start_timeline", "profile with torch.profiler or Nsight Systems (nsys)")
+
+
+def stop_timeline() -> None:
+    """Not supported: mpigpu has no timeline."""
+    raise unsupported("hvd.stop_timeline", "profile with torch.profiler or Nsight Systems (nsys)")
+
+
+class _Unsupported:
+    """``hvd.elastic``: any use raises NotImplementedError naming the alternative."""
+
+    def __init__(self, what: str, instead: str) -> None:
+        self._what, self._instead = what, instead
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise unsupported(f"{self._what}.{name}", self._instead)
+
+
+elastic = _Unsupported("hvd.elastic", "restart the job from a checkpoint with a fixed set of ranks under mpiexec")
