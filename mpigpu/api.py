@@ -13,7 +13,7 @@ from mpigpu.backends import backend_code
 from mpigpu.check import Signature, announce_rejection, check_signature
 from mpigpu.context import Context
 from mpigpu.device import GpuInfo
-from mpigpu.errors import DeviceError, InvalidArgument
+from mpigpu.errors import InvalidArgument
 from mpigpu.ops import Op, parse_op
 from mpigpu.plan import Choice, choose, choose_cached
 
@@ -85,15 +85,7 @@ def validate(ctx: Context, x: Any, op: Any, out: Any, backend: str, stream: Any)
     else:
         outv, result = as_view(out, name="out"), out
         check_out(xv, outv)
-    if xv.on_device:
-        if ctx.gpu is None:
-            raise DeviceError("x is a GPU array, but this rank has no GPU bound (no GPU was visible at start-up)")
-        if xv.device != ctx.gpu.index:
-            raise DeviceError(
-                f"x is on GPU {xv.device}, but rank {ctx.rank} is bound to {ctx.gpu.describe()}. Allocate on the "
-                f"rank's GPU: `torch.cuda.set_device(mpigpu.select_device().index)` or "
-                f"`cupy.cuda.Device(mpigpu.select_device().index).use()`."
-            )
+    ctx.require_own_gpu(xv)
     choice = choose_cached(ctx, xv, op_, backend)
     ref = resolve_stream(stream, xv.framework, xv.device) if xv.on_device else None
     return Prepared(ctx, xv, outv, op_, choice, ref, result, finish)

@@ -20,7 +20,7 @@ from mpigpu.arrays import ArrayView, as_view
 from mpigpu.backends import backend_code
 from mpigpu.check import COLLECTIVES, Signature, announce_rejection, check_signature
 from mpigpu.context import Context
-from mpigpu.errors import DeviceError, InvalidArgument
+from mpigpu.errors import InvalidArgument
 from mpigpu.ops import Op
 from mpigpu.plan import Choice, choose_cached
 
@@ -43,14 +43,7 @@ def _validate(ctx: Context, x: Any, backend: Any, collective: str) -> tuple[Arra
     if not isinstance(backend, str):
         raise InvalidArgument(f"backend must be a string such as 'auto' or 'nccl', not {type(backend).__name__}")
     xv = as_view(x, name="x")
-    if xv.on_device:
-        if ctx.gpu is None:
-            raise DeviceError("x is a GPU array, but this rank has no GPU bound (no GPU was visible at start-up)")
-        if xv.device != ctx.gpu.index:
-            raise DeviceError(
-                f"x is on GPU {xv.device}, but rank {ctx.rank} is bound to {ctx.gpu.describe()}. Allocate on the "
-                "rank's GPU: `torch.cuda.set_device(mpigpu.select_device().index)`."
-            )
+    ctx.require_own_gpu(xv)
     return xv, choose_cached(ctx, xv, Op.SUM, backend, collective)
 
 

@@ -32,7 +32,7 @@ from mpigpu.check import announce_rejection, fail_together
 from mpigpu.config import ENV_VARS, Settings, disagreement
 from mpigpu.detect import CudaAwareness, NcclInfo, detect_cuda_awareness, detect_nccl
 from mpigpu.device import GpuInfo, map_device
-from mpigpu.errors import BackendUnavailable, ConfigError, InvalidArgument, MpigpuError
+from mpigpu.errors import BackendUnavailable, ConfigError, DeviceError, InvalidArgument, MpigpuError
 from mpigpu.failsafe import Watchdog, install_default_handler
 from mpigpu.topology import Layout, build_layout
 
@@ -218,6 +218,19 @@ class Context:
         from mpigpu._cuda import set_device
 
         return set_device(self.gpu.index)
+
+    def require_own_gpu(self, view: Any) -> None:
+        """Refuse a GPU array that is not on this rank's GPU (DeviceError saying where to allocate)."""
+        if not view.on_device:
+            return
+        if self.gpu is None:
+            raise DeviceError("x is a GPU array, but this rank has no GPU bound (no GPU was visible at start-up)")
+        if view.device != self.gpu.index:
+            raise DeviceError(
+                f"x is on GPU {view.device}, but rank {self.rank} is bound to {self.gpu.describe()}. Allocate on "
+                "the rank's GPU: `torch.cuda.set_device(mpigpu.select_device().index)` or "
+                "`cupy.cuda.Device(mpigpu.select_device().index).use()`."
+            )
 
     # -- ordering -------------------------------------------------------------------------------
     def wait_async(self) -> None:
