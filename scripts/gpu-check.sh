@@ -19,7 +19,7 @@
 #   usercall   issue 14's table under Open MPI: allreduce(t) and the persistent request req() (auto, nccl, ipc)
 #              beside torch.distributed (NCCL) and raw NCCL, float32 sum in place, 8 B..1 GiB, torch tensors;
 #              JSON and plot in $OUT; then scripts/call_cost.py --framework torch at 8 B and 64 KiB (~3 min)
-#   retest     RETEST="pytest paths" under both MPIs (a quick re-check after a fix)
+#   retest     RETEST="pytest paths" under both MPIs (a quick re-check after a fix; RETEST_LIMIT seconds each)
 #   soak       thousands of random verified calls on GPU arrays; the cost of the argument check at 8 B
 #   train      scripts/training-figures.sh: bench_training for the MLP (+ fusion), ResNet-50, GPT-2 beside DDP
 # Logs go to $OUT (or ./gpu-results): summary.txt, and logs.tgz with one log per step.
@@ -175,8 +175,8 @@ stage_jax() {  # the jitted step with the in-jit average beside leaving jit and 
 }
 
 stage_retest() {  # RETEST="pytest paths" under Open MPI with all GPUs and Intel MPI with 2
-  step "retest-ompi-$NGPU" 120 0 "export MPIGPU_TIMEOUT=120; $OMPI -n $NGPU $PY -m pytest -q --with-mpi --only-mpi ${RETEST:-tests/gpu} -p no:cacheprovider"
-  step "retest-impi-2" 120 0 "export MPIGPU_TIMEOUT=120; $IMPI -n 2 $PY -m pytest -q --with-mpi --only-mpi ${RETEST:-tests/gpu} -p no:cacheprovider"
+  step "retest-ompi-$NGPU" "${RETEST_LIMIT:-120}" 0 "export MPIGPU_TIMEOUT=120; $OMPI -n $NGPU $PY -m pytest -q --with-mpi --only-mpi --durations=12 ${RETEST:-tests/gpu} -p no:cacheprovider"
+  step "retest-impi-2" "${RETEST_LIMIT:-120}" 0 "export MPIGPU_TIMEOUT=120; $IMPI -n 2 $PY -m pytest -q --with-mpi --only-mpi --durations=12 ${RETEST:-tests/gpu} -p no:cacheprovider"
 }
 
 stages=("$@")
