@@ -5,6 +5,8 @@ computed in float64 from every rank's known input."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (the CI test script installs it)")
@@ -156,6 +158,28 @@ def test_autograd_allreduce_and_allgather() -> None:
     start = sum(k + 1 for k in range(r))
     rows = torch.arange(start, start + r + 1, dtype=torch.float64)[:, None].expand(r + 1, 2)
     assert torch.equal(g.grad, rows * sum(k + 1.0 for k in range(n)))  # this rank's rows of the summed gradient
+
+
+def test_backward_on_another_thread_as_cuda_autograd_runs_it() -> None:
+    """With CUDA tensors autograd runs backward (here: the allreduce of the gradient) on its device
+    thread while the main thread waits; hvd's calls must work from both threads, as in Horovod."""
+    r, n = hvd.rank(), hvd.size()
+    x = _input(r, dtype=torch.float64).requires_grad_()
+    loss = (hvd.allreduce(x, op=hvd.Sum) * float(r + 1)).sum()  # forward on the main thread
+    errors: list[BaseException] = []
+
+    def backward() -> None:
+        try:
+            loss.backward()
+        except BaseException as exc:  # reported on the main thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=backward, name="autograd-like")
+    worker.start()
+    worker.join()
+    assert not errors, errors
+    assert torch.equal(x.grad, torch.full_like(x, sum(k + 1.0 for k in range(n))))
+    assert torch.equal(hvd.allreduce(_input(r), op=hvd.Sum), _everyone().sum(0).float())  # main thread again
 
 
 def test_objects_and_parameters() -> None:

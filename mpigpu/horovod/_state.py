@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from mpigpu._mpi import MPI
-from mpigpu.context import Context
+from mpigpu.context import ANY_THREAD, Context
 from mpigpu.horovod._errors import not_initialized
 
 __all__ = [
@@ -111,7 +111,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         group.Free()
     _State.comm = base
     _State.owned = [base]
-    Context.get(base)  # mpigpu's start-up (collective): topology, GPU binding, backends
+    _any_thread(Context.get(base))  # mpigpu's start-up (collective): topology, GPU binding, backends
     global_process_set.ranks = _global_ranks(base)
     global_process_set.comm = base
     _State.sets = {0: global_process_set}
@@ -120,6 +120,14 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
     if process_sets is not None and not isinstance(process_sets, str):
         for process_set in process_sets:
             add_process_set(process_set)
+
+
+def _any_thread(ctx: Context) -> None:
+    """Let any thread call on ``ctx``'s communicator, as Horovod lets any thread enqueue: with CUDA tensors
+    autograd runs the backward of ``hvd.allreduce`` (itself an allreduce) on its own device thread while the
+    main thread waits in ``backward()``. Calls are still issued one at a time, in the order they are made;
+    the cross-rank check raises on every rank if two ranks' orders pair different shapes or collectives."""
+    ctx.owner = ANY_THREAD
 
 
 def _global_ranks(comm: Any) -> list[int]:
@@ -252,7 +260,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     process_set.comm = None if sub == mpi.COMM_NULL else sub
     if process_set.comm is not None:
         _State.owned.append(sub)
-        Context.get(sub)  # mpigpu's start-up on the set (collective over its ranks)
+        _any_thread(Context.get(sub))  # mpigpu's start-up on the set (collective over its ranks)
     process_set.process_set_id = _State.next_id
     _State.sets[_State.next_id] = process_set
     _State.next_id += 1
