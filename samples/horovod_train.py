@@ -30,8 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     hvd.init()
     use_cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
     if use_cuda:
-        torch.cuda.set_device(hvd.local_rank())  # pin one GPU per process
-    device = torch.device("cuda", hvd.local_rank()) if use_cuda else torch.device("cpu")
+        # pin one GPU per process; the modulo keeps it valid where the launcher shows each rank only its
+        # own GPU (Intel MPI's GPU pinning), where Horovod's plain set_device(hvd.local_rank()) fails
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
     # a synthetic regression task; each rank takes its own shard, as a DistributedSampler would
     g = torch.Generator().manual_seed(0)
