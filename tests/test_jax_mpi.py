@@ -232,6 +232,66 @@ def test_many_dispatches_without_waiting(comm) -> None:
         assert np.array_equal(np.asarray(out), base * (step + 1))
 
 
+@mpi
+def test_programs_pass_the_token_without_a_host_wait(comm, monkeypatch) -> None:
+    """Two programs of different sizes, alternated and dispatched back to back: the host never waits for
+    the previous program (JAX's runtime token used to be re-placed with block_until_ready before every
+    call: host dispatch and device time in series), each program's input token is the previous one's
+    output token (the data dependency that keeps every rank's collectives in order), and every result
+    is exact (out of order, the sizes would not match between ranks)."""
+    from jax._src import core, dispatch
+
+    from mpigpu.jax._primitive import EFFECT
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mj = _mj()
+    f = jax.jit(lambda x, s: mj.allreduce(x * s, "sum"))
+    g = jax.jit(lambda x: mj.allreduce(x, "max"))
+    xf = _cpu(np.arange(1, 65, dtype=np.float64) + rank)
+    xg = _cpu(_exact(100, "int32", Op.MAX, rank, size))
+    jax.block_until_ready([f(xf, 1.0), g(xg)])  # compiled (collective) before counting
+    waits, handed = [], []
+    real_wait, real_input = core.Token.block_until_ready, dispatch.RuntimeTokenSet.get_token_input
+
+    def counting_wait(self):
+        waits.append(self)
+        return real_wait(self)
+
+    def recording_input(self, eff, devices):
+        before = self.current_tokens.get(eff)
+        token = real_input(self, eff, devices)
+        if eff == EFFECT:
+            handed.append(token is before)
+        return token
+
+    monkeypatch.setattr(core.Token, "block_until_ready", counting_wait)
+    monkeypatch.setattr(dispatch.RuntimeTokenSet, "get_token_input", recording_input)
+    outs = [(f(xf, float(k + 1)), g(xg)) for k in range(10)]
+    monkeypatch.undo()
+    assert waits == [], f"the host waited for the previous program's token {len(waits)} times in 20 calls"
+    assert handed == [True] * 20, handed
+    base = sum(np.arange(1, 65, dtype=np.float64) + r for r in range(size))
+    for k, (a, b) in enumerate(outs):
+        assert np.array_equal(np.asarray(a), base * (k + 1)), k
+        assert count_wrong_host(np.asarray(b), "exact", Op.MAX, DTYPES["int32"], size) == 0, k
+
+
+def test_token_passing_is_only_for_mpigpus_effect_on_one_device() -> None:
+    """Another effect, or a token on other devices than the program's, keeps JAX's own path."""
+    from jax._src import core, dispatch
+
+    from mpigpu.jax._primitive import EFFECT, TOKENS_PASSED
+
+    assert TOKENS_PASSED
+    tokens = dispatch.RuntimeTokenSet()
+    cpu = jax.devices("cpu")[0]
+    mine = core.Token(jax.device_put(np.zeros(0, np.bool_), cpu))
+    other_effect = object()
+    tokens.current_tokens = {EFFECT: mine, other_effect: mine}
+    assert tokens.get_token_input(EFFECT, [cpu]) is mine
+    assert tokens.get_token_input(other_effect, [cpu]) is not mine  # JAX re-placed it
+
+
 # -- vmap ---------------------------------------------------------------------------------------------------------
 
 

@@ -46,6 +46,7 @@ from mpigpu.errors import DeviceError, InvalidArgument, MismatchError
 from mpigpu.jax import _ffi
 from mpigpu.jax._comms import Channel, channel
 from mpigpu.jax._handler import execute
+from mpigpu.jax._tokens import install as install_token_passing
 from mpigpu.ops import Op
 from mpigpu.plan import Choice, choose_cached
 
@@ -67,6 +68,7 @@ effects.lowerable_effects.add_type(CollectiveEffect)
 for _allowed in ("control_flow_allowed_effects", "custom_derivatives_allowed_effects", "remat_allowed_effects"):
     if hasattr(effects, _allowed):  # a list this JAX version lacks is skipped
         getattr(effects, _allowed).add_type(CollectiveEffect)
+TOKENS_PASSED = install_token_passing(EFFECT)  # no host wait between programs (mpigpu.jax._tokens)
 
 allreduce_p = Primitive(TARGET)
 allreduce_p.def_impl(functools.partial(dispatch.apply_primitive, allreduce_p))
