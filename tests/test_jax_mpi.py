@@ -277,10 +277,11 @@ def test_programs_pass_the_token_without_a_host_wait(comm, monkeypatch) -> None:
 
 
 def test_token_passing_is_only_for_mpigpus_effect_on_one_device() -> None:
-    """Another effect, or a token on other devices than the program's, keeps JAX's own path."""
+    """Another effect, or mpigpu's inside jax_host_wait() (the benchmark's baseline), keeps JAX's own path."""
     from jax._src import core, dispatch
 
     from mpigpu.jax._primitive import EFFECT, TOKENS_PASSED
+    from mpigpu.jax._tokens import jax_host_wait
 
     assert TOKENS_PASSED
     tokens = dispatch.RuntimeTokenSet()
@@ -290,6 +291,24 @@ def test_token_passing_is_only_for_mpigpus_effect_on_one_device() -> None:
     tokens.current_tokens = {EFFECT: mine, other_effect: mine}
     assert tokens.get_token_input(EFFECT, [cpu]) is mine
     assert tokens.get_token_input(other_effect, [cpu]) is not mine  # JAX re-placed it
+    with jax_host_wait():
+        assert tokens.get_token_input(EFFECT, [cpu]) is not mine
+    assert tokens.get_token_input(EFFECT, [cpu]) is mine
+
+
+@mpi
+def test_compiled_calls_name_the_backend(comm) -> None:
+    """mpigpu.jax.compiled_calls() records each collective a program was compiled with: dtype, count,
+    bytes, the requested and the chosen backend (what scripts/jax_step_bench.py prints per row)."""
+    mj = _mj()
+    before = len(mj.compiled_calls())
+    tree = {"a": _cpu(np.ones((3, 4), np.float32)), "b": _cpu(np.ones(5, np.int32)), "c": _cpu(np.ones(2, np.float32))}
+    jax.block_until_ready(jax.jit(lambda t: mj.average_tree(t, backend="cpu"))(tree))
+    new = mj.compiled_calls()[before:]
+    assert [(c.dtype, c.count, c.nbytes, c.op, c.requested, c.backend, c.platform) for c in new] == [
+        ("float32", 14, 56, "avg", "cpu", "cpu", "cpu"),
+        ("int32", 5, 20, "avg", "cpu", "cpu", "cpu"),
+    ]
 
 
 # -- vmap ---------------------------------------------------------------------------------------------------------

@@ -29,6 +29,8 @@ import functools
 import inspect
 import sys
 import threading
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -50,7 +52,7 @@ from mpigpu.jax._tokens import install as install_token_passing
 from mpigpu.ops import Op
 from mpigpu.plan import Choice, choose_cached
 
-__all__ = ["EFFECT", "TARGET", "allreduce_p"]
+__all__ = ["EFFECT", "TARGET", "CompiledCall", "allreduce_p", "compiled_calls"]
 
 TARGET = "mpigpu_allreduce"
 
@@ -112,6 +114,29 @@ def _register(platform: str) -> None:
 # -- lowering: choose, check across ranks, emit the custom call ---------------------------------------------------
 
 
+@dataclass(frozen=True)
+class CompiledCall:
+    """One mpigpu collective as it was compiled into a program: the backend it runs on, and why."""
+
+    platform: str  # "cpu" or "cuda"
+    dtype: str
+    count: int
+    nbytes: int
+    op: str
+    requested: str  # the backend argument: "auto" or a name
+    backend: str
+    reason: str
+
+
+_compiled: deque[CompiledCall] = deque(maxlen=256)
+
+
+def compiled_calls() -> list[CompiledCall]:
+    """The collectives this process compiled, oldest first (the last 256): which backend each runs on.
+    Local; a program compiled once and run many times appears once."""
+    return list(_compiled)
+
+
 def _choose_and_check(ch: Channel, aval: Any, op: Op, backend: str, platform: str) -> Choice:
     """Choose the backend for this call and check, across ranks, that all agree (collective on the check
     communicator). A rank that cannot make the call raises its own error; the others MismatchError."""
@@ -147,6 +172,9 @@ def _choose_and_check(ch: Channel, aval: Any, op: Op, backend: str, platform: st
         raise
     with _watched(ch, f"{name} of {spec.size} {dtype.name} (cross-rank check while compiling)"):
         check_signature(ch.check, signature, name, backend_name=choice.backend)
+    _compiled.append(
+        CompiledCall(platform, dtype.name, spec.size, spec.nbytes, op.value, backend, choice.backend, choice.reason)
+    )
     if ctx.settings.log and ctx.rank == 0:
         sys.stderr.write(f"mpigpu.jax: {spec.nbytes} B {dtype.name} on {spec.where} -> {choice.backend} "
                          f"({choice.reason})\n")  # fmt: skip

@@ -17,14 +17,17 @@ Any other effect, a token on other devices, or a JAX without this structure keep
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["install"]
+__all__ = ["install", "jax_host_wait"]
 
 _lock = threading.Lock()
 _installed: list[bool] = []
+_passing = [True]  # False inside jax_host_wait()
 
 
 def install(effect: Any) -> bool:
@@ -44,7 +47,7 @@ def install(effect: Any) -> bool:
 
         @functools.wraps(original)
         def get_token_input(self: Any, eff: Any, devices: Any) -> Any:
-            if eff == effect and len(devices) == 1:
+            if eff == effect and len(devices) == 1 and _passing[0]:
                 token = self.current_tokens.get(eff)
                 if isinstance(token, core.Token) and _only_on(token, devices[0]):
                     return token
@@ -53,6 +56,17 @@ def install(effect: Any) -> bool:
         RuntimeTokenSet.get_token_input = get_token_input
         _installed.append(True)
         return True
+
+
+@contextlib.contextmanager
+def jax_host_wait() -> Iterator[None]:
+    """JAX's own behaviour (a host wait before every program) inside the block, for measuring what the
+    token passing saves (scripts/jax_step_bench.py). Not thread-safe: for benchmarks only."""
+    _passing[0] = False
+    try:
+        yield
+    finally:
+        _passing[0] = True
 
 
 def _only_on(token: Any, device: Any) -> bool:
