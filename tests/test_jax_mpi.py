@@ -485,3 +485,16 @@ def test_handler_is_registered_under_xla_platform_names(monkeypatch) -> None:
     _primitive._register("cpu")
     _primitive._register("cuda")  # once per platform
     assert seen == [("mpigpu_allreduce", "CUDA"), ("mpigpu_allreduce", "cpu")]
+
+
+def test_call_attribute_round_trips() -> None:
+    """The lowering packs op, backend, placement and communicator into one integer attribute (one read per
+    call in the handler instead of four); every combination decodes to what was packed."""
+    from mpigpu.backends import BACKEND_NAMES
+    from mpigpu.jax._handler import _decode, encode
+
+    for op in Op:
+        for backend in BACKEND_NAMES:
+            for gpu in (False, True):
+                for comm in (0, 1, 7, 1000, 2**40):
+                    assert _decode(encode(op, backend, gpu, comm)) == (op, backend, gpu, comm)

@@ -41,13 +41,13 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from mpigpu.arrays import ArrayView
-from mpigpu.backends import BACKEND_NAMES, backend_code
+from mpigpu.backends import backend_code
 from mpigpu.check import Signature, check_signature
 from mpigpu.dtypes import parse_dtype
 from mpigpu.errors import DeviceError, InvalidArgument, MismatchError
 from mpigpu.jax import _ffi
 from mpigpu.jax._comms import Channel, channel
-from mpigpu.jax._handler import execute
+from mpigpu.jax._handler import ATTRIBUTE, encode, execute
 from mpigpu.jax._tokens import install as install_token_passing
 from mpigpu.ops import Op
 from mpigpu.plan import Choice, choose_cached
@@ -215,10 +215,7 @@ def _lowering(ctx: Any, x: Any, *, op: str, comm: int, backend: str) -> list[Any
         ctx,
         ctx.tokens_in.get(EFFECT),
         x,
-        op=np.int64(op_.code),
-        backend=np.int64(BACKEND_NAMES.index(choice.backend)),
-        comm=np.int64(comm),
-        gpu=np.int64(platform != "cpu"),
+        **{ATTRIBUTE: np.int64(encode(op_, choice.backend, platform != "cpu", comm))},
     )
     token, out = call.results
     ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({EFFECT: token})))
