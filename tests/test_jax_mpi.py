@@ -245,11 +245,18 @@ def test_programs_pass_the_token_without_a_host_wait(comm, monkeypatch) -> None:
 
     rank, size = comm.Get_rank(), comm.Get_size()
     mj = _mj()
-    f = jax.jit(lambda x, s: mj.allreduce(x * s, "sum"))
+    big = _cpu(np.full((256, 256), 1e-3, np.float32))
+
+    @jax.jit
+    def f(x, s, m):  # a producer long enough that the CPU runtime runs the program asynchronously
+        for _ in range(6):
+            m = jnp.tanh(m @ m)
+        return mj.allreduce(x * s + 0 * jnp.sum(m), "sum")
+
     g = jax.jit(lambda x: mj.allreduce(x, "max"))
     xf = _cpu(np.arange(1, 65, dtype=np.float64) + rank)
     xg = _cpu(_exact(100, "int32", Op.MAX, rank, size))
-    jax.block_until_ready([f(xf, 1.0), g(xg)])  # compiled (collective) before counting
+    jax.block_until_ready([f(xf, 1.0, big), g(xg)])  # compiled (collective) before counting
     waits, handed = [], []
     real_wait, real_input = core.Token.block_until_ready, dispatch.RuntimeTokenSet.get_token_input
 
@@ -266,7 +273,7 @@ def test_programs_pass_the_token_without_a_host_wait(comm, monkeypatch) -> None:
 
     monkeypatch.setattr(core.Token, "block_until_ready", counting_wait)
     monkeypatch.setattr(dispatch.RuntimeTokenSet, "get_token_input", recording_input)
-    outs = [(f(xf, float(k + 1)), g(xg)) for k in range(10)]
+    outs = [(f(xf, float(k + 1), big), g(xg)) for k in range(10)]
     monkeypatch.undo()
     assert waits == [], f"the host waited for the previous program's token {len(waits)} times in 20 calls"
     assert handed == [True] * 20, handed

@@ -2,7 +2,8 @@
 
 Ordering. The primitive carries an *ordered* effect, so JAX threads one token through every
 ``mpigpu_allreduce`` of a program (through ``lax.scan``/``while_loop`` bodies and ``cond`` branches
-too) and between successive compiled programs (JAX's runtime tokens). The custom call takes the token
+too) and between successive compiled programs (JAX's runtime tokens, handed from one program to the
+next without a host wait: mpigpu.jax._tokens). The custom call takes the token
 and returns the next one: a data dependency XLA can neither drop, duplicate nor reorder, also on the
 CPU runtime that runs independent operations concurrently on several threads. So every rank reaches
 MPI with its collectives in program order.
