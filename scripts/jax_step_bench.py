@@ -1,22 +1,29 @@
-"""Milliseconds per data-parallel JAX training step, three ways, on the same model:
+"""Milliseconds per data-parallel JAX training step, several ways, on the same model:
 
-  (a) in-jit   one jitted step: loss, grad, mpigpu.jax.average_tree (an XLA FFI call), update
-  (b) leave    today's way: grad in jit, mpigpu.allreduce on the concrete flattened gradient, update in jit
-  (c) jax      JAX's own multi-process collectives: jax.distributed.initialize (coordinator address
-               from rank 0 over MPI), a jitted shard_map step with lax.pmean over the global device mesh
+  (a)  in-jit   one jitted step: loss, grad, mpigpu.jax.average_tree (an XLA FFI call), update
+  (a0) in-jit as (a), with JAX's own host wait before every call restored (the runtime token placed
+                with block_until_ready, as before issue 17): what mpigpu.jax._tokens saves
+  (an) in-jit as (a) with backend="nccl" forced, on GPUs where (a)'s auto chose another backend
+  (b)  leave    grad in jit, mpigpu.allreduce on the concrete flattened gradient, update in jit
+  (c)  jax      JAX's own multi-process collectives: jax.distributed.initialize (coordinator address
+                from rank 0 over MPI), a jitted shard_map step with lax.pmean over the global device mesh
 
     mpirun -np 2 python3 scripts/jax_step_bench.py --json jax-step.json
     mpirun -np 2 python3 scripts/jax_step_bench.py --device cpu --width 256     # no GPU: the CPU path
 
-Every variant starts from the same parameters and data and runs the same number of steps; the script
-checks that (a), (b) and (c) end with the same parameters on every rank (to a float32 tolerance: the
-reductions add in different orders) and that each is identical across ranks. (c) is skipped, with a
-one-line reason, if jax.distributed cannot start. Times are the slowest rank's, per step, after warm-up.
+Every row says which backend reduced the gradient, how many bytes it reduced per step and rank, and the
+host's dispatch time per step (time spent in the step calls, before the final wait): where that is
+close to ms/step the host is the limit, not the device. Every variant starts from the same parameters
+and data and runs the same number of steps; the script checks that all end with the same parameters
+on every rank (to a float32 tolerance: the reductions add in different orders) and that each is
+identical across ranks. (c) is skipped, with a one-line reason, if jax.distributed cannot start.
+Times are the slowest rank's, per step, after warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import inspect
 import itertools
@@ -90,15 +97,16 @@ def _host_copy(jax: Any, tree: Any) -> np.ndarray:
     return np.concatenate(leaves) if leaves else np.zeros(0, np.float32)
 
 
-def _timed(comm: Any, run_steps: Any, steps: int) -> float:
-    """ms per step on the slowest rank."""
+def _timed(comm: Any, run_steps: Any, steps: int) -> tuple[float, float]:
+    """(ms per step, host dispatch ms per step), each on the slowest rank."""
     comm.Barrier()
     start = time.perf_counter()
-    run_steps(steps)
+    dispatch = run_steps(steps)
     elapsed = time.perf_counter() - start
     from mpigpu._mpi import MPI
 
-    return comm.allreduce(elapsed, op=MPI().MAX) * 1e3 / steps
+    slowest = MPI().MAX
+    return comm.allreduce(elapsed, op=slowest) * 1e3 / steps, comm.allreduce(dispatch, op=slowest) * 1e3 / steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     from jax.flatten_util import ravel_pytree
 
     import mpigpu.jax as mj
+    from mpigpu.jax._tokens import jax_host_wait
 
     local = jax.local_devices()
     if gpu is not None:
@@ -163,40 +172,76 @@ def main(argv: list[str] | None = None) -> int:
     finals: dict[str, np.ndarray] = {}
 
     # (a) one jitted step with the average inside
-    @jax.jit
-    def step_a(p, x, y):
-        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
-        return update(p, mj.average_tree(g)), loss
+    def make_step_a(backend: str) -> Any:
+        @jax.jit
+        def step_a(p, x, y):
+            loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+            return update(p, mj.average_tree(g, backend=backend)), loss
+
+        return step_a
 
     # (b) grad in jit, leave jit to average, update in jit
     grad_b = jax.jit(lambda p, x, y: ravel_pytree(jax.grad(loss_fn)(p, x, y))[0])
     unravel = ravel_pytree(params0)[1]
     update_b = jax.jit(lambda p, flat: update(p, unravel(flat)))
 
-    def run_variant(name: str, init: Any, one_step: Any) -> None:
+    def run_variant(name: str, init: Any, one_step: Any, reduced: Any, around: Any = contextlib.nullcontext) -> None:
+        """Time ``one_step``; ``reduced()`` (called after the warm-up, which compiles) says what reduced the
+        gradient: (backend, bytes per step and rank)."""
         state = {"p": init()}
 
-        def steps(n: int) -> None:
+        def steps(n: int) -> float:
             p = state["p"]
+            start = time.perf_counter()
             for _ in range(n):
                 p = one_step(p)
+            dispatched = time.perf_counter() - start
             jax.block_until_ready(p)
             state["p"] = p
+            return dispatched
 
-        steps(args.warmup)
-        ms = _timed(comm, steps, args.steps)
-        results[name] = {"ms_per_step": ms}
+        with around():
+            steps(args.warmup)
+            ms, host_ms = _timed(comm, steps, args.steps)
+        backend, nbytes = reduced()
+        results[name] = {"ms_per_step": ms, "host_dispatch_ms_per_step": host_ms, "backend": backend,
+                         "bytes_reduced_per_step": nbytes}  # fmt: skip
         finals[name] = _host_copy(jax, state["p"])
 
     def init_local() -> Any:
         return jax.device_put(params0, device)
 
-    run_variant("in_jit", init_local, lambda p: step_a(p, x, y)[0])
-    run_variant("leave_jit", init_local, lambda p: update_b(p, mpigpu.allreduce(grad_b(p, x, y))))
+    def in_jit(name: str, backend: str, around: Any = contextlib.nullcontext) -> list[Any]:
+        """Run variant (a) with ``backend``; the collectives its step was compiled with."""
+        step_a = make_step_a(backend)
+        first = len(mj.compiled_calls())
+        calls: list[Any] = []
+
+        def reduced() -> tuple[str, int]:
+            calls.extend(mj.compiled_calls()[first:])
+            return "+".join(sorted({c.backend for c in calls})) or "?", sum(c.nbytes for c in calls)
+
+        run_variant(name, init_local, lambda p: step_a(p, x, y)[0], reduced, around)
+        return calls
+
+    calls_a = in_jit("in_jit", "auto")
+    in_jit("in_jit_host_wait", "auto", jax_host_wait)
+    ctx = Context.get(comm)
+    nccl = ctx.availability.get("nccl")
+    if device.platform == "gpu" and nccl is not None and nccl.ok and any(c.backend != "nccl" for c in calls_a):
+        in_jit("in_jit_nccl", "nccl")
+
+    def reduced_b() -> tuple[str, int]:
+        flat = grad_b(init_local(), x, y)
+        return mpigpu.explain(flat).backend, int(flat.nbytes)
+
+    run_variant("leave_jit", init_local, lambda p: update_b(p, mpigpu.allreduce(grad_b(p, x, y))), reduced_b)
 
     if skipped_c is None:
         try:
-            run_variant("jax_distributed", *_jax_variant(jax, loss_fn, update, params0, x_np, y_np))
+            collectives = "XLA's NCCL" if device.platform == "gpu" else "XLA's CPU collectives"
+            run_variant("jax_distributed", *_jax_variant(jax, loss_fn, update, params0, x_np, y_np),
+                        lambda: (collectives, nparams * 4))  # fmt: skip
         except Exception as exc:
             skipped_c = f"the jax.distributed step failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
             if rank == 0:
@@ -215,13 +260,18 @@ def main(argv: list[str] | None = None) -> int:
         results[name]["max_abs_diff_vs_in_jit"] = diff
         ok &= diff <= 1e-4 * max(1.0, float(np.max(np.abs(reference))))
     if rank == 0:
-        labels = {"in_jit": "(a) in-jit average (mpigpu.jax)", "leave_jit": "(b) leave jit, mpigpu.allreduce",
+        labels = {"in_jit": "(a) in-jit average (mpigpu.jax)", "in_jit_host_wait": "(a0) in-jit, JAX's host wait",
+                  "in_jit_nccl": "(an) in-jit, backend='nccl'", "leave_jit": "(b) leave jit, mpigpu.allreduce",
                   "jax_distributed": "(c) jax.distributed + pmean"}  # fmt: skip
-        print(f"# {'variant':<36} {'ms/step':>9} {'vs (a)':>7}  identical  max |diff| vs (a)")
+        print(f"# {'variant':<34} {'ms/step':>8} {'host ms':>8} {'vs (a)':>6}  {'backend':<22} {'MB/step':>8}  "
+              "identical  max |diff| vs (a)")  # fmt: skip
         base = results["in_jit"]["ms_per_step"]
         for name, r in results.items():
-            print(f"  {labels[name]:<36} {r['ms_per_step']:9.3f} {r['ms_per_step'] / base:7.2f}  "
+            print(f"  {labels[name]:<34} {r['ms_per_step']:8.3f} {r['host_dispatch_ms_per_step']:8.3f} "
+                  f"{r['ms_per_step'] / base:6.2f}  {r['backend']:<22} {r['bytes_reduced_per_step'] / 1e6:8.2f}  "
                   f"{r['identical_on_every_rank']!s:<9}  {r['max_abs_diff_vs_in_jit']:.2e}")  # fmt: skip
+        print("# host ms: time in the step calls per step, before the final wait (near ms/step: host-bound); "
+              "MB/step: bytes reduced per step and rank")  # fmt: skip
         if skipped_c:
             print(f"# (c) skipped: {skipped_c}")
         print("# PASS" if ok else "# FAIL")

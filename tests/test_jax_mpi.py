@@ -232,6 +232,92 @@ def test_many_dispatches_without_waiting(comm) -> None:
         assert np.array_equal(np.asarray(out), base * (step + 1))
 
 
+@mpi
+def test_programs_pass_the_token_without_a_host_wait(comm, monkeypatch) -> None:
+    """Two programs of different sizes, alternated and dispatched back to back: the host never waits for
+    the previous program (JAX's runtime token used to be re-placed with block_until_ready before every
+    call: host dispatch and device time in series), each program's input token is the previous one's
+    output token (the data dependency that keeps every rank's collectives in order), and every result
+    is exact (out of order, the sizes would not match between ranks)."""
+    from jax._src import core, dispatch
+
+    from mpigpu.jax._primitive import EFFECT
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mj = _mj()
+    big = _cpu(np.full((256, 256), 1e-3, np.float32))
+
+    @jax.jit
+    def f(x, s, m):  # a producer long enough that the CPU runtime runs the program asynchronously
+        for _ in range(6):
+            m = jnp.tanh(m @ m)
+        return mj.allreduce(x * s + 0 * jnp.sum(m), "sum")
+
+    g = jax.jit(lambda x: mj.allreduce(x, "max"))
+    xf = _cpu(np.arange(1, 65, dtype=np.float64) + rank)
+    xg = _cpu(_exact(100, "int32", Op.MAX, rank, size))
+    jax.block_until_ready([f(xf, 1.0, big), g(xg)])  # compiled (collective) before counting
+    waits, handed = [], []
+    real_wait, real_input = core.Token.block_until_ready, dispatch.RuntimeTokenSet.get_token_input
+
+    def counting_wait(self):
+        waits.append(self)
+        return real_wait(self)
+
+    def recording_input(self, eff, devices):
+        before = self.current_tokens.get(eff)
+        token = real_input(self, eff, devices)
+        if eff == EFFECT:
+            handed.append(token is before)
+        return token
+
+    monkeypatch.setattr(core.Token, "block_until_ready", counting_wait)
+    monkeypatch.setattr(dispatch.RuntimeTokenSet, "get_token_input", recording_input)
+    outs = [(f(xf, float(k + 1), big), g(xg)) for k in range(10)]
+    monkeypatch.undo()
+    assert waits == [], f"the host waited for the previous program's token {len(waits)} times in 20 calls"
+    assert handed == [True] * 20, handed
+    base = sum(np.arange(1, 65, dtype=np.float64) + r for r in range(size))
+    for k, (a, b) in enumerate(outs):
+        assert np.array_equal(np.asarray(a), base * (k + 1)), k
+        assert count_wrong_host(np.asarray(b), "exact", Op.MAX, DTYPES["int32"], size) == 0, k
+
+
+def test_token_passing_is_only_for_mpigpus_effect_on_one_device() -> None:
+    """Another effect, or mpigpu's inside jax_host_wait() (the benchmark's baseline), keeps JAX's own path."""
+    from jax._src import core, dispatch
+
+    from mpigpu.jax._primitive import EFFECT, TOKENS_PASSED
+    from mpigpu.jax._tokens import jax_host_wait
+
+    assert TOKENS_PASSED
+    tokens = dispatch.RuntimeTokenSet()
+    cpu = jax.devices("cpu")[0]
+    mine = core.Token(jax.device_put(np.zeros(0, np.bool_), cpu))
+    other_effect = object()
+    tokens.current_tokens = {EFFECT: mine, other_effect: mine}
+    assert tokens.get_token_input(EFFECT, [cpu]) is mine
+    assert tokens.get_token_input(other_effect, [cpu]) is not mine  # JAX re-placed it
+    with jax_host_wait():
+        assert tokens.get_token_input(EFFECT, [cpu]) is not mine
+    assert tokens.get_token_input(EFFECT, [cpu]) is mine
+
+
+@mpi
+def test_compiled_calls_name_the_backend(comm) -> None:
+    """mpigpu.jax.compiled_calls() records each collective a program was compiled with: dtype, count,
+    bytes, the requested and the chosen backend (what scripts/jax_step_bench.py prints per row)."""
+    mj = _mj()
+    before = len(mj.compiled_calls())
+    tree = {"a": _cpu(np.ones((3, 4), np.float32)), "b": _cpu(np.ones(5, np.int32)), "c": _cpu(np.ones(2, np.float32))}
+    jax.block_until_ready(jax.jit(lambda t: mj.average_tree(t, backend="cpu"))(tree))
+    new = mj.compiled_calls()[before:]
+    assert [(c.dtype, c.count, c.nbytes, c.op, c.requested, c.backend, c.platform) for c in new] == [
+        ("float32", 14, 56, "avg", "cpu", "cpu", "cpu"),
+        ("int32", 5, 20, "avg", "cpu", "cpu", "cpu"),
+    ]
+
+
 # -- vmap ---------------------------------------------------------------------------------------------------------
 
 
@@ -406,3 +492,16 @@ def test_handler_is_registered_under_xla_platform_names(monkeypatch) -> None:
     _primitive._register("cpu")
     _primitive._register("cuda")  # once per platform
     assert seen == [("mpigpu_allreduce", "CUDA"), ("mpigpu_allreduce", "cpu")]
+
+
+def test_call_attribute_round_trips() -> None:
+    """The lowering packs op, backend, placement and communicator into one integer attribute (one read per
+    call in the handler instead of four); every combination decodes to what was packed."""
+    from mpigpu.backends import BACKEND_NAMES
+    from mpigpu.jax._handler import _decode, encode
+
+    for op in Op:
+        for backend in BACKEND_NAMES:
+            for gpu in (False, True):
+                for comm in (0, 1, 7, 1000, 2**40):
+                    assert _decode(encode(op, backend, gpu, comm)) == (op, backend, gpu, comm)

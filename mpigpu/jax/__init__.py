@@ -26,10 +26,10 @@ import jax.numpy as jnp
 from mpigpu.backends import backend_class
 from mpigpu.errors import InvalidArgument
 from mpigpu.jax._comms import comm_key
-from mpigpu.jax._primitive import allreduce_p
+from mpigpu.jax._primitive import CompiledCall, allreduce_p, compiled_calls
 from mpigpu.ops import Op, parse_op
 
-__all__ = ["allreduce", "average_tree"]
+__all__ = ["CompiledCall", "allreduce", "average_tree", "compiled_calls"]
 
 _DIFFERENTIABLE = (Op.SUM.value, Op.AVG.value)
 

@@ -11,6 +11,8 @@ version 0.1, whose structs are the prefix used here.
 from __future__ import annotations
 
 import ctypes
+import functools
+import struct
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,8 +34,6 @@ DTYPE_NAMES: dict[int, str] = {
     10: "float16", 11: "float32", 12: "float64", 16: "bfloat16",
 }  # fmt: skip
 DTYPE_TOKEN = 17
-_INT_SCALARS = {2: ctypes.c_int8, 3: ctypes.c_int16, 4: ctypes.c_int32, 5: ctypes.c_int64, 6: ctypes.c_uint8,
-                7: ctypes.c_uint16, 8: ctypes.c_uint32, 9: ctypes.c_uint64}  # fmt: skip
 
 
 class _ExtensionBase(ctypes.Structure):
@@ -134,14 +134,68 @@ class Buffer:
     dtype: str  # NumPy name, or "token"
 
 
+# -- fast reads: the handler runs once per collective per step, so the call frame, its buffers and its
+# attributes are read with one ctypes.string_at + struct.unpack per C struct (at the offsets of the ctypes
+# mirrors above) instead of one ctypes attribute access per field. Measured on JAX CPU (thread CPU time,
+# a loaded 2-core machine, where one ctypes.string_at takes 1.7 us): reading a call's frame took 56-61 us
+# with ctypes fields and four attributes, 44-53 us with these reads and one attribute.
+
+_CODES = {c_int: "i", c_int64: "q", c_size_t: "Q", c_void_p: "Q"}
+
+
+def _code(ctype: Any) -> str:
+    return _CODES.get(ctype, "Q")  # any other field read here is a pointer
+
+
+def _layout(cls: type[ctypes.Structure], paths: list[str]) -> struct.Struct:
+    """A struct.Struct reading the fields ``paths`` ("args.size": nested) of ``cls``, in offset order."""
+    fields = []
+    for path in paths:
+        owner, offset, ctype = cls, 0, None
+        for name in path.split("."):
+            field = getattr(owner, name)
+            offset += field.offset
+            ctype = dict(owner._fields_)[name]
+            owner = ctype
+        fields.append((offset, _code(ctype)))
+    fmt, pos = "=", 0
+    for offset, code in sorted(fields):
+        assert offset >= pos, (cls, paths)
+        fmt += (f"{offset - pos}x" if offset > pos else "") + code
+        pos = offset + struct.calcsize("=" + code)
+    return struct.Struct(fmt)
+
+
+_FRAME = _layout(_CallFrame, ["args.size", "args.args", "rets.size", "rets.rets", "attrs.size", "attrs.types",
+                              "attrs.names", "attrs.attrs"])  # fmt: skip
+_BUFFER = _layout(_Buffer, ["dtype", "data", "rank", "dims"])
+_SPAN = _layout(_ByteSpan, ["ptr", "len"])
+_SCALAR = _layout(_Scalar, ["dtype", "value"])
+_INT_CODES = {2: "b", 3: "h", 4: "i", 5: "q", 6: "B", 7: "H", 8: "I", 9: "Q"}  # XLA_FFI_DataType -> struct code
+
+
+def _read(layout: struct.Struct, address: int) -> tuple[Any, ...]:
+    return layout.unpack(ctypes.string_at(address, layout.size))
+
+
+@functools.lru_cache(maxsize=128)
+def _array_layout(code: str, count: int) -> struct.Struct:
+    return struct.Struct(f"={count}{code}")
+
+
+def _array(code: str, address: int, count: int) -> tuple[Any, ...]:
+    """``count`` values of struct type ``code`` at ``address`` (a C array)."""
+    return _read(_array_layout(code, count), address) if count else ()
+
+
 def _buffer(address: int) -> Buffer:
-    buf = _Buffer.from_address(address)
-    if buf.dtype == DTYPE_TOKEN:
+    dtype, data, rank, dims = _read(_BUFFER, address)
+    if dtype == DTYPE_TOKEN:
         return Buffer(0, (), "token")
-    name = DTYPE_NAMES.get(buf.dtype)
+    name = DTYPE_NAMES.get(dtype)
     if name is None:
-        raise HandlerError(f"XLA passed a buffer of XLA_FFI_DataType {buf.dtype}, which mpigpu does not reduce")
-    return Buffer(int(buf.data or 0), tuple(int(buf.dims[i]) for i in range(buf.rank)), name)
+        raise HandlerError(f"XLA passed a buffer of XLA_FFI_DataType {dtype}, which mpigpu does not reduce")
+    return Buffer(data, _array("q", dims, rank), name)
 
 
 class Call:
@@ -149,9 +203,10 @@ class Call:
 
     def __init__(self, frame: _CallFrame) -> None:
         self._frame = frame
-        self.args = [_buffer(frame.args.args[i]) for i in range(frame.args.size)]
-        self.rets = [_buffer(frame.rets.rets[i]) for i in range(frame.rets.size)]
-        self.attrs = _int_attrs(frame.attrs)
+        n_args, args, n_rets, rets, n_attrs, types, names, values = _read(_FRAME, ctypes.addressof(frame))
+        self.args = [_buffer(a) for a in _array("Q", args, n_args)]
+        self.rets = [_buffer(r) for r in _array("Q", rets, n_rets)]
+        self.attrs = _int_attrs(n_attrs, types, names, values)
 
     def stream(self) -> int:
         """The CUDA stream XLA runs this call on (XLA_FFI_Stream_Get)."""
@@ -163,18 +218,19 @@ class Call:
         return int(args.stream or 0)
 
 
-def _int_attrs(attrs: _Attrs) -> dict[str, int]:
+def _int_attrs(count: int, types: int, names: int, values: int) -> dict[str, int]:
+    """The call's attributes (XLA_FFI_Attrs), which must all be integer scalars."""
     out: dict[str, int] = {}
-    for i in range(attrs.size):
-        span = attrs.names[i].contents
-        name = ctypes.string_at(span.ptr, span.len).decode()
-        if attrs.types[i] != _ATTR_SCALAR:
+    for kind, name_at, value_at in zip(_array("i", types, count), _array("Q", names, count), _array("Q", values, count),
+                                       strict=True):  # fmt: skip
+        name = ctypes.string_at(*_read(_SPAN, name_at)).decode()
+        if kind != _ATTR_SCALAR:
             raise HandlerError(f"attribute {name!r} is not a scalar")
-        scalar = _Scalar.from_address(attrs.attrs[i])
-        kind = _INT_SCALARS.get(scalar.dtype)
-        if kind is None:
-            raise HandlerError(f"attribute {name!r} is not an integer (XLA_FFI_DataType {scalar.dtype})")
-        out[name] = int(kind.from_address(scalar.value).value)
+        dtype, value = _read(_SCALAR, value_at)
+        code = _INT_CODES.get(dtype)
+        if code is None:
+            raise HandlerError(f"attribute {name!r} is not an integer (XLA_FFI_DataType {dtype})")
+        out[name] = _array(code, value, 1)[0]
     return out
 
 

@@ -21,18 +21,28 @@ from mpigpu.jax._comms import ready_channel
 from mpigpu.jax._ffi import Buffer, Call, HandlerError
 from mpigpu.ops import Op
 
-__all__ = ["OPS", "execute"]
+__all__ = ["ATTRIBUTE", "OPS", "encode", "execute"]
 
 OPS: dict[int, Op] = {op.code: op for op in Op}
 _lock = threading.Lock()  # XLA may run two programs' calls at once; one collective at a time per process
+ATTRIBUTE = "mpigpu"  # the call's one attribute: op, backend, placement and communicator in one integer
+
+
+def encode(op: Op, backend: str, gpu: bool, comm: int) -> int:
+    """The value of the call's attribute. One attribute, not four: the handler reads each attribute through
+    several ctypes calls, on every call of every step."""
+    return op.code | BACKEND_NAMES.index(backend) << 8 | int(gpu) << 16 | comm << 17
+
+
+def _decode(value: int) -> tuple[Op, str, bool, int]:
+    return OPS[value & 0xFF], BACKEND_NAMES[value >> 8 & 0xFF], bool(value >> 16 & 1), value >> 17
 
 
 def execute(call: Call) -> None:
     """The EXECUTE stage of ``mpigpu_allreduce``: operands (token, x), results (token, out)."""
     attrs = call.attrs
     try:
-        op, backend, on_gpu = OPS[attrs["op"]], BACKEND_NAMES[attrs["backend"]], bool(attrs["gpu"])
-        key = attrs["comm"]
+        op, backend, on_gpu, key = _decode(attrs[ATTRIBUTE])
     except (KeyError, IndexError) as exc:
         raise HandlerError(f"mpigpu_allreduce was compiled with unknown attributes {attrs}: {exc}") from None
     data = [b for b in call.args if b.dtype != "token"]

@@ -2,7 +2,8 @@
 
 Ordering. The primitive carries an *ordered* effect, so JAX threads one token through every
 ``mpigpu_allreduce`` of a program (through ``lax.scan``/``while_loop`` bodies and ``cond`` branches
-too) and between successive compiled programs (JAX's runtime tokens). The custom call takes the token
+too) and between successive compiled programs (JAX's runtime tokens, handed from one program to the
+next without a host wait: mpigpu.jax._tokens). The custom call takes the token
 and returns the next one: a data dependency XLA can neither drop, duplicate nor reorder, also on the
 CPU runtime that runs independent operations concurrently on several threads. So every rank reaches
 MPI with its collectives in program order.
@@ -29,6 +30,8 @@ import functools
 import inspect
 import sys
 import threading
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -39,17 +42,18 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from mpigpu.arrays import ArrayView
-from mpigpu.backends import BACKEND_NAMES, backend_code
+from mpigpu.backends import backend_code
 from mpigpu.check import Signature, check_signature
 from mpigpu.dtypes import parse_dtype
 from mpigpu.errors import DeviceError, InvalidArgument, MismatchError
 from mpigpu.jax import _ffi
 from mpigpu.jax._comms import Channel, channel
-from mpigpu.jax._handler import execute
+from mpigpu.jax._handler import ATTRIBUTE, encode, execute
+from mpigpu.jax._tokens import install as install_token_passing
 from mpigpu.ops import Op
 from mpigpu.plan import Choice, choose_cached
 
-__all__ = ["EFFECT", "TARGET", "allreduce_p"]
+__all__ = ["EFFECT", "TARGET", "CompiledCall", "allreduce_p", "compiled_calls"]
 
 TARGET = "mpigpu_allreduce"
 
@@ -67,6 +71,7 @@ effects.lowerable_effects.add_type(CollectiveEffect)
 for _allowed in ("control_flow_allowed_effects", "custom_derivatives_allowed_effects", "remat_allowed_effects"):
     if hasattr(effects, _allowed):  # a list this JAX version lacks is skipped
         getattr(effects, _allowed).add_type(CollectiveEffect)
+TOKENS_PASSED = install_token_passing(EFFECT)  # no host wait between programs (mpigpu.jax._tokens)
 
 allreduce_p = Primitive(TARGET)
 allreduce_p.def_impl(functools.partial(dispatch.apply_primitive, allreduce_p))
@@ -110,6 +115,29 @@ def _register(platform: str) -> None:
 # -- lowering: choose, check across ranks, emit the custom call ---------------------------------------------------
 
 
+@dataclass(frozen=True)
+class CompiledCall:
+    """One mpigpu collective as it was compiled into a program: the backend it runs on, and why."""
+
+    platform: str  # "cpu" or "cuda"
+    dtype: str
+    count: int
+    nbytes: int
+    op: str
+    requested: str  # the backend argument: "auto" or a name
+    backend: str
+    reason: str
+
+
+_compiled: deque[CompiledCall] = deque(maxlen=256)
+
+
+def compiled_calls() -> list[CompiledCall]:
+    """The collectives this process compiled, oldest first (the last 256): which backend each runs on.
+    Local; a program compiled once and run many times appears once."""
+    return list(_compiled)
+
+
 def _choose_and_check(ch: Channel, aval: Any, op: Op, backend: str, platform: str) -> Choice:
     """Choose the backend for this call and check, across ranks, that all agree (collective on the check
     communicator). A rank that cannot make the call raises its own error; the others MismatchError."""
@@ -145,6 +173,9 @@ def _choose_and_check(ch: Channel, aval: Any, op: Op, backend: str, platform: st
         raise
     with _watched(ch, f"{name} of {spec.size} {dtype.name} (cross-rank check while compiling)"):
         check_signature(ch.check, signature, name, backend_name=choice.backend)
+    _compiled.append(
+        CompiledCall(platform, dtype.name, spec.size, spec.nbytes, op.value, backend, choice.backend, choice.reason)
+    )
     if ctx.settings.log and ctx.rank == 0:
         sys.stderr.write(f"mpigpu.jax: {spec.nbytes} B {dtype.name} on {spec.where} -> {choice.backend} "
                          f"({choice.reason})\n")  # fmt: skip
@@ -185,10 +216,7 @@ def _lowering(ctx: Any, x: Any, *, op: str, comm: int, backend: str) -> list[Any
         ctx,
         ctx.tokens_in.get(EFFECT),
         x,
-        op=np.int64(op_.code),
-        backend=np.int64(BACKEND_NAMES.index(choice.backend)),
-        comm=np.int64(comm),
-        gpu=np.int64(platform != "cpu"),
+        **{ATTRIBUTE: np.int64(encode(op_, choice.backend, platform != "cpu", comm))},
     )
     token, out = call.results
     ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({EFFECT: token})))

@@ -113,6 +113,55 @@ def test_stream_order_with_a_long_producer_and_consumer(ctx, jx, comm, backend: 
         assert count_wrong_host(host, "exact", Op.SUM, DTYPES["float32"], size) == 0
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_back_to_back_programs_pass_the_token_without_a_host_wait(ctx, jx, comm, monkeypatch, backend: str) -> None:
+    """Issue 17: two programs of different sizes (one with a long producer before its collective), alternated
+    and dispatched back to back. The host never waits on a token between them (each program's input token
+    is the previous program's output token, a dependency on the device), and every result is exact: a
+    collective that ran before the previous program's data was ready, or out of order across ranks, fails."""
+    jax, mj, device = jx
+    _need(ctx, backend)
+    from jax._src import core
+
+    jnp = jax.numpy
+    rank, size = comm.Get_rank(), comm.Get_size()
+    big = jax.device_put(np.full((2048, 2048), 1e-4, np.float32), device)
+
+    @jax.jit
+    def slow(v, m, k):
+        for _ in range(8):
+            m = jnp.tanh(m @ m)
+        return mj.allreduce(v * k + 0 * jnp.sum(m), "sum", backend=backend)
+
+    fast = jax.jit(lambda v: mj.allreduce(v, "max", backend=backend))
+    xs = jax.device_put(_exact(1 << 20, "float32", Op.SUM, rank, size), device)
+    xf = jax.device_put(_exact(4099, "int32", Op.MAX, rank, size), device)
+    jax.block_until_ready([slow(xs, big, 1.0), fast(xf)])  # compiled (collective) before counting
+    waits = []
+    real_wait = core.Token.block_until_ready
+    monkeypatch.setattr(core.Token, "block_until_ready", lambda self: (waits.append(self), real_wait(self))[1])
+    outs = [(slow(xs, big, 1.0), fast(xf)) for _ in range(10)]
+    monkeypatch.undo()
+    assert waits == [], f"the host waited on a token {len(waits)} times in 20 calls"
+    for a, b in outs:
+        assert count_wrong_host(np.asarray(a), "exact", Op.SUM, DTYPES["float32"], size) == 0
+        assert count_wrong_host(np.asarray(b), "exact", Op.MAX, DTYPES["int32"], size) == 0
+
+
+def test_auto_runs_large_buffers_on_nccl_where_it_can(ctx, jx, comm) -> None:
+    """What the in-jit step bench relies on: a 48 MiB float32 average compiled with backend='auto' is
+    recorded by compiled_calls(), and runs on nccl where NCCL is available and no tuning table says otherwise."""
+    jax, mj, device = jx
+    before = len(mj.compiled_calls())
+    x = jax.device_put(np.ones(12 << 20, np.float32), device)
+    out = jax.jit(lambda v: mj.allreduce(v, "avg"))(x)
+    np.testing.assert_array_equal(np.asarray(out[:7]), np.ones(7, np.float32))
+    (call,) = mj.compiled_calls()[before:]
+    assert (call.platform, call.nbytes, call.requested) == ("cuda", 48 << 20, "auto")
+    if ctx.availability["nccl"].ok and ctx.tuning is None:
+        assert call.backend == "nccl", call
+
+
 @pytest.mark.parametrize("backend", ["auto", "nccl", "ipc", "host"])
 def test_scan_with_several_collectives(ctx, jx, comm, backend: str) -> None:
     jax, mj, device = jx
