@@ -9,8 +9,9 @@ mpi-host    ``comm.Bcast`` / ``comm.Allgather`` on NumPy arrays (pairs with cpu 
 torch-nccl  ``torch.distributed.broadcast`` / ``all_gather_into_tensor``, NCCL backend, on CUDA tensors
 torch-gloo  the same with the gloo backend on CPU tensors
 
-Data movement does not look at the values, so every anchor moves bytes (``uint8``, ``MPI.BYTE``):
-any dtype, the same cost as the typed call. The root is rank 0. Allgather's output holds every
+Data movement does not look at the values, so the MPI and torch anchors move bytes (``uint8``,
+``MPI.BYTE``; any dtype, the same cost as the typed call); raw NCCL uses the dtype's NCCL type where
+there is one (bytes otherwise). The root is rank 0. Allgather's output holds every
 rank's input in rank order (``n x`` the input). The host backend on GPU buffers has no anchor here
 (the seed sample only reduced).
 """
@@ -55,14 +56,18 @@ class NcclRawMoves(_Moves, NcclRaw):
     description: ClassVar[str] = "NCCL bcast / allGather called directly through cupy.cuda.nccl"
 
     def broadcast(self, x: ArrayView, root: int) -> None:
-        from cupy.cuda import nccl
-
-        self._comm.bcast(x.ptr, x.nbytes, nccl.NCCL_UINT8, root, self.stream.ptr)
+        self._comm.bcast(x.ptr, *_nccl_count(x), root, self.stream.ptr)
 
     def allgather(self, x: ArrayView, out: ArrayView) -> None:
-        from cupy.cuda import nccl
+        self._comm.allGather(x.ptr, out.ptr, *_nccl_count(x), self.stream.ptr)
 
-        self._comm.allGather(x.ptr, out.ptr, x.nbytes, nccl.NCCL_UINT8, self.stream.ptr)
+
+def _nccl_count(x: ArrayView) -> tuple[int, int]:
+    """(count, NCCL type): x's own type where NCCL has it (cupy's bcast takes a C int count, so
+    elements reach further than bytes), else bytes."""
+    from cupy.cuda import nccl
+
+    return (x.size, x.dtype.nccl) if x.dtype.nccl is not None else (x.nbytes, nccl.NCCL_UINT8)
 
 
 class MpiHostMoves(_Moves, MpiHost):
