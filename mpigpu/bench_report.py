@@ -291,7 +291,7 @@ def auto_summary(measurements: list[Measurement]) -> dict[str, Any] | None:
         "sizes": len(rows),
         "within_target": sum(1 for row in rows if row[0] <= AUTO_TARGET),
         "worst_ratio": round(ratio, 4),
-        "worst": {"bytes": r.bytes, "dtype": r.dtype, "op": r.op, "inplace": r.inplace, "call": worst.path.call,
+        "worst": {"bytes": r.bytes, "dtype": r.dtype, "op": what(r), "inplace": r.inplace, "call": worst.path.call,
                   "placement": worst.path.placement, "chosen": worst.chosen, "fastest": worst.best},
     }  # fmt: skip
 
