@@ -186,11 +186,11 @@ class CollectiveWorkload:
         if self.collective != "allgather":
             return
         xp = _xp(self.gpu)
+        self.result = None  # the previous call's output goes back to the allocator first...
         with self._on_stream():
             self._bytes(self.out)[:] = POISON
-            block = xp.full(self.count * self.dtype.itemsize * self.nranks, POISON, xp.uint8)
+            block = xp.full(self.count * self.dtype.itemsize * self.nranks, POISON, xp.uint8)  # ...and is poisoned
             del block  # back to the allocator, which a new array of the same size most likely reuses
-        self.result = None
 
     def corrupt(self, elements: int) -> None:
         """Testing aid: damage the first ``elements`` of the checked call's result on this rank."""
