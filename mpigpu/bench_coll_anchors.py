@@ -18,6 +18,7 @@ rank's input in rank order (``n x`` the input). The host backend on GPU buffers 
 
 from __future__ import annotations
 
+import abc
 import warnings
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -33,18 +34,20 @@ if TYPE_CHECKING:
 __all__ = ["COLLECTIVE_ANCHORS"]
 
 
-class _Moves:
+class _Moves(abc.ABC):
     """What every data-movement anchor adds: ``broadcast(x, root)`` and ``allgather(x, out)``; any dtype."""
 
     @classmethod
     def supports(cls, dtype: DType, op: Op) -> str | None:
         return None  # bytes
 
+    @abc.abstractmethod
     def broadcast(self, x: ArrayView, root: int) -> None:
-        raise NotImplementedError
+        """Copy rank ``root``'s ``x`` into ``x`` on every rank."""
 
+    @abc.abstractmethod
     def allgather(self, x: ArrayView, out: ArrayView) -> None:
-        raise NotImplementedError
+        """Every rank's ``x``, in rank order, into ``out``."""
 
 
 def _host_bytes(view: ArrayView) -> np.ndarray:
