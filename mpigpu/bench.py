@@ -11,7 +11,7 @@ anchors side by side, and can write JSON (--json), a plot (--plot) and a crossov
 
 This module is the command (options, header, the run, the JSON document, tuning); the sweep is in
 ``bench_sweep``, what is called and how it is timed in ``bench_calls``, the tables, summary, plot
-and compare in ``bench_report``.
+and compare in ``bench_report``; ``--collective broadcast|allgather`` in ``bench_collectives``.
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ from typing import Any
 from mpigpu.anchors import ANCHORS
 from mpigpu.backends import BACKEND_NAMES
 from mpigpu.bench_calls import FRAMEWORKS, TIMINGS
+from mpigpu.bench_collectives import COLLECTIVES, refuse_options
 from mpigpu.bench_report import (
-    CALL_DESCRIPTION,
     CALLS,
     PathSpec,
     auto_summary,
+    call_description,
     compare,
     failures,
     load_run,
@@ -83,12 +84,16 @@ def build_parser() -> Parser:
             "Time allreduce over a range of message sizes for every available mpigpu backend, as users call it\n"
             "(allreduce(x)) and as a persistent request (req()), beside the raw anchors (nccl-raw, torch-nccl,\n"
             "seed-staging, mpi-device, mpi-host, torch-gloo). Every path is verified at every size before it is\n"
-            "timed. Run it under your launcher:\n"
-            "  mpiexec -n 4 python -m mpigpu.bench --max-bytes 64M --json run.json --plot run.png"
+            "timed. --collective broadcast|allgather times mpigpu.broadcast(x, root=0) or mpigpu.allgather(x)\n"
+            "instead, beside raw NCCL, torch.distributed and MPI. Run it under your launcher:\n"
+            "  mpiexec -n 4 python -m mpigpu.bench --max-bytes 64M --json run.json --plot run.png\n"
+            "  mpiexec -n 4 python -m mpigpu.bench --collective allgather --sizes 8,64K,1M"
         ),
         epilog="time = mean per call on the slowest rank; median = median per call on the slowest rank (the\n"
         "figure compared); spread = max - min of the repetitions' medians; all wall clock, the same harness for\n"
-        "every row (--timing). algbw = bytes/time; busbw = algbw * 2(n-1)/n (nccl-tests). exit status: 0 if\n"
+        "every row (--timing). busbw as nccl-tests: allreduce algbw = bytes/time, busbw = algbw * 2(n-1)/n;\n"
+        "broadcast busbw = algbw = bytes/time; allgather algbw = OUTPUT bytes (n x the per-rank input)/time,\n"
+        "busbw = algbw * (n-1)/n. Sizes are per rank (allgather: each rank's input). exit status: 0 if\n"
         "every element was right, 1 if any was wrong, 2 for invalid options.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -104,6 +109,12 @@ def build_parser() -> Parser:
     )  # fmt: skip
     what = parser.add_argument_group("what to time")
     what.add_argument(
+        "--collective", choices=COLLECTIVES, default="allreduce",
+        help="allreduce (default); broadcast = mpigpu.broadcast(x, root=0), in place; allgather = "
+        "mpigpu.allgather(x), sizes = each rank's input. Both: the user call only, no --ops, no --tune; "
+        "broadcast refuses --out-of-place, allgather --inplace",
+    )  # fmt: skip
+    what.add_argument(
         "--dtypes", type=comma_list(dtype_arg, "dtypes", DTYPES), default=["float32"], metavar="LIST",
         help=f"comma-separated element types or 'all' (default float32): {', '.join(DTYPES)}",
     )  # fmt: skip
@@ -118,9 +129,10 @@ def build_parser() -> Parser:
         "a backend always brings its anchor",
     )  # fmt: skip
     what.add_argument(
-        "--calls", type=comma_list(choice_arg(CALLS, "call"), "calls", CALLS), default=["user", "persistent"],
+        "--calls", type=comma_list(choice_arg(CALLS, "call"), "calls", CALLS), default=None,
         metavar="LIST",
-        help="how each mpigpu backend and auto is called, comma-separated or 'all' (default user,persistent): "
+        help="how each mpigpu backend and auto is called, comma-separated or 'all' (default user,persistent; "
+        "user for broadcast and allgather): "
         "user = mpigpu.allreduce(x) checked every call; persistent = req() of a request from allreduce_init; "
         "prepared = api.run of a call prepared once (diagnostic; --tune adds it)",
     )  # fmt: skip
@@ -260,6 +272,7 @@ def _versions(ctx: Any) -> dict[str, Any]:
 
 def _settings(ctx: Any, args: argparse.Namespace) -> dict[str, Any]:
     return {
+        "collective": args.collective,
         "sizes": args.sizes,
         "calls": args.calls,
         "timing": args.timing,
@@ -344,10 +357,12 @@ def _header(ctx: Any, args: argparse.Namespace, paths: list[PathSpec], skipped: 
         "# time: mean per call, median per call and spread of the repetitions' medians (us), slowest rank; "
         "algbw, busbw in GB/s; #wrong summed over ranks",
     ]
-    lines += [f"# call {c}: {CALL_DESCRIPTION[c]}" for c in args.calls]
+    lines += args.collective_lines
+    lines += [f"# call {c}: {call_description(c, args.collective)}" for c in args.calls]
     arrays = "torch tensors" if args.framework == "torch" else "CuPy arrays on GPUs, NumPy arrays on the host"
+    called = "allreduce and allreduce_init" if args.collective == "allreduce" else args.collective
     lines += [
-        f"# arrays passed to allreduce and allreduce_init: {arrays}; the default stream is the benchmark's",
+        f"# arrays passed to {called}: {arrays}; the default stream is the benchmark's",
         "# paths: " + ", ".join(p.label for p in paths),
     ]
     lines += [f"# skipped: {line}" for line in skipped]
@@ -368,11 +383,16 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     else:
         args.sizes = sorted(set(args.sizes))
         args.min_bytes, args.max_bytes = args.sizes[0], args.sizes[-1]
-    if args.tune and "prepared" not in args.calls:
-        args.calls = [*args.calls, "prepared"]  # tuning compares the backends' prepared calls
     both = args.inplace == args.out_of_place  # neither flag, or both: time both modes
     args.modes = [False, True] if both else [args.inplace]
+    args.collective_lines = []
     try:
+        if args.collective != "allreduce":
+            args.collective_lines = refuse_options(args)  # sets calls and modes
+        else:
+            args.calls = args.calls or ["user", "persistent"]
+            if args.tune and "prepared" not in args.calls:
+                args.calls = [*args.calls, "prepared"]  # tuning compares the backends' prepared calls
         paths, skipped = plan_paths(ctx, args)
         if not paths and not args.tune:
             raise InvalidArgument("nothing to time: " + ("; ".join(skipped) or "no backend selected"))
@@ -421,6 +441,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         sys.stdout.flush()
         doc = {
             "format": "mpigpu-bench/1",
+            "collective": args.collective,
             "ok": ok,
             "date": now(),
             "command": command,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mpigpu.anchors import ANCHORS
+from mpigpu.bench_coll_anchors import COLLECTIVE_ANCHORS
 from mpigpu.errors import InvalidArgument
 from mpigpu.timing import Result
 from mpigpu.tune import size_label
@@ -29,6 +30,7 @@ __all__ = [
     "Measurement",
     "PathSpec",
     "auto_summary",
+    "call_description",
     "column_name",
     "compare",
     "failures",
@@ -39,6 +41,7 @@ __all__ = [
     "render_tables",
     "side_by_side",
     "summary_lines",
+    "what",
 ]
 
 AUTO_TARGET = 1.05  # the issue's target: auto within 5% of the fastest backend
@@ -52,6 +55,24 @@ CALL_DESCRIPTION = {
     "persistent": "req() of req = mpigpu.allreduce_init(x, ...) made once per size: checked once, then launched",
     "prepared": "diagnostic: api.run of a call prepared once (no per-call validation or check)",
 }
+
+
+def what(result: Any) -> str:
+    """The reduction of an allreduce row (sum, avg, ...), or the collective of a broadcast/allgather row."""
+    return getattr(result, "collective", None) or result.op
+
+
+def call_description(call: str, collective: str = "allreduce") -> str:
+    """What a call of ``collective`` times (broadcast and allgather have the user's call only)."""
+    if collective == "allreduce":
+        return CALL_DESCRIPTION[call]
+    args = "x, root=0" if collective == "broadcast" else "x"
+    return f"mpigpu.{collective}({args}) as users call it: arguments validated and checked across ranks every call"
+
+
+def _description(anchor: str, collective: str) -> str:
+    anchors = ANCHORS if collective == "allreduce" else COLLECTIVE_ANCHORS
+    return anchors[anchor].description if anchor in anchors else ""
 
 
 def column_name(path: str, call: str | None) -> str:
@@ -163,22 +184,24 @@ def render_tables(found: list[Measurement], everything: list[Measurement]) -> li
     lines: list[str] = []
     order: dict[tuple[PathSpec, str, str], list[Measurement]] = {}
     for m in found:
-        order.setdefault((m.path, m.result.dtype, m.result.op), []).append(m)
+        order.setdefault((m.path, m.result.dtype, what(m.result)), []).append(m)
     for (path, dtype, op), rows in order.items():
         rows.sort(key=lambda m: (m.result.bytes, m.result.inplace))
+        collective = getattr(rows[0].result, "collective", "allreduce")
         title = f"# {path.column}  [{'GPU buffers' if path.placement == 'device' else 'host arrays'}, {dtype}, {op}]"
         columns = _COLUMNS
         if path.kind == "backend":
             anchor = path.anchor or "none"
-            title += f"  anchor: {anchor}" + (f" ({ANCHORS[anchor].description})" if anchor in ANCHORS else "")
+            described = _description(anchor, collective)
+            title += f"  anchor: {anchor}" + (f" ({described})" if described else "")
             columns += _BACKEND_COLUMNS
         elif path.kind == "anchor":
-            title += f"  {ANCHORS[path.name].description}"
+            title += f"  {_description(path.name, collective)}"
         else:
             columns += _AUTO_COLUMNS
         lines += ["#", title]
         if path.call is not None:
-            lines.append(f"#   {path.call}: {CALL_DESCRIPTION[path.call]}")
+            lines.append(f"#   {path.call}: {call_description(path.call, collective)}")
         lines.append(columns)
         for m in rows:
             line = _row(m)
@@ -211,7 +234,7 @@ def side_by_side(measurements: list[Measurement], timing: str = "") -> list[str]
     groups: dict[tuple[str, str, str, bool], dict[int, dict[str, float | None]]] = {}
     columns: dict[tuple[str, str, str, bool], list[str]] = {}
     for m in measurements:
-        group = (m.path.placement, m.result.dtype, m.result.op, m.result.inplace)
+        group = (m.path.placement, m.result.dtype, what(m.result), m.result.inplace)
         names = columns.setdefault(group, [])
         if m.path.column not in names:
             names.append(m.path.column)
@@ -268,7 +291,7 @@ def auto_summary(measurements: list[Measurement]) -> dict[str, Any] | None:
         "sizes": len(rows),
         "within_target": sum(1 for row in rows if row[0] <= AUTO_TARGET),
         "worst_ratio": round(ratio, 4),
-        "worst": {"bytes": r.bytes, "dtype": r.dtype, "op": r.op, "inplace": r.inplace, "call": worst.path.call,
+        "worst": {"bytes": r.bytes, "dtype": r.dtype, "op": what(r), "inplace": r.inplace, "call": worst.path.call,
                   "placement": worst.path.placement, "chosen": worst.chosen, "fastest": worst.best},
     }  # fmt: skip
 
@@ -299,7 +322,7 @@ def summary_lines(
     for m in failed:
         r = m.result
         tail.append(
-            f"# FAIL: {m.path.label} {r.dtype} {r.op} {'in-place' if r.inplace else 'out-of-place'} "
+            f"# FAIL: {m.path.label} {r.dtype} {what(r)} {'in-place' if r.inplace else 'out-of-place'} "
             f"{size_label(r.bytes)}: {r.wrong} wrong element{'s' if r.wrong != 1 else ''}"
         )
     wrong = sum(m.result.wrong for m in failed)
@@ -315,7 +338,8 @@ def _title(doc: dict[str, Any]) -> str:
     machine, ver = doc.get("machine") or {}, doc.get("versions") or {}
     gpus = f"{machine['gpu_count']} x {machine['gpu_model']}" if machine.get("gpu_model") else "no GPU (CPU only)"
     return (
-        f"mpigpu allreduce on {machine.get('hostname', '?')}: {doc.get('ranks')} ranks, {gpus}, "
+        f"mpigpu {doc.get('collective', 'allreduce')} on {machine.get('hostname', '?')}: {doc.get('ranks')} ranks, "
+        f"{gpus}, "
         f"{ver.get('mpi_library', 'MPI')} ({str(doc.get('date', ''))[:10]})"
     )
 
@@ -334,7 +358,7 @@ def _row_call(row: dict[str, Any]) -> str | None:
 
 
 def _group_of(row: dict[str, Any]) -> tuple[str, str, str, bool]:
-    return (row["placement"], row["dtype"], row["op"], row["inplace"])
+    return (row["placement"], row["dtype"], row.get("collective") or row["op"], row["inplace"])
 
 
 def _row_column(row: dict[str, Any]) -> str:
@@ -426,8 +450,7 @@ def compare(a_path: Path, b_path: Path) -> list[str]:
     a, b = load_run(a_path), load_run(b_path)
 
     def index(doc: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
-        return {(_row_column(r), r["placement"], r["dtype"], r["op"], r["inplace"], r["bytes"]): r
-                for r in doc["results"]}  # fmt: skip
+        return {(_row_column(r), *_group_of(r), r["bytes"]): r for r in doc["results"]}
 
     ia, ib = index(a), index(b)
     common = [k for k in ia if k in ib]

@@ -2,7 +2,8 @@
 called the ways ``--calls`` names; the raw anchor beside each backend; the torch.distributed
 anchors), and the measurement of each path at each size: verified first (fresh input, poisoned
 output, every element checked, through the very call that is then timed), then timed on the wall
-clock (``mpigpu.bench_calls``). Collective: every rank runs the same sequence.
+clock (``mpigpu.bench_calls``). ``--collective broadcast|allgather`` swaps in the buffers, calls
+and anchors of ``mpigpu.bench_collectives``. Collective: every rank runs the same sequence.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 from mpigpu.anchors import ANCHORS, anchor_for
 from mpigpu.backends import BACKEND_NAMES
 from mpigpu.bench_calls import bind_call, summarize_samples, time_samples
+from mpigpu.bench_coll_anchors import COLLECTIVE_ANCHORS
+from mpigpu.bench_collectives import CollectiveResult, CollectiveWorkload, bind_collective
 from mpigpu.bench_report import PLACE_LABEL, Measurement, PathSpec, fastest_backends, median_us
 from mpigpu.dtypes import DType
 from mpigpu.errors import MpigpuError
@@ -38,19 +41,28 @@ def _placements(args: argparse.Namespace, ctx: Any) -> list[str]:
     return ["device" if gpu else "host" for gpu in placements(ctx, args.placement, option="--placement")]
 
 
+def anchor_classes(collective: str) -> dict[str, Any]:
+    """The anchors of ``collective``: allreduce's (``mpigpu.anchors``) or broadcast/allgather's."""
+    return ANCHORS if collective == "allreduce" else COLLECTIVE_ANCHORS
+
+
 def plan_paths(ctx: Any, args: argparse.Namespace) -> tuple[list[PathSpec], list[str]]:
     """The paths to time, in order (anchors before the backends that refer to them, auto last; a
     backend or auto once per call in ``args.calls``), and a line for each one that cannot run here."""
     from mpigpu.backends import backend_class
 
-    wanted = set(args.backends or [*BACKEND_NAMES, *ANCHORS])
+    collective = getattr(args, "collective", "allreduce")
+    anchors = anchor_classes(collective)
+    wanted = set(args.backends or [*BACKEND_NAMES, *anchors])
     skipped: list[str] = []
     backends = []
     for name in BACKEND_NAMES:
         if name not in wanted:
             continue
         available = ctx.availability[name]
-        if available.ok:
+        if collective not in backend_class(name).collectives:
+            skipped.append(f"{name}: does not implement {collective}")
+        elif available.ok:
             backends.append(name)
         else:
             skipped.append(f"{name}: {available.reason}")
@@ -60,9 +72,12 @@ def plan_paths(ctx: Any, args: argparse.Namespace) -> tuple[list[PathSpec], list
         for name in backends:
             cls = backend_class(name)
             if cls.device_arrays if placement == "device" else cls.host_arrays:
-                mine += [PathSpec(name, "backend", placement, anchor_for(placement, name), c) for c in args.calls]
-        needed = {p.anchor for p in mine} | {a for a in wanted if a in ANCHORS}
-        for name, cls in ANCHORS.items():
+                anchor = anchor_for(placement, name)
+                anchor = anchor if anchor in anchors else None
+                mine += [PathSpec(name, "backend", placement, anchor, c) for c in args.calls]
+        needed = {p.anchor for p in mine} | {a for a in wanted if a in anchors}
+        skipped += [f"{a}: no {collective} anchor" for a in sorted(wanted) if a in ANCHORS and a not in anchors]
+        for name, cls in anchors.items():
             if name in needed and cls.placement == placement:
                 problem = cls.unavailable(ctx)
                 if problem is None:
@@ -79,11 +94,13 @@ def auto_paths(placement: str, calls: list[str]) -> list[PathSpec]:
     return [PathSpec("auto", "auto", placement, None, c) for c in calls]
 
 
-def _unsupported(ctx: Any, path: PathSpec, dtype: DType, op: Op) -> str | None:
+def _unsupported(ctx: Any, path: PathSpec, dtype: DType, op: Op, collective: str) -> str | None:
     from mpigpu.backends import backend_class
 
     if path.kind == "anchor":
-        return ANCHORS[path.name].supports(dtype, op)
+        return anchor_classes(collective)[path.name].supports(dtype, op)
+    if collective != "allreduce":  # data movement: bytes, any dtype
+        return None
     if path.kind == "backend":
         return backend_class(path.name).supports(dtype, op)
     return None
@@ -95,6 +112,7 @@ class Sweep:
 
     def __init__(self, ctx: Any, args: argparse.Namespace) -> None:
         self.ctx, self.args, self.comm = ctx, args, ctx.comm
+        self.collective: str = getattr(args, "collective", "allreduce")
         self.rank = ctx.rank
         self.stopped: list[str] = []
         self.unsupported: list[str] = []
@@ -136,7 +154,7 @@ class Sweep:
     def _anchor(self, name: str) -> Any:
         anchor = self._anchors.get(name)
         if anchor is None:
-            cls = ANCHORS[name]
+            cls = anchor_classes(self.collective)[name]
             anchor = self._anchors[name] = cls(self.ctx, self.cp_stream if cls.placement == "device" else None)
         return anchor
 
@@ -150,11 +168,16 @@ class Sweep:
             sys.stderr.write(f"[bench] {text}\n")
             sys.stderr.flush()
 
-    def workload(self, placement: str, dtype: DType, count: int) -> Workload:
+    def workload(self, placement: str, dtype: DType, count: int) -> Any:
         """Buffers for the largest call of a group (an output only where out of place is timed)."""
         device = placement == "device"
         if device:
             self.ctx.activate_gpu()
+        if self.collective != "allreduce":
+            gpu = self.ctx.gpu if device else None
+            return CollectiveWorkload.allocate(
+                self.collective, count, dtype, self.rank, self.ctx.size, gpu, self.cp_stream if device else None
+            )
         return Workload.allocate(
             count=count, dtype=dtype, op=Op.SUM, pattern="exact", rank=self.rank, nranks=self.ctx.size,
             device=self.ctx.gpu if device else None, inplace=False not in self.args.modes,
@@ -169,7 +192,7 @@ class Sweep:
         try:
             for op in ops:
                 for path in paths:
-                    problem = _unsupported(self.ctx, path, dtype, op)
+                    problem = _unsupported(self.ctx, path, dtype, op, self.collective)
                     if problem is not None:
                         self.unsupported.append(f"{path.label} {dtype.name} {op.value}: {problem}")
                         continue
@@ -179,12 +202,11 @@ class Sweep:
             work.free()
         return found
 
-    def _sweep_path(
-        self, path: PathSpec, work: Workload, counts: list[int], op: Op, inplace: bool
-    ) -> list[Measurement]:
+    def _sweep_path(self, path: PathSpec, work: Any, counts: list[int], op: Op, inplace: bool) -> list[Measurement]:
         found: list[Measurement] = []
         mode = "in-place" if inplace else "out-of-place"
-        what = f"{path.column} {PLACE_LABEL[path.placement]} {work.dtype.name} {op.value} {mode}"
+        opname = op.value if self.collective == "allreduce" else self.collective
+        what = f"{path.column} {PLACE_LABEL[path.placement]} {work.dtype.name} {opname} {mode}"
         limit = self.args.time_limit
         for i, count in enumerate(counts):
             sized = work.sized(count, op=op, inplace=inplace)
@@ -220,7 +242,7 @@ class Sweep:
                     break
         return found
 
-    def measure(self, path: PathSpec, work: Workload, op: Op, inplace: bool) -> Measurement | None:
+    def measure(self, path: PathSpec, work: Any, op: Op, inplace: bool) -> Measurement | None:
         """Verify, then time, one path at one size; None if the path refuses this call."""
         from mpigpu.timing import max_over_ranks, max_phases_over_ranks
         from mpigpu.verify import total_wrong
@@ -230,9 +252,12 @@ class Sweep:
         stream = self.stream if path.placement == "device" else None
         anchor = self._anchor(path.name) if path.kind == "anchor" else None
         try:
-            bound = bind_call(
-                path, work, op, framework=args.framework, comm=comm, stream=stream, anchor=anchor
-            )  # fmt: skip
+            if self.collective == "allreduce":
+                bound = bind_call(path, work, op, framework=args.framework, comm=comm, stream=stream, anchor=anchor)
+            else:
+                bound = bind_collective(
+                    path, work, framework=args.framework, ctx=self.ctx, stream=stream, anchor=anchor
+                )
         except MpigpuError as exc:  # raised alike on every rank (the arguments are checked across ranks)
             self.unsupported.append(f"{path.label} {work.dtype.name} {op.value} {work.count} elements: {exc}")
             return None
@@ -270,12 +295,16 @@ class Sweep:
         mean, median, spread = summarize_samples(reps)
         time_us, per_rank = max_over_ranks(comm, mean)
         phases: dict[str, float] = {}
-        if path.kind != "anchor":
+        if path.kind != "anchor" and self.collective == "allreduce":  # last_phases: the backend's allreduce
             phases = max_phases_over_ranks(comm, self.ctx.backend(bound.chosen or path.name).last_phases)
-        result = Result(
+        fields = dict(
             bytes=work.count * work.dtype.itemsize, elements=work.count, dtype=work.dtype.name, op=op.value,
             backend=path.name, ranks=self.ctx.size, time_us=time_us, wrong=wrong, inplace=inplace,
             median_us=self._max(median), spread_us=self._max(spread), phases_us=phases, per_rank_us=per_rank,
         )  # fmt: skip
+        if self.collective == "allreduce":
+            result = Result(**fields)
+        else:
+            result = CollectiveResult(**{**fields, "op": "none"}, collective=self.collective)
         seconds = self._max(time.perf_counter() - started)
         return Measurement(path, result, iters, warmup, args.repeats, seconds, check_seconds, chosen, reason)

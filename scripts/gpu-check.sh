@@ -19,6 +19,9 @@
 #   usercall   issue 14's table under Open MPI: allreduce(t) and the persistent request req() (auto, nccl, ipc)
 #              beside torch.distributed (NCCL) and raw NCCL, float32 sum in place, 8 B..1 GiB, torch tensors;
 #              JSON and plot in $OUT; then scripts/call_cost.py --framework torch at 8 B and 64 KiB (~3 min)
+#   collectives  issue 16 (not in the default list: name it): mpigpu.broadcast(t, root=0) and mpigpu.allgather(t)
+#              for auto, nccl, host (ipc does not implement them) beside raw NCCL and torch.distributed (NCCL),
+#              float32, 8 B..256 MiB, torch tensors, under Open MPI; JSON and plot per collective in $OUT (~2 x 2 min)
 #   retest     RETEST="pytest paths" under both MPIs (a quick re-check after a fix; RETEST_LIMIT seconds each)
 #   soak       thousands of random verified calls on GPU arrays; the cost of the argument check at 8 B
 #   train      scripts/training-figures.sh: bench_training for the MLP (+ fusion), ResNet-50, GPT-2 beside DDP
@@ -159,6 +162,17 @@ stage_usercall() {
   elif [ -f "bench/results/tune-$tag-ompi.json" ]; then cp "bench/results/tune-$tag-ompi.json" "$tune"; fi
   step "usercall-ompi" 150 0 "MPIGPU_TUNE_FILE=$tune $OMPI -n $NGPU $PY -m mpigpu.bench --placement gpu --inplace --dtypes float32 --ops sum --sizes 8,64K,1M,4M,16M,256M,1G --backends auto,nccl,ipc,nccl-raw,torch-nccl --calls user,persistent --framework torch --time-limit 10 --json $OUT/$tag-usercall-ompi-$date.json --plot $OUT/$tag-usercall-ompi-$date.png"
   step "call-cost-torch" 60 0 "MPIGPU_TUNE_FILE=$tune $OMPI -n $NGPU $PY scripts/call_cost.py --framework torch --sizes 8,65536 --json $OUT/call-cost-torch-$tag-$date.json"
+}
+
+stage_collectives() {  # issue 16: broadcast and allgather beside raw NCCL and torch.distributed (NCCL)
+  local tag="h200x$NGPU" date tune="$OUT/tune-collectives.json" c
+  date=$(date -u +%F)
+  # auto follows the table the bench stage measured, else this machine's committed one (as in usercall)
+  if [ -f "$OUT/tune.json" ]; then cp "$OUT/tune.json" "$tune"
+  elif [ -f "bench/results/tune-$tag-ompi.json" ]; then cp "bench/results/tune-$tag-ompi.json" "$tune"; fi
+  for c in broadcast allgather; do
+    step "$c-ompi" 120 0 "MPIGPU_TUNE_FILE=$tune $OMPI -n $NGPU $PY -m mpigpu.bench --collective $c --placement gpu --dtypes float32 --sizes 8,64K,1M,16M,256M --backends auto,nccl,host,ipc,nccl-raw,torch-nccl --calls user --framework torch --time-limit 6 --json $OUT/$tag-$c-ompi-$date.json --plot $OUT/$tag-$c-ompi-$date.png"
+  done
 }
 
 stage_soak() {

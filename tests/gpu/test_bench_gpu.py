@@ -112,3 +112,45 @@ def test_user_call_request_prepared_and_torch_anchor_are_verified_side_by_side(c
     assert status == 1
     assert {r["column"] for r in doc["results"]} == {*calls, *anchors}
     assert all(r["wrong"] == 2 for r in doc["results"])
+
+
+@pytest.mark.parametrize("framework", ["native", "torch"])
+@pytest.mark.parametrize("collective", ["broadcast", "allgather"])
+def test_broadcast_and_allgather_rows_beside_raw_nccl(comm, collective: str, framework: str) -> None:
+    """--collective: mpigpu.broadcast(x, root=0) / mpigpu.allgather(x) for auto and every backend
+    that implements it on GPU buffers (nccl, host, cuda-aware; not ipc), beside raw NCCL and
+    torch.distributed (NCCL); every row verified byte for byte, then a damaged result seen in every row."""
+    import importlib.util
+
+    ctx = Context.get(comm)
+    torch_ok = importlib.util.find_spec("torch") is not None
+    if framework == "torch" and not torch_ok:
+        pytest.skip("torch is not installed")
+    backends = [b for b in ("nccl", "host", "cuda-aware") if ctx.availability[b].ok]
+    anchors = ["nccl-raw", "torch-nccl", "mpi-device"]
+    args = ["--collective", collective, "--sizes", "8,64K,1M,3M", "--dtypes", "float32,bfloat16", "--framework",
+            framework, "--backends", ",".join(["auto", "ipc", *backends, *anchors])]  # fmt: skip
+    status, doc = _bench(comm, *args)
+    assert status == 0 and doc["ok"], doc["failures"]
+    assert doc["collective"] == collective
+    rows = doc["results"]
+    columns = {r["column"] for r in rows}
+    expected = {"auto", *backends}
+    expected |= {"nccl-raw"} if ctx.nccl.available else set()
+    expected |= {"torch-nccl"} if torch_ok and ctx.nccl.available else set()
+    expected |= {"mpi-device"} if ctx.cuda_aware.aware else set()
+    assert columns == expected, doc["skipped"]
+    assert "ipc" not in columns and any(line.startswith("ipc: does not implement") for line in doc["skipped"])
+    n = ctx.size
+    for row in rows:
+        assert row["placement"] == "device" and row["collective"] == collective and row["wrong"] == 0
+        assert row["out_bytes"] == row["bytes"] * (n if collective == "allgather" else 1)
+    for column in columns:
+        mine = sorted((r["dtype"], r["bytes"]) for r in rows if r["column"] == column)
+        assert mine == sorted((d, s) for d in ("float32", "bfloat16") for s in (8, 65536, 1 << 20, 3 << 20)), column
+    if "nccl" in backends:
+        assert all(r["anchor"] == "nccl-raw" for r in rows if r["path"] == "nccl")
+
+    status, doc = _bench(comm, *args, "--corrupt", "1")  # one element of rank 0's result, in every row
+    assert status == 1 and {r["column"] for r in doc["results"]} == expected
+    assert all(r["wrong"] == 1 for r in doc["results"])
