@@ -141,6 +141,34 @@ def test_averager_cupy_buckets_and_views(ctx, comm, cp) -> None:
     averager.close()
 
 
+@pytest.mark.parametrize("backend", ["auto", "nccl", "ipc", "host", "cuda-aware"])
+def test_averager_copies_back_each_bucket_after_its_own_reduction(ctx, comm, cp, backend: str) -> None:
+    """A copying Averager's unpack of a bucket waits for that bucket's reduction only (so it overlaps
+    the later buckets'): 8 buckets of 8 MiB, produced and consumed on a non-default stream with no
+    synchronisation in between, exact values at every step (an unpack that ran early would copy the
+    rank's own values back)."""
+    state = ctx.availability[backend] if backend != "auto" else None
+    if state is not None and not state.ok:
+        pytest.skip(f"{backend} is not available under {ctx.mpi_lib.name}: {state.reason}")
+    n = 2 << 20  # 8 MiB of float32 per array, one array per bucket
+    hosts = [_exact(n, "float32", Op.AVG, comm, offset=i * 11) for i in range(8)]
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        arrays = [cp.empty(n, cp.float32) for _ in hosts]
+    averager = Averager(arrays, bucket_bytes=n * 4, backend=backend)
+    assert len(averager.buckets) == 8
+    for _ in range(3):
+        with stream:
+            for a, h in zip(arrays, hosts, strict=True):
+                a[...] = cp.asarray(h) * 1  # written by kernels on `stream`
+            averager(stream=stream)
+            copies = [a * 1 for a in arrays]  # read on `stream` right away
+        stream.synchronize()
+        for i, c in enumerate(copies):
+            assert _wrong(c.get(), "float32", Op.AVG, comm, offset=i * 11) == 0, (backend, i)
+    averager.close()
+
+
 @pytest.mark.parametrize("kind", ["float16", "bfloat16"])
 def test_averager_compression(ctx, comm, cp, kind: str) -> None:
     rng = np.random.default_rng(comm.Get_rank())
