@@ -113,3 +113,32 @@ def test_buckets_follow_the_observed_gradient_order(comm, torch_group, set_to_no
     slots = {s.data_ptr() for b in hooked._averager._buckets for s in b.slots}
     assert {p.grad.data_ptr() for p in model.parameters()} <= slots, "the gradients live in the new buckets"
     hooked.close()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_rebuild_waits_for_an_averaged_step_and_puts_unused_parameters_last(comm) -> None:
+    """Backward passes under no_sync() are not observed; parameters that got no gradient in the
+    observed step keep their relative order at the end; compressed buckets are rebuilt alike."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from mpigpu.integrations.torch import BackwardAverager
+
+    rank, n = comm.Get_rank(), comm.Get_size()
+    model = _model(torch, [2, 0, 3, 1])
+    unused = torch.nn.Linear(WIDTH, WIDTH)  # positions 8 (weight) and 9 (bias)
+    params = [*model.parameters(), *unused.parameters()]
+    hooked = BackwardAverager(params, bucket_bytes=80, compression="bfloat16")
+    assert _layers(hooked.bucket_parameters) == [{4}, {3}, {2}, {1}, {0}]
+    model.path = [3, 1, 0, 2]
+    with hooked.no_sync():
+        _backward(torch, model, rank, 0)  # accumulated locally, not observed (its order would be 2, 0, 1, 3)
+    model.path = [2, 0, 3, 1]
+    _backward(torch, model, rank, 1)  # the first averaged step (of the sum of both passes): observed
+    everyone = comm.allgather([p.grad.clone() for p in model.parameters()])  # sent from the buckets: grads unchanged
+    hooked.finish()  # then the rebuild
+    assert _layers(hooked.bucket_parameters) == [{1}, {3}, {0}, {2}, {4}], "unused last"
+    assert [i for b in hooked.bucket_parameters[-1:] for i in b] == [9, 8], "in their previous order"
+    for i, p in enumerate(model.parameters()):
+        want = sum(e[i].double() for e in everyone) / n
+        assert torch.allclose(p.grad.double(), want, rtol=2**-7, atol=2**-7 * float(want.abs().max()))
+    assert torch.all(unused.weight.grad == 0) and torch.all(unused.bias.grad == 0)
+    hooked.close()
