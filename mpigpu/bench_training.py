@@ -251,11 +251,14 @@ def _deterministic(args: argparse.Namespace) -> None:
     warn instead of failing."""
     import os
 
-    import torch
-
-    if args.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    if not args.deterministic:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    try:
+        import torch
+    except ImportError:
+        return  # no training step: _models says so in one line
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def measure_training(args: argparse.Namespace, ctx: Any, on_gpu: bool, name: str) -> dict[str, Any]:

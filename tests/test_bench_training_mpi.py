@@ -79,7 +79,7 @@ def test_training_step_matches_ddp_and_skips_missing_models(tmp_path) -> None:
     assert diff["ddp"] == 0.0 and diff["ddp_repeat"] == 0.0 and step["ddp_noise"] == 0.0
     assert all(diff[row] <= tolerance for row in AVERAGING)
     assert step["verified"] == dict.fromkeys(AVERAGING, True)
-    assert step["verified_by"] == dict.fromkeys(AVERAGING, "tolerance")
+    assert step["verified_by"] == dict.fromkeys(AVERAGING, "tolerance") and step["deterministic"] is False
     # the check can fail: each rank trains on its own data, so not averaging moves the parameters
     assert diff["none"] > 100 * tolerance
 
