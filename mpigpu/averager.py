@@ -344,7 +344,9 @@ class Averager:
         # The greatest priority (CUDA clamps -1024 to the device's): when backward's kernels and a bucket's
         # reduction are both ready, the scheduler gives the reduction's blocks the free SMs first.
         self._side = cp.cuda.ExternalStream(runtime.streamCreateWithPriority(runtime.streamNonBlocking, -1024))
-        self._events = [runtime.eventCreateWithFlags(runtime.eventDisableTiming) for _ in range(len(self._buckets) + 1)]
+        # per bucket: packed (on the caller's stream), then reduced (on the side stream); the last: all reduced
+        count = 2 * len(self._buckets) + 1
+        self._events = [runtime.eventCreateWithFlags(runtime.eventDisableTiming) for _ in range(count)]
 
     # -- public -----------------------------------------------------------------------------------
     @property
@@ -403,20 +405,31 @@ class Averager:
         the stream the step used: later work there sees them; the host is not blocked by NCCL."""
         if self._step is None:
             raise InvalidArgument("finish() without start(): nothing is in flight")
-        for b in self._buckets:
-            self._wait(b)
-        streams = {b.stream for b in self._buckets if b.device is not None}
-        if streams:
+        runtime = None
+        if any(b.device is not None for b in self._buckets):
             from mpigpu._cuda import cupy
 
             self._ctx.activate_gpu()  # this thread may not have used the GPU yet (hooks run on autograd's)
             runtime = cupy().cuda.runtime
+        copied = {b.index for b in self._buckets if b.device is not None and b.unpack}  # GPU buckets to copy back
+        for b in self._buckets:
+            self._wait(b)  # nccl, ipc: returns at once, the reduction is ordered on the side stream
+            if b.index in copied:  # the side stream after this bucket's reduction, not the later ones'
+                assert runtime is not None
+                runtime.eventRecord(self._reduced_event(b), int(self._side.ptr))
+        # All waited before any unpack: an error in any bucket leaves every array as it was. A copied
+        # bucket's unpack waits only for its own reduction, so it runs while the later buckets reduce.
+        for b in self._buckets:
+            if b.index in copied and not self._errors:
+                assert runtime is not None
+                runtime.streamWaitEvent(b.stream, self._reduced_event(b), 0)
+            self._unpack(b)
+        streams = {b.stream for b in self._buckets if b.device is not None}
+        if streams:  # later work on the caller's streams sees every average (bucket views included)
             done = self._events[-1]
             runtime.eventRecord(done, int(self._side.ptr))
             for stream in streams:
                 runtime.streamWaitEvent(stream, done, 0)
-        for b in self._buckets:
-            self._unpack(b)
         result, self._step = self._step, None
         errors, self._errors = self._errors, []
         if errors:
@@ -604,6 +617,9 @@ class Averager:
         except MpigpuError as exc:  # rejected here: the other ranks get MismatchError for this bucket
             self._reject(b.index + 1, exc)
             raise
+
+    def _reduced_event(self, b: _Bucket) -> int:
+        return self._events[len(self._buckets) + b.index]
 
     def _wait(self, b: _Bucket) -> None:
         if not b.started:

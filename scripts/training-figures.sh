@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The training figures (issue 15) on a GPU machine: python -m mpigpu.bench_training under mpirun with
-# every GPU, for the MLP (with the fusion part), ResNet-50 and GPT-2, each beside DDP (NCCL).
+# every GPU, for the MLP (with the fusion part), ResNet-50 and GPT-2, each beside DDP (NCCL), and
+# GPT-2 once more with --deterministic (its parameters against DDP's without kernel nondeterminism).
 #
 #   OUT=results scripts/training-figures.sh [extra bench_training options, e.g. --iters 30]
 #
 # Writes $OUT/training-<model>-<gpu>x<n>-<date>.json and .txt (the printed table and any error).
-# TRAIN_DEADLINE (seconds, default 230): the three runs end within it; a run that would start with
+# TRAIN_DEADLINE (seconds, default 300): the four runs end within it; a run that would start with
 # less than 20 s left is skipped and counts as failed. MPIRUN overrides the launcher (default: Open
 # MPI's mpirun; Intel MPI's or MPICH's mpiexec work too: torch.distributed is started over MPI).
 # Exit status: non-zero if a run failed, timed out, or found parameters outside the DDP tolerance.
@@ -25,7 +26,7 @@ fi
 export MPIGPU_CACHE_DIR
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | sed 's/NVIDIA //; s/[^A-Za-z0-9]//g' | tr 'A-Z' 'a-z')
 tag="${gpu}x$NGPU-$(date -u +%F)"
-deadline=$(($(date +%s) + ${TRAIN_DEADLINE:-230}))
+deadline=$(($(date +%s) + ${TRAIN_DEADLINE:-300}))
 failures=0
 
 # figure NAME LIMIT OPTIONS...: one bench_training run, at most LIMIT seconds (less if the deadline is near)
@@ -47,12 +48,14 @@ figure() {
   [ "$rc" -ne 0 ] && failures=$((failures + 1))
   printf '%-4s %-9s rc=%-3s %4ss  %s\n' "$([ "$rc" -eq 0 ] && echo PASS || echo FAIL)" "$name" "$rc" \
     "$(($(date +%s) - start))" "$OUT/training-$name-$tag.txt"
-  grep -E '^  (no communication|DDP|BackwardAverager|Averager after)|hidden by|relative to DDP|FAIL|error' \
+  grep -E '^  (no communication|DDP|BackwardAverager|Averager after|hvd)|hidden by|relative to DDP|noise|FAIL|error' \
     "$OUT/training-$name-$tag.txt" | sed 's/^/      /'
 }
 
 figure mlp 80 --model mlp "$@"
 figure resnet50 70 --skip fusion --model resnet50 "$@"
 figure gpt2 80 --skip fusion --model gpt2 "$@"
+# GPT-2's parameters again, with deterministic kernels: is a difference to DDP the averaging or the model's own noise?
+figure gpt2-deterministic 70 --skip fusion --model gpt2 --deterministic --iters 10 "$@"
 echo "failed runs: $failures"
 [ "$failures" -eq 0 ]

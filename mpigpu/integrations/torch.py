@@ -4,8 +4,11 @@
     loss.backward()                                           # buckets are sent as their gradients
     optimizer.step()                                          # finish() runs first: grads averaged
 
-Parameters are bucketed in reverse order (the order backward produces their gradients), 25 MiB per
-bucket by default and 1 MiB for the first (DDP's), so the first gradients leave early. A hook on
+Parameters are bucketed in reverse order (the order backward usually produces their gradients), 25
+MiB per bucket by default and 1 MiB for the first (DDP's), so the first gradients leave early. After
+the first averaged step the buckets are rebuilt once in the order the gradients actually arrived
+(as DDP rebuilds its buckets): rank 0's order, agreed collectively, so a model whose forward uses
+its layers in another order than they were registered still sends its first gradients first. A hook on
 each parameter (``register_post_accumulate_grad_hook``, PyTorch >= 2.1) counts the bucket's ready
 gradients; when a bucket is complete it is packed and its
 ``allreduce_async`` starts, while backward computes the next gradients. Buckets start strictly in
@@ -74,44 +77,59 @@ class BackwardAverager:
             raise InvalidArgument(f"BackwardAverager needs PyTorch >= 2.1 (this is {torch.__version__})")
         is_module = isinstance(model, torch.nn.Module)
         params: list[Any] = list(model.parameters() if is_module else model)
-        ordered = [p for p in params if p.requires_grad][::-1]  # backward produces gradients last-first
+        self._trainable = [p for p in params if p.requires_grad]
+        self._order = list(range(len(self._trainable)))[::-1]  # backward produces gradients last-first, usually
+        self._settings = {"bucket_bytes": bucket_bytes, "first_bucket_bytes": first_bucket_bytes,
+                          "compression": compression, "backend": backend}  # fmt: skip
         self._comm = _private_comm(comm)
         try:
-            self._averager = Averager(
-                ordered,
-                bucket_bytes=bucket_bytes,
-                first_bucket_bytes=first_bucket_bytes,
-                compression=compression,
-                backend=backend,
-                comm=self._comm,
-                broadcast=False,  # below: the whole model (buffers too), after the layout check
-            )
+            # broadcast below: the whole model (buffers too), after the layout check
+            self._averager = self._new_averager(self._order)
             if broadcast:
                 broadcast_parameters(model if is_module else params, 0, comm=self._comm)
         except BaseException:
             self._comm.Free()  # every rank fails the (collective) construction together
             raise
-        members = self._averager.bucket_members
-        self._bucket_of = [0] * len(ordered)
-        for bucket, indices in enumerate(members):
-            for index in indices:
-                self._bucket_of[index] = bucket
-        self._sizes = [len(indices) for indices in members]
-        self._ready = [0] * len(members)
+        self._index_buckets()
         self._next = 0  # the first bucket not started this step
         self._syncing = True
-        self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, i)) for i, p in enumerate(ordered)]
+        self._observed: list[int] | None = []  # the gradients' order in the first averaged step; None: rebuilt
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(partial(self._on_grad, i)) for i, p in enumerate(self._trainable)
+        ]
         if optimizer is not None:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
+
+    def _new_averager(self, order: list[int]) -> Averager:
+        """An Averager of the trainable parameters in ``order`` (collective: every rank the same order)."""
+        return Averager([self._trainable[i] for i in order], comm=self._comm, broadcast=False, **self._settings)
+
+    def _index_buckets(self) -> None:
+        """The bucket of each parameter (by its position among the trainable ones) and each bucket's size."""
+        members = self._averager.bucket_members
+        self._bucket_of = [0] * len(self._trainable)
+        for bucket, indices in enumerate(members):
+            for index in indices:
+                self._bucket_of[self._order[index]] = bucket
+        self._sizes = [len(indices) for indices in members]
+        self._ready = [0] * len(members)
 
     @property
     def buckets(self) -> list[dict[str, Any]]:
         """One dict per bucket, in the order they are sent (see ``Averager.buckets``)."""
         return self._averager.buckets
 
+    @property
+    def bucket_parameters(self) -> list[list[int]]:
+        """Per bucket, in the order they are sent, the positions of its parameters among the model's
+        trainable parameters (``[p for p in model.parameters() if p.requires_grad]``)."""
+        return [[self._order[i] for i in indices] for indices in self._averager.bucket_members]
+
     def _on_grad(self, index: int, _param: Any) -> None:
         if not self._syncing:
             return
+        if self._observed is not None:
+            self._observed.append(index)
         if not self._averager.step_in_flight:
             self._averager.begin_step()
         b = self._bucket_of[index]
@@ -150,8 +168,38 @@ class BackwardAverager:
             while self._next < len(self._sizes):
                 self._start(self._next)
             averager.finish()
+        except BaseException:
+            if self._observed is not None:
+                self._observed = []  # observe the next step instead
+            raise
         finally:
             self._reset()
+        if self._observed is not None:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Collective, once, after the first averaged step: bucket the parameters in the order rank 0
+        saw their gradients arrive (those that got none last, in the current order), as DDP does. The
+        gradients stay where they are (views of the old buckets) and are packed into the new ones at
+        the next step, whose buckets they then become."""
+        observed, self._observed = self._observed or [], None
+        from mpigpu.context import Context
+
+        ctx = Context.get(self._comm)
+        ctx.enter("BackwardAverager")
+        try:
+            ctx.wait_async()
+            agreed = ctx.comm.bcast(observed, root=0)  # ranks may see different orders: rank 0's is used
+        finally:
+            ctx.leave()
+        first = dict.fromkeys(agreed)  # in arrival order; a gradient that arrived twice counts where it came first
+        order = [*first, *(i for i in self._order if i not in first)]
+        if order == self._order:
+            return
+        rebuilt = self._new_averager(order)
+        old, self._averager, self._order = self._averager, rebuilt, order
+        old.close()
+        self._index_buckets()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -164,6 +212,7 @@ class BackwardAverager:
 
     def close(self) -> None:
         """Finish a step in flight, remove the hooks and free the buckets' GPU events (idempotent)."""
+        self._observed = None  # no rebuild on the way out
         self.finish()
         for hook in self._hooks:
             hook.remove()

@@ -141,6 +141,34 @@ def test_averager_cupy_buckets_and_views(ctx, comm, cp) -> None:
     averager.close()
 
 
+@pytest.mark.parametrize("backend", ["auto", "nccl", "ipc", "host", "cuda-aware"])
+def test_averager_copies_back_each_bucket_after_its_own_reduction(ctx, comm, cp, backend: str) -> None:
+    """A copying Averager's unpack of a bucket waits for that bucket's reduction only (so it overlaps
+    the later buckets'): 8 buckets of 8 MiB, produced and consumed on a non-default stream with no
+    synchronisation in between, exact values at every step (an unpack that ran early would copy the
+    rank's own values back)."""
+    state = ctx.availability[backend] if backend != "auto" else None
+    if state is not None and not state.ok:
+        pytest.skip(f"{backend} is not available under {ctx.mpi_lib.name}: {state.reason}")
+    n = 2 << 20  # 8 MiB of float32 per array, one array per bucket
+    hosts = [_exact(n, "float32", Op.AVG, comm, offset=i * 11) for i in range(8)]
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        arrays = [cp.empty(n, cp.float32) for _ in hosts]
+    averager = Averager(arrays, bucket_bytes=n * 4, backend=backend)
+    assert len(averager.buckets) == 8
+    for _ in range(3):
+        with stream:
+            for a, h in zip(arrays, hosts, strict=True):
+                a[...] = cp.asarray(h) * 1  # written by kernels on `stream`
+            averager(stream=stream)
+            copies = [a * 1 for a in arrays]  # read on `stream` right away
+        stream.synchronize()
+        for i, c in enumerate(copies):
+            assert _wrong(c.get(), "float32", Op.AVG, comm, offset=i * 11) == 0, (backend, i)
+    averager.close()
+
+
 @pytest.mark.parametrize("kind", ["float16", "bfloat16"])
 def test_averager_compression(ctx, comm, cp, kind: str) -> None:
     rng = np.random.default_rng(comm.Get_rank())
@@ -211,6 +239,48 @@ def test_backward_averager_cuda(ctx, own_comm) -> None:
             for p, want in zip(model.parameters(), expected, strict=True):
                 assert np.allclose(p.grad.cpu().numpy(), want, rtol=rtol, atol=rtol * np.abs(want).max())
         hooked.close()
+
+
+def test_backward_averager_cuda_rebuilds_buckets_in_gradient_order(ctx, own_comm) -> None:
+    """Layers registered 0..3 but applied 2, 0, 3, 1: after the first step the buckets follow the
+    gradients' arrival (layers 1, 3, 0, 2), the gradients stay exact (integer values, so the float64
+    mean is exact) across the rebuild, and they end up living in the new buckets."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from mpigpu.integrations.torch import BackwardAverager
+
+    device = torch.device("cuda", ctx.gpu.index)
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4)).to(device)
+    twin = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4)).to(device)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p, q in zip(layers.parameters(), twin.parameters(), strict=True):
+            p.copy_(torch.randint(-1, 2, p.shape, generator=gen).float())
+            q.copy_(p)
+
+    def backward(module, step: int) -> None:
+        g = torch.Generator().manual_seed(1000 * step + own_comm.Get_rank())
+        x = torch.randint(-1, 2, (2, 4), generator=g).float().to(device)
+        c = torch.randint(-2, 3, (2, 4), generator=g).float().to(device)
+        for i in (2, 0, 3, 1):
+            x = module[i](x)
+        (x * c).sum().backward()
+
+    optimizer = torch.optim.SGD(layers.parameters(), lr=0.0)
+    hooked = BackwardAverager(layers, optimizer=optimizer, bucket_bytes=80)  # one layer (80 bytes) per bucket
+    for step in range(4):
+        twin.zero_grad(set_to_none=True)
+        backward(twin, step)
+        everyone = own_comm.allgather([q.grad.double().cpu().numpy() for q in twin.parameters()])
+        optimizer.zero_grad(set_to_none=False)
+        backward(layers, step)
+        optimizer.step()
+        for i, p in enumerate(layers.parameters()):
+            want = np.mean([e[i] for e in everyone], axis=0)
+            assert np.array_equal(p.grad.double().cpu().numpy(), want), f"step {step}"
+        assert [{i // 2 for i in b} for b in hooked.bucket_parameters] == [{1}, {3}, {0}, {2}]
+    slots = {s.data_ptr() for b in hooked._averager._buckets for s in b.slots}
+    assert {p.grad.data_ptr() for p in layers.parameters()} <= slots
+    hooked.close()
 
 
 # -- samples, in this process (the ranks are already running under mpirun) ----------------------
