@@ -20,8 +20,8 @@ collective, so the caller's watchdog (``MPIGPU_TIMEOUT``) ends it with its usual
 from __future__ import annotations
 
 import os
+import struct
 import time
-from array import array
 from typing import Any
 
 from mpigpu._mpi import MPI
@@ -32,6 +32,7 @@ __all__ = ["CheckBoard", "board_for", "open_board"]
 
 FIELDS = 9  # values per signature (check._FIELDS)
 _SLOT = 16  # int64 per slot: [k, 9 values, padding] = 128 bytes, one slot per pair of cache lines
+_PACK = struct.Struct(f"={FIELDS}q").pack_into  # native int64, as the "q" view reads them
 _SPIN_S = 20e-6  # busy-wait this long first: the other ranks are usually microseconds away
 _YIELD_S = 2e-3  # then give the CPU away (sched_yield) until this long
 _SLEEP_S = 50e-6  # then sleep in steps of this long (an oversubscribed machine, a slow rank)
@@ -55,7 +56,8 @@ class CheckBoard:
         self._segment = SharedSegment(shared_comm, 2 * _SLOT * 8 * self.size)
         self._segment.touch(2 * _SLOT * 8 * self.rank, 2 * _SLOT * 8)  # k = 0 in both slots: no check yet
         self._segment.barrier()
-        self._mv: memoryview = memoryview(self._segment.array).cast("q")
+        self._bytes: memoryview = memoryview(self._segment.array)
+        self._mv: memoryview = self._bytes.cast("q")
         self._sync = self._segment._win.Sync
         # slot offsets (in int64) of parity 0 and 1: this rank's, and every rank's in rank order
         self._mine = (2 * _SLOT * self.rank, 2 * _SLOT * self.rank + _SLOT)
@@ -69,7 +71,7 @@ class CheckBoard:
         self.k = k
         mv, parity = self._mv, k & 1
         mine = self._mine[parity]
-        mv[mine + 1 : mine + 1 + FIELDS] = array("q", values)
+        _PACK(self._bytes, 8 * mine + 8, *values)
         self._sync()  # the values are visible before k is
         mv[mine] = k
         slots = self._all[parity]
@@ -77,16 +79,18 @@ class CheckBoard:
             if mv[slot] != k:
                 _wait(mv, slot, k)
         self._sync()  # k was seen: the values written before it are read after it
-        first = mv[slots[0] + 1 : slots[0] + 1 + FIELDS]
-        if first[0] != 0:
+        if mv[slots[0] + 1] != 0:  # rank 0 failed (another rank that failed differs from rank 0 below)
             return False
-        return all(mv[slot + 1 : slot + 1 + FIELDS] == first for slot in slots[1:])
+        raw = self._bytes
+        first = raw[8 * slots[0] + 8 : 8 * slots[0] + 8 + 8 * FIELDS]
+        return all(raw[8 * slot + 8 : 8 * slot + 8 + 8 * FIELDS] == first for slot in slots[1:])
 
     def close(self) -> None:
         """Free the segment (collective; idempotent)."""
         _BOARDS.pop(id(self.comm), None)
         if self._segment is not None:
             self._mv.release()
+            self._bytes.release()
             segment, self._segment = self._segment, None
             segment.close()
 
