@@ -4,7 +4,10 @@ rejected its own arguments. Mismatches become the same MismatchError on every ra
 hang or a read past a buffer. The shape is checked too (as a 62-bit hash): ranks that pass the same
 element count in different shapes are almost certainly reducing different tensors into each other.
 
-Cost: one MPI_Allreduce(MAX) of 18 int64 values per call. It runs on every call, by design: any
+How: when every rank of the communicator is on one node (the usual GPU box), through node-shared
+memory (mpigpu/check_board.py): each rank posts its 9 values and reads everyone's, no MPI call; else
+one MPI_Allreduce(MAX) of 18 int64 values ([v, -v]). On a difference, either way, every rank gathers
+the signatures (MPI) and raises the same message. It runs on every call, by design: any
 scheme where ranks skip the check independently (say, once per signature seen) can leave one rank
 checking while another has moved on, which is the hang the check exists to prevent. Example: rank 0
 has seen (1000, float32) before and skips; rank 1 passes 1001 for the first time and checks, so
