@@ -7,6 +7,7 @@ board is not used (a simulated multi-node layout)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import textwrap
 import time
 from collections.abc import Iterator
@@ -165,7 +166,7 @@ def test_simulated_multi_node_layout_checks_through_mpi(tmp_path: Path) -> None:
     script = tmp_path / "multinode.py"
     script.write_text(
         textwrap.dedent("""
-        import numpy as np, mpigpu
+        import json, numpy as np, mpigpu
         from mpigpu.context import Context
         from mpigpu.errors import MismatchError
         ctx = Context.get()
@@ -173,17 +174,21 @@ def test_simulated_multi_node_layout_checks_through_mpi(tmp_path: Path) -> None:
         x = np.full(3, float(ctx.rank + 1))
         mpigpu.allreduce(x, "sum")
         assert np.all(x == 3), x
+        caught = None
         try:
             mpigpu.allreduce(np.ones(3 + ctx.rank))
         except MismatchError as exc:
-            print("caught", exc)
+            caught = str(exc)
         x = np.ones(2)
         mpigpu.allreduce(x, "sum")
         assert np.all(x == 2), x
-        print("ok", ctx.rank)
+        everyone = ctx.comm.gather(caught, root=0)
+        if ctx.rank == 0:
+            print(json.dumps(everyone))
         """)
     )
     result = run_mpi(2, [str(script)], env={"MPIGPU_NODE_SIZE": "1"})
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("caught allreduce: ranks passed different arguments (count: 3 on rank 0") == 2
-    assert "ok 0" in result.stdout and "ok 1" in result.stdout
+    caught = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(caught) == 2 and caught[0] == caught[1], "the same message on both ranks"
+    assert caught[0].startswith("allreduce: ranks passed different arguments (count: 3 on rank 0; 4 on rank 1")
