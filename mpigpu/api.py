@@ -41,6 +41,7 @@ class Prepared:
     stream: StreamRef | None
     result: Any  # what allreduce returns (out, x, or a new array for immutable inputs)
     finish: Any = None  # callable(out_view) -> result object, for immutable inputs (JAX)
+    signature: Signature | None = None  # the cross-rank check's signature (check_call builds it if None)
 
 
 def _output_for(x: ArrayView) -> tuple[ArrayView, Any, Any]:
@@ -85,26 +86,40 @@ def validate(ctx: Context, x: Any, op: Any, out: Any, backend: str, stream: Any)
             outv, result = xv, x
     else:
         outv, result = as_view(out, name="out"), out
-    # check_out, require_own_gpu and the backend's choice are functions of these values alone (and of
-    # the context's fixed state): a call repeating the last call's values skips them. Values, not
-    # objects: the memo holds no reference to the caller's arrays, and a different array (or the same
-    # one moved, resized or made read-only) at other values is validated in full. It lives in the plan
-    # cache, so whatever forgets the remembered choices (a new tuning table) forgets it too.
+    # check_out, require_own_gpu, the backend's choice and the check's signature are functions of these
+    # values alone (and of the context's fixed state): a call repeating the last call's values skips
+    # them. Values, not objects: the memo holds no reference to the caller's arrays, and a different
+    # array (or the same one moved, resized or made read-only) at other values is validated in full.
+    # It lives in the plan cache, so whatever forgets the remembered choices (a new tuning table)
+    # forgets it too.
     key = (
         xv.ptr, xv.shape, xv.dtype, xv.device, op_, backend,
         None if out is None else (outv.ptr, outv.shape, outv.dtype, outv.device, outv.readonly),
     )  # fmt: skip
     memo = ctx.plan_cache.get(_LAST_CALL)
     if memo is not None and memo[0] == key:
-        choice = memo[1]
+        _, choice, signature = memo
     else:
         if out is not None:
             check_out(xv, outv)
         ctx.require_own_gpu(xv)
         choice = choose_cached(ctx, xv, op_, backend)
-        ctx.plan_cache[_LAST_CALL] = (key, choice)
+        signature = _signature(xv, op_, choice.backend)
+        ctx.plan_cache[_LAST_CALL] = (key, choice, signature)
     ref = resolve_stream(stream, xv.framework, xv.device) if xv.on_device else None
-    return Prepared(ctx, xv, outv, op_, choice, ref, result, finish)
+    return Prepared(ctx, xv, outv, op_, choice, ref, result, finish, signature)
+
+
+def _signature(xv: ArrayView, op: Op, backend: str) -> Signature:
+    """What this rank asks for, as the cross-rank check compares it."""
+    return Signature(
+        count=xv.size,
+        dtype=xv.dtype.code,
+        op=op.code,
+        backend=backend_code(backend),
+        placement=int(xv.on_device),
+        shape=xv.shape,
+    )
 
 
 def prepare(
@@ -143,14 +158,7 @@ def check_call(prepared: Prepared) -> None:
     """The cross-rank check of a validated call: MismatchError on every rank unless all agree (collective)."""
     ctx, xv = prepared.ctx, prepared.x
     if ctx.settings.check:
-        signature = Signature(
-            count=xv.size,
-            dtype=xv.dtype.code,
-            op=prepared.op.code,
-            backend=backend_code(prepared.choice.backend),
-            placement=int(xv.on_device),
-            shape=xv.shape,
-        )
+        signature = prepared.signature or _signature(xv, prepared.op, prepared.choice.backend)
         name = prepared.choice.backend
         if ctx.watchdog.timeout > 0:  # a rank that never arrives would leave the others waiting here
             with ctx.watchdog.watch(f"allreduce of {xv.size} {xv.dtype.name} (cross-rank argument check)"):

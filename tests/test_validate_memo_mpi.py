@@ -17,7 +17,7 @@ import pytest
 import mpigpu
 from mpigpu import api
 from mpigpu.context import Context
-from mpigpu.errors import InvalidArgument
+from mpigpu.errors import InvalidArgument, MismatchError
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -104,3 +104,19 @@ def test_forgetting_the_choices_forgets_the_memo(comm) -> None:
         assert _memo(ctx) is None
         mpigpu.allreduce(x, comm=ctx.comm)
         assert _memo(ctx) is not None
+
+
+def test_an_array_reshaped_in_place_is_checked_with_its_new_shape(comm) -> None:
+    n, rank = comm.Get_size(), comm.Get_rank()
+    with _context(comm) as ctx:
+        x = np.arange(6, dtype=np.float64)
+        for _ in range(2):
+            mpigpu.allreduce(x, "max", comm=ctx.comm)  # remembered, signature included
+        if rank == n - 1:
+            x.shape = (2, 3)  # the same object and memory, another shape
+        if n == 1:
+            mpigpu.allreduce(x, "max", comm=ctx.comm)
+            assert ctx.plan_cache[api._LAST_CALL][2].shape == (2, 3)
+        else:
+            with pytest.raises(MismatchError, match=r"shape: \[6\] on rank"):
+                mpigpu.allreduce(x, "max", comm=ctx.comm)
