@@ -19,6 +19,7 @@ collective, so the caller's watchdog (``MPIGPU_TIMEOUT``) ends it with its usual
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import time
@@ -53,12 +54,13 @@ class CheckBoard:
         self.rank = shared_comm.Get_rank()
         if self.size != comm.Get_size() or self.rank != comm.Get_rank():
             raise MpigpuError("a check board needs every rank of its communicator on one node, in the same order")
-        self._segment = SharedSegment(shared_comm, 2 * _SLOT * 8 * self.size)
-        self._segment.touch(2 * _SLOT * 8 * self.rank, 2 * _SLOT * 8)  # k = 0 in both slots: no check yet
-        self._segment.barrier()
-        self._bytes: memoryview = memoryview(self._segment.array)
+        segment = SharedSegment(shared_comm, 2 * _SLOT * 8 * self.size)
+        segment.touch(2 * _SLOT * 8 * self.rank, 2 * _SLOT * 8)  # k = 0 in both slots: no check yet
+        segment.barrier()
+        self._segment: SharedSegment | None = segment
+        self._bytes: memoryview = memoryview(segment.array)
         self._mv: memoryview = self._bytes.cast("q")
-        self._sync = self._segment._win.Sync
+        self._fence = segment.fence
         # slot offsets (in int64) of parity 0 and 1: this rank's, and every rank's in rank order
         self._mine = (2 * _SLOT * self.rank, 2 * _SLOT * self.rank + _SLOT)
         self._all = tuple(tuple(2 * _SLOT * r + p * _SLOT for r in range(self.size)) for p in (0, 1))
@@ -72,13 +74,13 @@ class CheckBoard:
         mv, parity = self._mv, k & 1
         mine = self._mine[parity]
         _PACK(self._bytes, 8 * mine + 8, *values)
-        self._sync()  # the values are visible before k is
+        self._fence()  # the values are visible before k is
         mv[mine] = k
         slots = self._all[parity]
         for slot in slots:
             if mv[slot] != k:
                 _wait(mv, slot, k)
-        self._sync()  # k was seen: the values written before it are read after it
+        self._fence()  # k was seen: the values written before it are read after it
         if mv[slots[0] + 1] != 0:  # rank 0 failed (another rank that failed differs from rank 0 below)
             return False
         raw = self._bytes
@@ -87,10 +89,12 @@ class CheckBoard:
 
     def close(self) -> None:
         """Free the segment (collective; idempotent)."""
-        _BOARDS.pop(id(self.comm), None)
+        if board_for(self.comm) is self:
+            del _BOARDS[id(self.comm)]
         if self._segment is not None:
-            self._mv.release()
-            self._bytes.release()
+            with contextlib.suppress(BufferError):  # a view still exported: freed with the segment anyway
+                self._mv.release()
+                self._bytes.release()
             segment, self._segment = self._segment, None
             segment.close()
 
