@@ -41,7 +41,10 @@ class Prepared:
     stream: StreamRef | None
     result: Any  # what allreduce returns (out, x, or a new array for immutable inputs)
     finish: Any = None  # callable(out_view) -> result object, for immutable inputs (JAX)
-    signature: Signature | None = None  # the cross-rank check's signature (check_call builds it if None)
+    # the cross-rank check's signature and the (x, op, choice) it was made for: check_call uses it only
+    # for those very objects (a Prepared copied with another x, op or choice gets a new one)
+    signature: Signature | None = None
+    signed: tuple[Any, ...] = ()
 
 
 def _output_for(x: ArrayView) -> tuple[ArrayView, Any, Any]:
@@ -107,7 +110,7 @@ def validate(ctx: Context, x: Any, op: Any, out: Any, backend: str, stream: Any)
         signature = _signature(xv, op_, choice.backend)
         ctx.plan_cache[_LAST_CALL] = (key, choice, signature)
     ref = resolve_stream(stream, xv.framework, xv.device) if xv.on_device else None
-    return Prepared(ctx, xv, outv, op_, choice, ref, result, finish, signature)
+    return Prepared(ctx, xv, outv, op_, choice, ref, result, finish, signature, (xv, op_, choice))
 
 
 def _signature(xv: ArrayView, op: Op, backend: str) -> Signature:
@@ -158,7 +161,10 @@ def check_call(prepared: Prepared) -> None:
     """The cross-rank check of a validated call: MismatchError on every rank unless all agree (collective)."""
     ctx, xv = prepared.ctx, prepared.x
     if ctx.settings.check:
-        signature = prepared.signature or _signature(xv, prepared.op, prepared.choice.backend)
+        signature = prepared.signature
+        signed = prepared.signed
+        if signature is None or signed[0] is not xv or signed[1] is not prepared.op or signed[2] is not prepared.choice:
+            signature = _signature(xv, prepared.op, prepared.choice.backend)
         name = prepared.choice.backend
         if ctx.watchdog.timeout > 0:  # a rank that never arrives would leave the others waiting here
             with ctx.watchdog.watch(f"allreduce of {xv.size} {xv.dtype.name} (cross-rank argument check)"):
