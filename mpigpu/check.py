@@ -4,7 +4,10 @@ rejected its own arguments. Mismatches become the same MismatchError on every ra
 hang or a read past a buffer. The shape is checked too (as a 62-bit hash): ranks that pass the same
 element count in different shapes are almost certainly reducing different tensors into each other.
 
-Cost: one MPI_Allreduce(MAX) of 18 int64 values per call. It runs on every call, by design: any
+How: when every rank of the communicator is on one node (the usual GPU box), through node-shared
+memory (mpigpu/check_board.py): each rank posts its 9 values and reads everyone's, no MPI call; else
+one MPI_Allreduce(MAX) of 18 int64 values ([v, -v]). On a difference, either way, every rank gathers
+the signatures (MPI) and raises the same message. It runs on every call, by design: any
 scheme where ranks skip the check independently (say, once per signature seen) can leave one rank
 checking while another has moved on, which is the hang the check exists to prevent. Example: rank 0
 has seen (1000, float32) before and skips; rank 1 passes 1001 for the first time and checks, so
@@ -21,9 +24,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from array import array
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from mpigpu._mpi import MPI
+from mpigpu.check_board import FIELDS, board_for
 from mpigpu.dtypes import DTYPES
 from mpigpu.errors import MismatchError
 from mpigpu.ops import Op
@@ -34,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["COLLECTIVES", "Signature", "announce_rejection", "check_signature", "fail_together"]
 
 _FIELDS = ("failed", "count", "dtype", "op", "backend", "placement", "shape", "collective", "root")
+assert len(_FIELDS) == FIELDS, "the check board's slots hold one value per field"
 # A collective's code in the signature is its index here: one collective per call, and two ranks in
 # different collectives fail the check like any other difference.
 COLLECTIVES: tuple[str, ...] = ("allreduce", "broadcast", "allgather", "broadcast_object", "allgather_object")
@@ -132,8 +137,13 @@ def check_signature(
 
     ``failure`` completes "<name> did not run: rank 1 ..." when a rank reports an error;
     ``backend_name`` names ``sig.backend`` in that message (this module sits below the backends)."""
-    mpi = MPI()
     mine = sig.values()
+    board = board_for(comm)
+    if board is not None:
+        if board.agree(mine):
+            return
+        _mismatch(comm, sig, mine, name, failure, backend_name)
+    mpi = MPI()
     f, c, d, o, b, p, s, k, r = mine
     # MAX over [v, -v] gives max and -min of every field in one collective. max - min >= 0 per field,
     # so all fields fail_together iff the 18 results sum to 0; result[0] is 1 if any rank failed.
@@ -145,6 +155,11 @@ def check_signature(
     )
     if result[0] == 0 and sum(result) == 0:
         return
+    _mismatch(comm, sig, mine, name, failure, backend_name)
+
+
+def _mismatch(comm: Any, sig: Signature, mine: list[int], name: str, failure: str, backend_name: str) -> NoReturn:
+    """Every rank found a difference: gather the signatures and raise the same message everywhere (collective)."""
     gathered = comm.allgather((mine, sig.error, tuple(int(d) for d in sig.shape), backend_name))
     raise MismatchError(_describe(name, gathered, failure))
 

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 from mpigpu._mpi import MPI, LibraryInfo, library_info, world
 from mpigpu.backends import BACKEND_NAMES, Availability, Backend, backend_class
 from mpigpu.check import announce_rejection, fail_together
+from mpigpu.check_board import CheckBoard, open_board
 from mpigpu.config import ENV_VARS, Settings, disagreement
 from mpigpu.detect import CudaAwareness, NcclInfo, detect_cuda_awareness, detect_nccl
 from mpigpu.device import GpuInfo, map_device
@@ -63,6 +64,7 @@ class Context:
         self._violation: str | None = None  # set once a second thread has called: every call is refused
         self._calls = threading.RLock()  # held by the owner during a call; a refusal waits for it
         self._known_ids: list[int] = []  # its keys in Context._known
+        self.check_board: CheckBoard | None = None
         label = f"mpigpu start-up (the first mpigpu call on a communicator of {comm.Get_size()} ranks; collective)"
         with self.watchdog.watch(label):
             # mpigpu's own duplicate: nothing the user does on ``comm`` can pair with its collectives
@@ -79,6 +81,10 @@ class Context:
         self.size = comm.Get_size()
         self.mpi_lib: LibraryInfo = library_info()
         self.layout: Layout = build_layout(comm, self.settings.node_size)
+        # The cross-rank check through node-shared memory when every rank is on one (unsplit) node;
+        # otherwise (None) through MPI. Every later check on self.comm finds it (check_board.board_for).
+        if self.settings.check:  # agreed on every rank: open_board is collective
+            self.check_board = open_board(comm, None if self.layout.virtual else self.layout.phys_comm)
         self.gpu: GpuInfo | None = map_device(self.layout, self.settings.allow_shared_gpu)
         has_gpu = self.gpu is not None
         self.all_have_gpus: bool = bool(comm.allreduce(int(has_gpu), op=MPI().MIN))
@@ -275,6 +281,11 @@ class Context:
             except Exception as exc:  # report, keep closing the rest
                 sys.stderr.write(f"mpigpu: closing backend {instance.name} failed: {exc}\n")
         getattr(self, "_backends", {}).clear()
+        if self.check_board is not None:
+            with contextlib.suppress(Exception):
+                if not MPI().Is_finalized():
+                    self.check_board.close()
+            self.check_board = None
         if self.layout is not None:
             self.layout.close()
         comm, self.comm = self.comm, None

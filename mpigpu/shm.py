@@ -76,6 +76,11 @@ class SharedSegment:
         """Write zeros over a range, so its pages are placed near the rank that touches them first."""
         self.array[offset : offset + nbytes] = 0
 
+    def fence(self) -> None:
+        """``Win_sync``: this process's stores before it are visible before its stores after it, and its
+        loads after it see what was visible before (a memory barrier; for flag protocols without a barrier)."""
+        self._win.Sync()
+
     def barrier(self) -> None:
         """Every rank's stores before this call are visible to every rank's loads after it."""
         self._win.Sync()

@@ -15,7 +15,9 @@ Rows:
   prepared run         api.run(p) with p = api.prepare(...) made once (no validation, no check)
   request start+wait   req.start(); req.wait() with req = allreduce_init(x) made once
   request()            req(): start and wait in one
-  check alone          the cross-rank signature check (api.check_call) of a prepared call, collective
+  check alone          the cross-rank signature check (api.check_call) of a prepared call, collective: through
+                       node-shared memory where every rank is on one node (the check board), else MPI
+  check via MPI        the same signature through MPI_Allreduce (a communicator without a board), for comparison
   backend alone        the chosen backend's allreduce(x, out, op, stream), collective
   validate             api.validate: everything local in a call (the next rows are its parts)
   parse_op, as_view, Context.get, choose_cached, resolve_stream
@@ -38,6 +40,8 @@ from mpigpu import api
 from mpigpu._cuda import resolve_stream
 from mpigpu._mpi import MPI, world
 from mpigpu.arrays import as_view
+from mpigpu.backends import backend_code
+from mpigpu.check import Signature, check_signature
 from mpigpu.context import Context
 from mpigpu.ops import parse_op
 from mpigpu.plan import choose_cached
@@ -102,6 +106,9 @@ def profile(framework: str, nbytes: int, dtype: str, backend: str, iters: int, w
     req = mpigpu.allreduce_init(x, "sum", backend=backend)
     view, op = prepared.x, prepared.op
     engine = ctx.backend(prepared.choice.backend)
+    plain = comm.Dup()  # no check board on it: check_signature takes the MPI path
+    code = backend_code(prepared.choice.backend)
+    signature = Signature(view.size, view.dtype.code, op.code, code, int(view.on_device), shape=view.shape)
 
     def start_wait() -> None:
         req.start()
@@ -115,6 +122,7 @@ def profile(framework: str, nbytes: int, dtype: str, backend: str, iters: int, w
         "request start+wait": start_wait,
         "request()": req,
         "check alone": lambda: api.check_call(prepared),
+        "check via MPI": lambda: check_signature(plain, signature),
         "backend alone": lambda: engine.allreduce(view, prepared.out, op, prepared.stream),
     }
     for name, fn in collective.items():
@@ -131,6 +139,7 @@ def profile(framework: str, nbytes: int, dtype: str, backend: str, iters: int, w
     for name, fn in local.items():
         rows[name] = _local(comm, fn, iters)
     req.free()
+    plain.Free()
     return {"bytes": nbytes, "backend": prepared.choice.backend, "us": rows}
 
 
