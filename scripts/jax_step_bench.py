@@ -1,10 +1,14 @@
 """Milliseconds per data-parallel JAX training step, several ways, on the same model:
 
   (a)  in-jit   one jitted step: loss, grad, mpigpu.jax.average_tree (an XLA FFI call), update
+  (a1) in-jit as (a), with a new Python thread state made and deleted for every handler call (ctypes'
+                own behaviour on XLA's threads, before the handler kept one per thread): runs first
   (a0) in-jit as (a), with JAX's own host wait before every call restored (the runtime token placed
                 with block_until_ready, as before issue 17): what mpigpu.jax._tokens saves
   (an) in-jit as (a) with backend="nccl" forced, on GPUs where (a)'s auto chose another backend
   (b)  leave    grad in jit, mpigpu.allreduce on the concrete flattened gradient, update in jit
+  (l)  local    as (a) without the average (each rank its own gradient): the step's own cost, JAX's C++
+                dispatch (a program with an ordered effect always takes JAX's Python dispatch); not checked
   (c)  jax      JAX's own multi-process collectives: jax.distributed.initialize (coordinator address
                 from rank 0 over MPI), a jitted shard_map step with lax.pmean over the global device mesh
 
@@ -13,7 +17,11 @@
 
 Every row says which backend reduced the gradient, how many bytes it reduced per step and rank, and the
 host's dispatch time per step (time spent in the step calls, before the final wait): where that is
-close to ms/step the host is the limit, not the device. Every variant starts from the same parameters
+close to ms/step the host is the limit, not the device. "main cpu" is the CPU time of the dispatching
+thread per step (near host ms: dispatch is Python work; well below: it waits, for the GIL or for XLA).
+The in-jit rows also say what the FFI handler costs per call, measured inside it on XLA's thread: wall
+and CPU time (wall - CPU: waiting, for the GIL or in MPI), calls per step, and how many calls found
+their thread's Python state new (all of them in (a1)). Every variant starts from the same parameters
 and data and runs the same number of steps; the script checks that all end with the same parameters
 on every rank (to a float32 tolerance: the reductions add in different orders) and that each is
 identical across ranks. (c) is skipped, with a one-line reason, if jax.distributed cannot start.
@@ -97,23 +105,36 @@ def _host_copy(jax: Any, tree: Any) -> np.ndarray:
     return np.concatenate(leaves) if leaves else np.zeros(0, np.float32)
 
 
-def _timed(comm: Any, run_steps: Any, steps: int) -> tuple[float, float]:
-    """(ms per step, host dispatch ms per step), each on the slowest rank."""
+def _timed(comm: Any, run_steps: Any, steps: int) -> tuple[float, float, float]:
+    """(ms per step, host dispatch ms per step, main thread CPU ms per step), each on the slowest rank."""
     comm.Barrier()
     start = time.perf_counter()
-    dispatch = run_steps(steps)
+    dispatch, cpu = run_steps(steps)
     elapsed = time.perf_counter() - start
     from mpigpu._mpi import MPI
 
     slowest = MPI().MAX
-    return comm.allreduce(elapsed, op=slowest) * 1e3 / steps, comm.allreduce(dispatch, op=slowest) * 1e3 / steps
+    return tuple(comm.allreduce(v, op=slowest) * 1e3 / steps for v in (elapsed, dispatch, cpu))  # type: ignore[return-value]
+
+
+def _handler_row(comm: Any, times: Any, steps: int) -> dict[str, Any]:
+    """The FFI handler's cost per call during the timed steps, the slowest rank's."""
+    from mpigpu._mpi import MPI
+
+    calls = max(times.calls, 1)
+    slowest = MPI().MAX
+    wall = comm.allreduce(times.seconds / calls, op=slowest)
+    cpu = comm.allreduce(times.cpu_seconds / calls, op=slowest)
+    fresh = comm.allreduce(times.fresh, op=slowest)
+    return {"calls_per_step": times.calls / steps, "us_per_call": wall * 1e6, "cpu_us_per_call": cpu * 1e6,
+            "new_thread_state_calls": fresh, "threads": len(times.threads)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import mpigpu
-    from mpigpu._mpi import world
+    from mpigpu._mpi import MPI, world
     from mpigpu.context import Context
 
     comm = world()
@@ -139,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     from jax.flatten_util import ravel_pytree
 
     import mpigpu.jax as mj
+    from mpigpu.jax._ffi import fresh_thread_states, record_times
     from mpigpu.jax._tokens import jax_host_wait
 
     local = jax.local_devices()
@@ -172,11 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     finals: dict[str, np.ndarray] = {}
 
     # (a) one jitted step with the average inside
-    def make_step_a(backend: str) -> Any:
+    def make_step_a(backend: str | None) -> Any:
         @jax.jit
         def step_a(p, x, y):
             loss, g = jax.value_and_grad(loss_fn)(p, x, y)
-            return update(p, mj.average_tree(g, backend=backend)), loss
+            return update(p, g if backend is None else mj.average_tree(g, backend=backend)), loss
 
         return step_a
 
@@ -185,33 +207,39 @@ def main(argv: list[str] | None = None) -> int:
     unravel = ravel_pytree(params0)[1]
     update_b = jax.jit(lambda p, flat: update(p, unravel(flat)))
 
-    def run_variant(name: str, init: Any, one_step: Any, reduced: Any, around: Any = contextlib.nullcontext) -> None:
+    def run_variant(
+        name: str, init: Any, one_step: Any, reduced: Any, around: Any = contextlib.nullcontext, checked: bool = True
+    ) -> None:
         """Time ``one_step``; ``reduced()`` (called after the warm-up, which compiles) says what reduced the
         gradient: (backend, bytes per step and rank)."""
         state = {"p": init()}
 
-        def steps(n: int) -> float:
+        def steps(n: int) -> tuple[float, float]:
             p = state["p"]
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             for _ in range(n):
                 p = one_step(p)
-            dispatched = time.perf_counter() - start
+            dispatched, cpu = time.perf_counter() - start, time.thread_time() - cpu
             jax.block_until_ready(p)
             state["p"] = p
-            return dispatched
+            return dispatched, cpu
 
         with around():
             steps(args.warmup)
-            ms, host_ms = _timed(comm, steps, args.steps)
+            with record_times() as times:
+                ms, host_ms, cpu_ms = _timed(comm, steps, args.steps)
         backend, nbytes = reduced()
-        results[name] = {"ms_per_step": ms, "host_dispatch_ms_per_step": host_ms, "backend": backend,
-                         "bytes_reduced_per_step": nbytes}  # fmt: skip
-        finals[name] = _host_copy(jax, state["p"])
+        results[name] = {"ms_per_step": ms, "host_dispatch_ms_per_step": host_ms, "main_cpu_ms_per_step": cpu_ms,
+                         "backend": backend, "bytes_reduced_per_step": nbytes}  # fmt: skip
+        if comm.allreduce(times.calls, op=MPI().MAX):
+            results[name]["handler"] = _handler_row(comm, times, args.steps)
+        if checked:
+            finals[name] = _host_copy(jax, state["p"])
 
     def init_local() -> Any:
         return jax.device_put(params0, device)
 
-    def in_jit(name: str, backend: str, around: Any = contextlib.nullcontext) -> list[Any]:
+    def in_jit(name: str, backend: str | None, around: Any = contextlib.nullcontext) -> list[Any]:
         """Run variant (a) with ``backend``; the collectives its step was compiled with."""
         step_a = make_step_a(backend)
         first = len(mj.compiled_calls())
@@ -221,9 +249,10 @@ def main(argv: list[str] | None = None) -> int:
             calls.extend(mj.compiled_calls()[first:])
             return "+".join(sorted({c.backend for c in calls})) or "?", sum(c.nbytes for c in calls)
 
-        run_variant(name, init_local, lambda p: step_a(p, x, y)[0], reduced, around)
+        run_variant(name, init_local, lambda p: step_a(p, x, y)[0], reduced, around, checked=backend is not None)
         return calls
 
+    in_jit("in_jit_fresh_thread_state", "auto", fresh_thread_states)  # first: no XLA thread has kept a state yet
     calls_a = in_jit("in_jit", "auto")
     in_jit("in_jit_host_wait", "auto", jax_host_wait)
     ctx = Context.get(comm)
@@ -236,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         return mpigpu.explain(flat).backend, int(flat.nbytes)
 
     run_variant("leave_jit", init_local, lambda p: update_b(p, mpigpu.allreduce(grad_b(p, x, y))), reduced_b)
+
+    in_jit("local_only", None)
 
     if skipped_c is None:
         try:
@@ -261,17 +292,29 @@ def main(argv: list[str] | None = None) -> int:
         ok &= diff <= 1e-4 * max(1.0, float(np.max(np.abs(reference))))
     if rank == 0:
         labels = {"in_jit": "(a) in-jit average (mpigpu.jax)", "in_jit_host_wait": "(a0) in-jit, JAX's host wait",
+                  "in_jit_fresh_thread_state": "(a1) in-jit, new thread state/call",
+                  "local_only": "(l) no average (local gradient)",
                   "in_jit_nccl": "(an) in-jit, backend='nccl'", "leave_jit": "(b) leave jit, mpigpu.allreduce",
                   "jax_distributed": "(c) jax.distributed + pmean"}  # fmt: skip
-        print(f"# {'variant':<34} {'ms/step':>8} {'host ms':>8} {'vs (a)':>6}  {'backend':<22} {'MB/step':>8}  "
-              "identical  max |diff| vs (a)")  # fmt: skip
+        print(f"# {'variant':<34} {'ms/step':>8} {'host ms':>8} {'main cpu':>8} {'vs (a)':>6}  {'backend':<22} "
+              f"{'MB/step':>8}  identical  max |diff| vs (a)")  # fmt: skip
         base = results["in_jit"]["ms_per_step"]
         for name, r in results.items():
+            same, diff = r.get("identical_on_every_rank", "-"), r.get("max_abs_diff_vs_in_jit")
+            diff_text = "-" if diff is None else f"{diff:.2e}"
             print(f"  {labels[name]:<34} {r['ms_per_step']:8.3f} {r['host_dispatch_ms_per_step']:8.3f} "
-                  f"{r['ms_per_step'] / base:6.2f}  {r['backend']:<22} {r['bytes_reduced_per_step'] / 1e6:8.2f}  "
-                  f"{r['identical_on_every_rank']!s:<9}  {r['max_abs_diff_vs_in_jit']:.2e}")  # fmt: skip
+                  f"{r['main_cpu_ms_per_step']:8.3f} {r['ms_per_step'] / base:6.2f}  {r['backend']:<22} "
+                  f"{r['bytes_reduced_per_step'] / 1e6:8.2f}  {same!s:<9}  {diff_text}")  # fmt: skip
         print("# host ms: time in the step calls per step, before the final wait (near ms/step: host-bound); "
+              "main cpu: the dispatching thread's CPU time per step; "
               "MB/step: bytes reduced per step and rank")  # fmt: skip
+        print(f"# FFI handler, inside, per call (slowest rank): {'variant':<34} {'us':>8} {'cpu us':>8} "
+              f"{'calls/step':>10} {'new thread state':>16} {'threads':>7}")  # fmt: skip
+        for name, r in results.items():
+            h = r.get("handler")
+            if h:
+                print(f"#   {labels[name]:<78} {h['us_per_call']:8.1f} {h['cpu_us_per_call']:8.1f} "
+                      f"{h['calls_per_step']:10.2f} {h['new_thread_state_calls']:16d} {h['threads']:7d}")  # fmt: skip
         if skipped_c:
             print(f"# (c) skipped: {skipped_c}")
         print("# PASS" if ok else "# FAIL")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -230,6 +231,34 @@ def test_many_dispatches_without_waiting(comm) -> None:
     base = sum(np.arange(1, 65, dtype=np.float64) + r for r in range(size))
     for step, out in enumerate(outs):
         assert np.array_equal(np.asarray(out), base * (step + 1))
+
+
+@mpi
+def test_handler_keeps_its_thread_state_between_calls(comm) -> None:
+    """XLA runs the handler on threads Python does not know; ctypes used to make and delete a Python
+    thread state around every call, so thread-local caches (the current GPU, cuda.core's and CuPy's) were
+    rebuilt on every call. Now each XLA thread is new to Python once: at most one new state per thread,
+    and the results stay exact (sums of small integers)."""
+    from mpigpu.jax._ffi import record_times
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mj = _mj()
+    f = jax.jit(lambda x, s: mj.allreduce(x * s, "sum"))
+    n = 1 << 14  # large enough that JAX's CPU runtime runs the program on its own threads, not inline
+    x = _cpu(np.arange(1, n + 1, dtype=np.float64) + rank)
+    base = sum(np.arange(1, n + 1, dtype=np.float64) + r for r in range(size))
+    jax.block_until_ready(f(x, 1.0))  # compiled outside the record
+    with record_times() as times:
+        outs = [f(x, float(step + 1)) for step in range(30)]
+        jax.block_until_ready(outs)
+    for step, out in enumerate(outs):
+        assert np.array_equal(np.asarray(out), base * (step + 1))
+    assert times.calls == 30
+    assert len(times.threads) >= 1 and times.fresh <= len(times.threads), (
+        f"{times.fresh} of {times.calls} handler calls found a new Python thread state on {len(times.threads)} threads"
+    )
+    assert threading.main_thread().ident not in times.threads, "the handler ran inline: this test needs XLA's threads"
+    assert times.cpu_seconds <= times.seconds + 1e-3
 
 
 @mpi

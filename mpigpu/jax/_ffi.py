@@ -10,15 +10,18 @@ version 0.1, whose structs are the prefix used here.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import struct
+import threading
+import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Buffer", "Call", "HandlerError", "make_handler"]
+__all__ = ["Buffer", "Call", "HandlerError", "HandlerTimes", "fresh_thread_states", "make_handler", "record_times"]
 
 c_size_t, c_void_p, c_int, c_int64 = ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -116,8 +119,12 @@ def _struct_size(cls: type[ctypes.Structure], last: str) -> int:
     return field.offset + field.size
 
 
-_ERROR_CREATE = ctypes.CFUNCTYPE(c_void_p, ctypes.POINTER(_ErrorCreateArgs))
-_STREAM_GET = ctypes.CFUNCTYPE(c_void_p, ctypes.POINTER(_StreamGetArgs))
+# PYFUNCTYPE: called with the GIL held. Both return at once, and a CFUNCTYPE call would release the GIL
+# and take it back: the handler would then wait for the program's thread, which takes the GIL while the
+# handler is in the call and keeps it until its own next release (its next dispatch, or the 5 ms switch
+# interval).
+_ERROR_CREATE = ctypes.PYFUNCTYPE(c_void_p, ctypes.POINTER(_ErrorCreateArgs))
+_STREAM_GET = ctypes.PYFUNCTYPE(c_void_p, ctypes.POINTER(_StreamGetArgs))
 HANDLER = ctypes.CFUNCTYPE(c_void_p, ctypes.POINTER(_CallFrame))
 
 
@@ -260,6 +267,78 @@ def _error(frame: _CallFrame, exc: BaseException) -> int:
     return int(_ERROR_CREATE(frame.api.contents.error_create)(ctypes.byref(args)) or 0)
 
 
+# -- the handler's Python thread state --------------------------------------------------------------------------
+# XLA calls the handler on its own threads, which Python does not know. ctypes then wraps every call in
+# PyGILState_Ensure/Release, which creates a Python thread state for the call and deletes it on return:
+# every call starts on a new thread state, so all thread-local state (threading.local: the current-GPU
+# cache of mpigpu._cuda.set_device, cuda.core's device list, CuPy's) is rebuilt on every call. Measured on
+# JAX CPU (JAX 0.10.2, 2 ranks): 200 of 200 calls found their threading.local empty. One extra
+# PyGILState_Ensure per thread, never released, keeps the thread's state alive between calls (its counter
+# never returns to zero); the GIL is still released on return. The leak is one thread state per XLA thread
+# that ever ran the handler.
+
+_thread = threading.local()  # ``pinned``: this thread's Python state is kept between calls
+_pinning = [True]  # False: ctypes' own behaviour, a new thread state per call (benchmarks only)
+
+
+def _pin_thread_state() -> None:
+    if _pinning[0] and not getattr(_thread, "pinned", False):
+        ctypes.pythonapi.PyGILState_Ensure.restype = c_int
+        ctypes.pythonapi.PyGILState_Ensure()  # the GIL is held: this only counts one more user of the state
+        _thread.pinned = True
+
+
+@contextlib.contextmanager
+def fresh_thread_states() -> Iterator[None]:
+    """ctypes' behaviour inside the block: a thread state made and deleted for every call on a thread not
+    pinned yet (threads pinned before keep theirs). For scripts/jax_step_bench.py; not thread-safe."""
+    _pinning[0] = False
+    try:
+        yield
+    finally:
+        _pinning[0] = True
+
+
+@dataclass
+class HandlerTimes:
+    """What the EXECUTE calls cost, measured inside the handler (perf_counter seconds), while recording."""
+
+    calls: int = 0
+    seconds: float = 0.0  # wall time from reading the call frame to the end of ``execute``
+    cpu_seconds: float = 0.0  # this thread's CPU time in the same span: seconds - cpu_seconds is waiting
+    fresh: int = 0  # calls that found no thread-local state left by an earlier call on their thread
+    threads: set[int] = field(default_factory=set)  # threading.get_ident() of the threads that ran them
+
+
+_times: list[HandlerTimes] = []  # non-empty while recording
+
+
+@contextlib.contextmanager
+def record_times() -> Iterator[HandlerTimes]:
+    """Record the handler's EXECUTE calls made inside the block (scripts/jax_step_bench.py). The calls run
+    on XLA's threads: read the result after the block and after the program's results are ready."""
+    times = HandlerTimes()
+    _times.append(times)
+    try:
+        yield times
+    finally:
+        _times.remove(times)
+
+
+def _timed_execute(execute: Callable[[Call], None], frame: _CallFrame, times: HandlerTimes) -> None:
+    fresh = not getattr(_thread, "seen", False)
+    _thread.seen = True
+    start, cpu = time.perf_counter(), time.thread_time()
+    try:
+        execute(Call(frame))
+    finally:
+        times.seconds += time.perf_counter() - start
+        times.cpu_seconds += time.thread_time() - cpu
+        times.calls += 1
+        times.fresh += fresh
+        times.threads.add(threading.get_ident())
+
+
 def make_handler(execute: Callable[[Call], None], *, traits: int = 0) -> Any:
     """A C function pointer (a ctypes callback: keep it alive) that XLA can call as an FFI handler.
 
@@ -274,7 +353,11 @@ def make_handler(execute: Callable[[Call], None], *, traits: int = 0) -> Any:
                 return None
             if frame.stage != _STAGE_EXECUTE:  # only EXECUTE is registered; other stages have nothing to do
                 return None
-            execute(Call(frame))
+            _pin_thread_state()
+            if _times:
+                _timed_execute(execute, frame, _times[-1])
+            else:
+                execute(Call(frame))
             return None
         except BaseException as exc:  # nothing may unwind into XLA's C++ frames
             try:
