@@ -213,6 +213,9 @@ class Sweep:
             m = self.measure(path, sized, op, inplace)
             if m is None:
                 break
+            growth = counts[i + 1] / count if i + 1 < len(counts) else 0.0
+            if limit and 0 < i < len(counts) - 1:  # not judged from the first size: see _judge
+                m = self._judge(path, sized, op, inplace, m, growth)
             top = fastest_backends(self.measurements, path.call).get(m.key) if path.kind == "auto" else None
             if top is not None:
                 again = self.measure(top.path, sized, op, inplace)
@@ -228,12 +231,7 @@ class Sweep:
                 f"{m.result.median_us:.2f} us{wrong}"
             )
             if limit and 0 < i < len(counts) - 1:
-                # The least the next size costs: the check, the estimate and one timed call per
-                # repetition. Not judged from the first size, whose check carries one-time set-up
-                # (kernel compilation, communicator creation) that does not grow with the size.
-                growth = counts[i + 1] / count
-                per_call = (m.result.median_us or m.result.time_us) * 1e-6 * growth
-                predicted = m.check_seconds * growth + per_call * (1 + m.repeats)
+                predicted = self._predicted(m, growth)
                 if m.seconds > limit or predicted > limit:
                     why = f"took {m.seconds:.3g} s" if m.seconds > limit else f"the next would take ~{predicted:.3g} s"
                     note = f"{what}: stopped after {size_label(m.result.bytes)} ({why}; --time-limit {limit:g} s)"
@@ -242,24 +240,77 @@ class Sweep:
                     break
         return found
 
-    def measure(self, path: PathSpec, work: Any, op: Op, inplace: bool) -> Measurement | None:
-        """Verify, then time, one path at one size; None if the path refuses this call."""
-        from mpigpu.timing import max_over_ranks, max_phases_over_ranks
-        from mpigpu.verify import total_wrong
+    @staticmethod
+    def _predicted(m: Measurement, growth: float) -> float:
+        """The least the next size (``growth`` times this one) costs: the check, the estimate and one
+        timed call per repetition, scaled from this size's."""
+        per_call = (m.result.median_us or m.result.time_us) * 1e-6 * growth
+        return m.check_seconds * growth + per_call * (1 + m.repeats)
 
+    def _judge(self, path: PathSpec, work: Any, op: Op, inplace: bool, m: Measurement, growth: float) -> Measurement:
+        """``m`` with a check time fit to predict from (collective: every rank decides alike, on maxima).
+
+        The first size is never judged: its check carries the path's set-up (communicator creation,
+        kernel compilation), which does not grow with the size. But one-time set-up can land in the
+        check of a later size too: a communicator connecting a new protocol, a kernel compiled for a
+        new launch shape. Scaled by the growth, a few seconds of it stopped a sweep whose calls take
+        microseconds. So a check that predicts a stop is run once more, and the faster of the two is
+        the one scaled (a wrong element found by either counts)."""
+        limit = self.args.time_limit
+        if m.seconds > limit or self._predicted(m, growth) <= limit:
+            return m
+        again = self._check_again(path, work, op, inplace)
+        if again is None:
+            return m
+        wrong, seconds = again
+        result = dataclasses.replace(m.result, wrong=max(m.result.wrong, wrong))
+        return dataclasses.replace(m, result=result, check_seconds=min(m.check_seconds, seconds))
+
+    def _check_again(self, path: PathSpec, work: Any, op: Op, inplace: bool) -> tuple[int, float] | None:
+        """(wrong elements, seconds) of one more check of ``path`` (None if it refuses the call)."""
+        bound = self._bind(path, work, op)
+        if bound is None:
+            return None
+        try:
+            return self._check(bound.call, work, time.perf_counter())
+        finally:
+            bound.close()
+
+    def _bind(self, path: PathSpec, work: Any, op: Op) -> Any:
+        """The call of ``path`` on ``work`` (a bench_calls.Bound), or None if it refuses it (noted)."""
         args, comm = self.args, self.comm
-        started = time.perf_counter()
         stream = self.stream if path.placement == "device" else None
         anchor = self._anchor(path.name) if path.kind == "anchor" else None
         try:
             if self.collective == "allreduce":
-                bound = bind_call(path, work, op, framework=args.framework, comm=comm, stream=stream, anchor=anchor)
-            else:
-                bound = bind_collective(
-                    path, work, framework=args.framework, ctx=self.ctx, stream=stream, anchor=anchor
-                )
+                return bind_call(path, work, op, framework=args.framework, comm=comm, stream=stream, anchor=anchor)
+            return bind_collective(path, work, framework=args.framework, ctx=self.ctx, stream=stream, anchor=anchor)
         except MpigpuError as exc:  # raised alike on every rank (the arguments are checked across ranks)
             self.unsupported.append(f"{path.label} {work.dtype.name} {op.value} {work.count} elements: {exc}")
+            return None
+
+    def _check(self, call: Any, work: Any, started: float) -> tuple[int, float]:
+        """The check (nccl-tests' #wrong): fresh input, poisoned output, one call, every element;
+        (wrong elements summed over ranks, seconds since ``started`` on the slowest rank)."""
+        from mpigpu.verify import total_wrong
+
+        work.fill()
+        work.poison()
+        call()
+        if self.rank == 0:
+            work.corrupt(self.args.corrupt)
+        wrong = total_wrong(self.comm, work.wrong())
+        return wrong, self._max(time.perf_counter() - started)
+
+    def measure(self, path: PathSpec, work: Any, op: Op, inplace: bool) -> Measurement | None:
+        """Verify, then time, one path at one size; None if the path refuses this call."""
+        from mpigpu.timing import max_over_ranks, max_phases_over_ranks
+
+        args, comm = self.args, self.comm
+        started = time.perf_counter()
+        stream = self.stream if path.placement == "device" else None
+        bound = self._bind(path, work, op)
+        if bound is None:
             return None
         call = bound.call
         chosen, reason = (bound.chosen, bound.reason) if path.kind == "auto" else (None, None)
@@ -269,14 +320,7 @@ class Sweep:
                 self.cp_stream.synchronize()
 
         try:
-            # the check (nccl-tests' #wrong): fresh input, poisoned output, one call, every element
-            work.fill()
-            work.poison()
-            call()
-            if self.rank == 0:
-                work.corrupt(args.corrupt)
-            wrong = total_wrong(comm, work.wrong())
-            check_seconds = self._max(time.perf_counter() - started)
+            wrong, check_seconds = self._check(call, work, started)
 
             comm.Barrier()
             t0 = time.perf_counter()

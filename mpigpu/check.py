@@ -35,7 +35,7 @@ from mpigpu.ops import Op
 if TYPE_CHECKING:
     from mpigpu.context import Context
 
-__all__ = ["COLLECTIVES", "Signature", "announce_rejection", "check_signature", "fail_together"]
+__all__ = ["COLLECTIVES", "Signature", "announce_rejection", "check_rows", "check_signature", "fail_together"]
 
 _FIELDS = ("failed", "count", "dtype", "op", "backend", "placement", "shape", "collective", "root")
 assert len(_FIELDS) == FIELDS, "the check board's slots hold one value per field"
@@ -156,6 +156,35 @@ def check_signature(
     if result[0] == 0 and sum(result) == 0:
         return
     _mismatch(comm, sig, mine, name, failure, backend_name)
+
+
+_ROOT = _FIELDS.index("root")
+
+
+def check_rows(comm: Any, sig: Signature, name: str = "allgather", backend_name: str = "") -> list[int] | None:
+    """check_signature for allgather, whose ``root`` field carries this rank's first dimension, which
+    may differ between ranks (collective). MismatchError on every rank as check_signature raises it
+    when a rank failed or any other field differs; else every rank's first dimension, in rank order,
+    when this one exchange tells it (all equal, or read from the check board), or None when they
+    differ and must be gathered. Every rank returns alike: they all read the same exchange."""
+    mine = sig.values()
+    board = board_for(comm)
+    if board is not None:
+        if board.agree(mine):
+            return [sig.root] * board.size
+        posted = board.posted()
+        strip = [v[:_ROOT] + v[_ROOT + 1 :] for v in posted]
+        if posted[0][0] == 0 and all(v == strip[0] for v in strip):
+            return [v[_ROOT] for v in posted]
+    else:
+        mpi = MPI()
+        result = array("q", _ZEROS)
+        comm.Allreduce([array("q", mine + [-v for v in mine]), mpi.INT64_T], [result, mpi.INT64_T], mpi.MAX)
+        spread = [result[i] + result[i + FIELDS] for i in range(FIELDS)]  # max - min of each field
+        if result[0] == 0 and sum(spread) == spread[_ROOT]:
+            return [sig.root] * comm.Get_size() if spread[_ROOT] == 0 else None
+    sig = sig._replace(root=0)  # the message names the fields that must agree, not the first dimension
+    _mismatch(comm, sig, sig.values(), name, "rejected the arguments", backend_name)
 
 
 def _mismatch(comm: Any, sig: Signature, mine: list[int], name: str, failure: str, backend_name: str) -> NoReturn:

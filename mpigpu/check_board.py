@@ -87,6 +87,12 @@ class CheckBoard:
         first = raw[8 * slots[0] + 8 : 8 * slots[0] + 8 + 8 * FIELDS]
         return all(raw[8 * slot + 8 : 8 * slot + 8 + 8 * FIELDS] == first for slot in slots[1:])
 
+    def posted(self) -> list[list[int]]:
+        """Every rank's values of the last check, in rank order (local). Valid until this rank's next
+        check: no rank can overwrite a slot of parity k % 2 before this rank has posted k + 1."""
+        mv = self._mv
+        return [list(mv[slot + 1 : slot + 1 + FIELDS]) for slot in self._all[self.k & 1]]
+
     def close(self) -> None:
         """Free the segment (collective; idempotent)."""
         if board_for(self.comm) is self:

@@ -18,7 +18,7 @@ import numpy as np
 from mpigpu._cuda import StreamRef, resolve_stream
 from mpigpu.arrays import ArrayView, as_view
 from mpigpu.backends import backend_code
-from mpigpu.check import COLLECTIVES, Signature, announce_rejection, check_signature
+from mpigpu.check import COLLECTIVES, Signature, announce_rejection, check_rows, check_signature
 from mpigpu.context import Context
 from mpigpu.errors import InvalidArgument
 from mpigpu.ops import Op
@@ -38,20 +38,74 @@ def check_root(root: Any, size: int) -> int:
     return int(root)
 
 
-def _validate(ctx: Context, x: Any, backend: Any, collective: str) -> tuple[ArrayView, Choice]:
-    """This rank's array and backend (local): placement on the rank's GPU, a usable backend."""
+# ctx.plan_cache keys of the last call's memo (choose_cached's keys have 6 items)
+_LAST = {"broadcast": ("collectives: the last broadcast",), "allgather": ("collectives: the last allgather",)}
+
+
+def _validate(
+    ctx: Context, x: Any, backend: Any, collective: str, root: int = 0
+) -> tuple[ArrayView, Choice, Signature]:
+    """This rank's array, backend and signature (local): placement on the rank's GPU, a usable
+    backend, an array the collective can take.
+
+    All but reading the array is a function of the values in the memo's key (and the context's
+    fixed state): a call repeating the last call's values skips it, as allreduce's validate does.
+    Values, not objects: the memo holds no reference to the caller's array. It lives in the plan
+    cache, so whatever forgets the remembered choices (a new tuning table) forgets it too."""
     if not isinstance(backend, str):
         raise InvalidArgument(f"backend must be a string such as 'auto' or 'nccl', not {type(backend).__name__}")
     xv = as_view(x, name="x")
+    key = (xv.shape, xv.dtype, xv.device, xv.readonly, xv.framework, backend, root)
+    memo = ctx.plan_cache.get(_LAST[collective])
+    if memo is not None and memo[0] == key:
+        return xv, memo[1], memo[2]
     ctx.require_own_gpu(xv)
-    return xv, choose_cached(ctx, xv, Op.SUM, backend, collective)
+    if collective == "broadcast" and xv.readonly and xv.framework != "jax":
+        raise InvalidArgument("x is read-only, so it cannot receive the broadcast in place: pass a writable array")
+    if collective == "allgather" and not xv.shape:
+        raise InvalidArgument(
+            "allgather concatenates along the first dimension, but x has none (a 0-d array): pass x.reshape(1)"
+        )
+    choice = choose_cached(ctx, xv, Op.SUM, backend, collective)
+    if collective == "broadcast":
+        signature = Signature(
+            count=xv.size, dtype=xv.dtype.code, op=0, backend=backend_code(choice.backend),
+            placement=int(xv.on_device), shape=xv.shape, collective=_BROADCAST, root=root,
+        )  # fmt: skip
+    else:  # the first dimension may differ between ranks: it rides in root, which check_rows lets differ
+        trailing = xv.shape[1:]
+        signature = Signature(
+            count=math.prod(trailing), dtype=xv.dtype.code, op=0, backend=backend_code(choice.backend),
+            placement=int(xv.on_device), shape=trailing, collective=_ALLGATHER, root=xv.shape[0],
+        )  # fmt: skip
+    ctx.plan_cache[_LAST[collective]] = (key, choice, signature)
+    return xv, choice, signature
 
 
-def _check(ctx: Context, collective: str, signature: Signature, backend: str, label: str) -> None:
-    """The cross-rank check (collective): MismatchError on every rank unless all agree."""
-    if ctx.settings.check:
-        with ctx.watchdog.watch(f"{label} (cross-rank argument check)"):  # a rank that never arrives
-            check_signature(ctx.comm, signature, collective, backend_name=backend)
+def _check(ctx: Context, signature: Signature, backend: str, label: Any) -> None:
+    """The cross-rank check of a broadcast (collective): MismatchError on every rank unless all agree.
+    ``label()`` names the call for the watchdog (made only when one is set)."""
+    if not ctx.settings.check:
+        return
+    if ctx.watchdog.timeout > 0:  # a rank that never arrives would leave the others waiting here
+        with ctx.watchdog.watch(f"{label()} (cross-rank argument check)"):
+            check_signature(ctx.comm, signature, "broadcast", backend_name=backend)
+    else:
+        check_signature(ctx.comm, signature, "broadcast", backend_name=backend)
+
+
+def _rows(ctx: Context, signature: Signature, backend: str, label: Any) -> list[int]:
+    """The cross-rank check of an allgather and every rank's first dimension (collective): one
+    exchange when the first dimensions are equal or the ranks share a node, else one more
+    MPI_Allgather; MismatchError on every rank unless all agree."""
+    if not ctx.settings.check:
+        return _gather_rows(ctx, signature.root)
+    if ctx.watchdog.timeout > 0:
+        with ctx.watchdog.watch(f"{label()} (cross-rank argument check)"):
+            rows = check_rows(ctx.comm, signature, "allgather", backend_name=backend)
+    else:
+        rows = check_rows(ctx.comm, signature, "allgather", backend_name=backend)
+    return rows if rows is not None else _gather_rows(ctx, signature.root)
 
 
 def _new_array(like: ArrayView, shape: tuple[int, ...]) -> tuple[Any, Any]:
@@ -93,9 +147,14 @@ def _copy(dst: ArrayView, src: ArrayView, stream: StreamRef | None) -> None:
     runtime.memcpyAsync(dst.ptr, src.ptr, src.nbytes, runtime.memcpyDeviceToDevice, handle)
 
 
-def _watched(ctx: Context, label: str, action: Any) -> None:
-    with ctx.watchdog.watch(label):  # creating the backend (first call) is collective too: watch it
-        action()
+def _watched(ctx: Context, label: Any, action: Any, *args: Any) -> None:
+    """``action(*args)``, watched (``label()`` names it) when a watchdog is set: creating the backend
+    (first call) is collective too."""
+    if ctx.watchdog.timeout > 0:
+        with ctx.watchdog.watch(label()):
+            action(*args)
+    else:
+        action(*args)
 
 
 def broadcast(x: Any, root: int = 0, *, comm: Any = None, backend: str = "auto", stream: Any = None) -> Any:
@@ -113,21 +172,12 @@ def broadcast(x: Any, root: int = 0, *, comm: Any = None, backend: str = "auto",
         ctx.wait_async()  # calls queued by allreduce_async on this communicator reach MPI first
         try:
             root_ = check_root(root, ctx.size)
-            xv, choice = _validate(ctx, x, backend, "broadcast")
-            if xv.readonly and xv.framework != "jax":
-                raise InvalidArgument(
-                    "x is read-only, so it cannot receive the broadcast in place: pass a writable array"
-                )
+            xv, choice, signature = _validate(ctx, x, backend, "broadcast", root_)
             ref = resolve_stream(stream, xv.framework, xv.device) if xv.on_device else None
         except Exception as exc:  # any failure here must reach the other ranks
             announce_rejection(ctx, exc)
             raise
-        signature = Signature(
-            count=xv.size, dtype=xv.dtype.code, op=0, backend=backend_code(choice.backend),
-            placement=int(xv.on_device), shape=xv.shape, collective=_BROADCAST, root=root_,
-        )  # fmt: skip
-        label = f"broadcast of {xv.size} {xv.dtype.name} from rank {root_}"
-        _check(ctx, "broadcast", signature, choice.backend, label)
+        _check(ctx, signature, choice.backend, lambda: f"broadcast of {xv.size} {xv.dtype.name} from rank {root_}")
         result, finish, target = x, None, xv
         if xv.readonly:  # JAX: broadcast into a new array
             result, finish = _new_array(xv, xv.shape)
@@ -136,14 +186,8 @@ def broadcast(x: Any, root: int = 0, *, comm: Any = None, backend: str = "auto",
                 ctx.activate_gpu()
             _copy(target, xv, ref)
         if xv.size and ctx.size > 1:
-
-            def run() -> None:
-                instance = ctx.backend(choice.backend)
-                if xv.on_device:
-                    ctx.activate_gpu()
-                instance.broadcast(target, root_, ref)  # type: ignore[attr-defined]
-
-            _watched(ctx, f"broadcast({choice.backend}, {xv.dtype.name} x {xv.size}, root={root_})", run)
+            label = lambda: f"broadcast({choice.backend}, {xv.dtype.name} x {xv.size}, root={root_})"  # noqa: E731
+            _watched(ctx, label, _run, ctx, choice.backend, "broadcast", xv.on_device, target, root_, ref)
         return finish(result) if finish is not None else result
     finally:
         ctx.leave()
@@ -162,23 +206,14 @@ def allgather(x: Any, *, comm: Any = None, backend: str = "auto", stream: Any = 
     try:
         ctx.wait_async()
         try:
-            xv, choice = _validate(ctx, x, backend, "allgather")
-            if not xv.shape:
-                raise InvalidArgument(
-                    "allgather concatenates along the first dimension, but x has none (a 0-d array): pass x.reshape(1)"
-                )
+            xv, choice, signature = _validate(ctx, x, backend, "allgather")
             ref = resolve_stream(stream, xv.framework, xv.device) if xv.on_device else None
         except Exception as exc:
             announce_rejection(ctx, exc)
             raise
         trailing = xv.shape[1:]
-        signature = Signature(
-            count=math.prod(trailing), dtype=xv.dtype.code, op=0, backend=backend_code(choice.backend),
-            placement=int(xv.on_device), shape=trailing, collective=_ALLGATHER,
-        )  # fmt: skip
-        label = f"allgather of {xv.shape[0]} x {list(trailing)} {xv.dtype.name}"
-        _check(ctx, "allgather", signature, choice.backend, label)
-        rows = _gather_rows(ctx, xv.shape[0])
+        rows = _rows(ctx, signature, choice.backend, lambda: f"allgather of {xv.shape[0]} x {list(trailing)} "
+                                                             f"{xv.dtype.name}")  # fmt: skip
         result, finish = _new_array(xv, (sum(rows), *trailing))
         out = as_view(result, name="out")
         if xv.on_device:
@@ -186,17 +221,19 @@ def allgather(x: Any, *, comm: Any = None, backend: str = "auto", stream: Any = 
         if ctx.size == 1:
             _copy(out, xv, ref)
         elif out.nbytes:
-
-            def run() -> None:
-                instance = ctx.backend(choice.backend)
-                if xv.on_device:
-                    ctx.activate_gpu()
-                instance.allgather(xv, out, rows, ref)  # type: ignore[attr-defined]
-
-            _watched(ctx, f"allgather({choice.backend}, {xv.dtype.name}, rows {rows})", run)
+            label = lambda: f"allgather({choice.backend}, {xv.dtype.name}, rows {rows})"  # noqa: E731
+            _watched(ctx, label, _run, ctx, choice.backend, "allgather", xv.on_device, xv, out, rows, ref)
         return finish(result) if finish is not None else result
     finally:
         ctx.leave()
+
+
+def _run(ctx: Context, backend: str, collective: str, on_device: bool, *args: Any) -> None:
+    """The backend's ``collective(*args)``; the backend is made on its first call (collective)."""
+    instance = ctx.backend(backend)
+    if on_device:
+        ctx.activate_gpu()
+    getattr(instance, collective)(*args)
 
 
 def _gather_rows(ctx: Context, mine: int) -> list[int]:

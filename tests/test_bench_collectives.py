@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_bench import bench, has_torch_gloo, ok
+from conftest import run_mpi
+from test_bench import QUICK, YIELD, bench, has_torch_gloo, ok
 
 from mpigpu.bench_collectives import CollectiveResult, CollectiveWorkload, _pattern, busbw_factor
 from mpigpu.cli import launcher_rank
@@ -69,6 +70,58 @@ def test_a_wrong_result_is_caught_in_every_row(tmp_path: Path, collective: str) 
     assert all(r["wrong"] == 2 for r in doc["results"]), [(r["column"], r["wrong"]) for r in doc["results"]]
     mode = "in-place" if collective == "broadcast" else "out-of-place"
     assert f"# FAIL: cpu (host) float32 {collective} {mode} 40 B: 2 wrong elements" in done.stdout
+
+
+# One-time set-up at the second size (as a CUB reduction kernel compiled there on the GPU machine):
+# the first check of that size sleeps, every later one is quick.
+_SLOW_ONCE = """
+import sys, time
+from mpigpu import bench, bench_collectives
+
+fill, slept = bench_collectives.CollectiveWorkload.fill, []
+
+def slow_once(self):
+    if self.count == 16 and not slept:
+        slept.append(1)
+        time.sleep(float(sys.argv[1]))
+    fill(self)
+
+bench_collectives.CollectiveWorkload.fill = slow_once
+sys.exit(bench.main(sys.argv[2:]))
+"""
+
+
+@serial
+@pytest.mark.parametrize("collective", MOVES)
+def test_one_time_set_up_at_the_second_size_does_not_stop_the_sweep(tmp_path: Path, collective: str) -> None:
+    # 0.3 s at 64 B, times the growth to 4 KiB (64), predicts ~19 s: over the limit of 3 s, while
+    # the size itself took well under it. Before the fix the sweep stopped after 64 B.
+    out = tmp_path / "slow.json"
+    args = ["-c", _SLOW_ONCE, "0.3", *QUICK, "--collective", collective, "--sizes", "8,64,4K", "--backends", "cpu",
+            "--time-limit", "3", "--json", str(out)]  # fmt: skip
+    done = ok(run_mpi(2, args, timeout=240, env={"MPIGPU_TUNE_FILE": str(tmp_path / "tune.json"), **YIELD}))
+    doc = json.loads(out.read_text())
+    assert doc["stopped"] == [], doc["stopped"]
+    assert "stopped after" not in done.stdout
+    for column in ("mpi-host", "cpu"):  # the first path timed (the anchor) met the slow set-up
+        assert [r["bytes"] for r in doc["results"] if r["column"] == column] == [8, 64, 4096], column
+    assert all(r["wrong"] == 0 for r in doc["results"])
+
+
+@serial
+@pytest.mark.parametrize("collective", MOVES)
+def test_a_check_that_stays_slow_still_stops_the_sweep(tmp_path: Path, collective: str) -> None:
+    # the same sleep at the second size on every check: the re-check is slow too, so the sweep stops
+    out = tmp_path / "slow.json"
+    always = _SLOW_ONCE.replace("and not slept", "")
+    args = ["-c", always, "0.3", *QUICK, "--collective", collective, "--sizes", "8,64,4K", "--backends", "cpu",
+            "--time-limit", "3", "--json", str(out)]  # fmt: skip
+    done = ok(run_mpi(2, args, timeout=240, env={"MPIGPU_TUNE_FILE": str(tmp_path / "tune.json"), **YIELD}))
+    doc = json.loads(out.read_text())
+    mode = "in-place" if collective == "broadcast" else "out-of-place"
+    assert f"cpu host float32 {collective} {mode}: stopped after 64 B (the next would take" in done.stdout
+    for column in ("mpi-host", "cpu"):
+        assert [r["bytes"] for r in doc["results"] if r["column"] == column] == [8, 64], column
 
 
 @serial

@@ -401,3 +401,69 @@ def test_backward_averager_broadcasts_rank0_parameters_by_default(comm) -> None:
     before = _flat(other)
     mpigpu.BackwardAverager(other, comm=comm, broadcast=False).close()
     assert _flat(other) == before
+
+
+# -- the per-call cost: one exchange per allgather, the last call's validation remembered ---------------
+def test_allgather_rows_travel_in_the_check(comm, monkeypatch) -> None:
+    """The first dimensions ride in the cross-rank check: equal ones (through MPI or the check board)
+    and unequal ones on one node (read from the board) need no MPI_Allgather of their own."""
+    import mpigpu.collectives as collectives
+    from mpigpu.context import Context
+
+    def no_gather(ctx, mine):
+        raise AssertionError("an extra MPI_Allgather of the first dimensions")
+
+    monkeypatch.setattr(collectives, "_gather_rows", no_gather)
+    rank, n = comm.Get_rank(), comm.Get_size()
+    assert Context.get(comm).check_board is not None  # one node: the board carries the rows
+    for rows in (3, _rows(rank)):
+        x = _pattern(rank, (rows, 2), "int32")
+        y = mpigpu.allgather(x, comm=comm)
+        expected = np.concatenate([_pattern(r, (3 if rows == 3 else _rows(r), 2), "int32") for r in range(n)])
+        assert y.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("board", [True, False])
+def test_check_rows_returns_every_ranks_rows_or_raises_on_every_rank(comm, board: bool) -> None:
+    from mpigpu.check import Signature, check_rows
+    from mpigpu.check_board import board_for
+    from mpigpu.context import Context
+
+    rank, n = comm.Get_rank(), comm.Get_size()
+    ctx = Context.get(comm)
+    checked = ctx.comm if board else comm.Dup()
+    try:
+        assert (board_for(checked) is not None) is board
+
+        def sig(rows: int, **changes) -> Signature:
+            return Signature(
+                count=2, dtype=3, op=0, backend=1, placement=0, shape=(2,), collective=2, root=rows
+            )._replace(**changes)
+
+        assert check_rows(checked, sig(4)) == [4] * n
+        unequal = check_rows(checked, sig(_rows(rank)))
+        assert unequal == ([_rows(r) for r in range(n)] if board or n == 1 else None)
+        if n > 1:  # another field differs as well: the message names it, never the first dimension
+            with pytest.raises(MismatchError, match="dtype") as info:
+                check_rows(checked, sig(_rows(rank), dtype=3 + (rank == n - 1)))
+            assert "root:" not in str(info.value)
+            with pytest.raises(MismatchError, match="rank 0"):  # a rank that failed
+                check_rows(checked, sig(4, error="InvalidArgument: bad" if rank == 0 else None))
+        assert check_rows(checked, sig(5)) == [5] * n  # still paired after the errors
+    finally:
+        if not board:
+            checked.Free()
+
+
+def test_a_remembered_broadcast_is_validated_again_when_its_array_changes(comm) -> None:
+    rank = comm.Get_rank()
+    x = _pattern(rank, (4,), "float32")
+    mpigpu.broadcast(x, comm=comm)  # remembered: the same values skip validation
+    mpigpu.broadcast(x, comm=comm)
+    x.flags.writeable = False  # the same array, now read-only: validated again, refused on every rank
+    expected = InvalidArgument if rank == 0 or comm.Get_size() == 1 else (InvalidArgument, MismatchError)
+    with pytest.raises(expected, match="read-only"):
+        mpigpu.broadcast(x, comm=comm)
+    y = _pattern(rank, (2, 2), "float32") if rank == 0 else _poisoned((2, 2), "float32")
+    mpigpu.broadcast(y, comm=comm)  # another shape after the memo: right bytes
+    assert y.tobytes() == _pattern(0, (2, 2), "float32").tobytes()

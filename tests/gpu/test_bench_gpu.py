@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from mpigpu import bench
@@ -154,3 +155,23 @@ def test_broadcast_and_allgather_rows_beside_raw_nccl(comm, collective: str, fra
     status, doc = _bench(comm, *args, "--corrupt", "1")  # one element of rank 0's result, in every row
     assert status == 1 and {r["column"] for r in doc["results"]} == expected
     assert all(r["wrong"] == 1 for r in doc["results"])
+
+
+@pytest.mark.parametrize("item", [1, 2, 4, 8])
+def test_device_wrong_counts_elements_as_numpy_does_at_every_size(comm, item: int) -> None:
+    """The collectives' device verifier (one elementwise kernel for every size, no CUB reduction
+    compiled per size) counts the elements with any wrong byte exactly as the NumPy reference."""
+    from mpigpu._cuda import cupy
+    from mpigpu.bench_collectives import _device_wrong
+
+    cp = cupy()
+    rng = np.random.default_rng(item)
+    for count in (1, 2, 7, 2048, 16384, 262145):
+        want = rng.integers(0, 251, count * item, dtype=np.uint8)
+        got = want.copy()
+        hit = rng.choice(count * item, size=min(count * item, 37), replace=False)
+        got[hit] = 0xFF  # the poison: never a pattern byte
+        expected = int((got.reshape(count, item) != want.reshape(count, item)).any(axis=1).sum())
+        assert expected > 0
+        assert _device_wrong(cp, cp.asarray(got), cp.asarray(want), item, count) == expected, count
+        assert _device_wrong(cp, cp.asarray(want), cp.asarray(want), item, count) == 0, count
