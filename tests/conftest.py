@@ -8,11 +8,14 @@ is visible; MPIGPU_REQUIRE_GPU=1 (set by scripts/gpu-check.sh) turns that skip i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,6 +73,18 @@ def comm():
     from mpigpu._mpi import world
 
     return world()
+
+
+@contextlib.contextmanager
+def fresh_context(comm: Any) -> Iterator[Any]:
+    """mpigpu's Context of a fresh duplicate of ``comm`` (collective), freed afterwards."""
+    from mpigpu.context import Context
+
+    dup = comm.Dup()
+    try:
+        yield Context.get(dup)
+    finally:
+        dup.Free()
 
 
 def mpiexec() -> str:

@@ -6,33 +6,20 @@ board is not used (a simulated multi-node layout)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import run_mpi
+from conftest import fresh_context, run_mpi
 
 import mpigpu
 from mpigpu.check import Signature, check_signature
 from mpigpu.check_board import board_for, open_board
-from mpigpu.context import Context
 from mpigpu.errors import InvalidArgument, MismatchError
-
-
-@contextlib.contextmanager
-def _context(comm: Any) -> Iterator[Context]:
-    """The context of a fresh duplicate of ``comm`` (collective), closed afterwards."""
-    dup = comm.Dup()
-    try:
-        yield Context.get(dup)
-    finally:
-        dup.Free()
 
 
 def _outcome(comm: Any, sig: Signature) -> str | None:
@@ -46,7 +33,7 @@ def _outcome(comm: Any, sig: Signature) -> str | None:
 
 @pytest.mark.mpi(min_size=1)
 def test_a_single_node_context_checks_through_its_board(comm) -> None:
-    with _context(comm) as ctx:
+    with fresh_context(comm) as ctx:
         board = ctx.check_board
         assert board is not None, "every rank is on this machine: the check goes through shared memory"
         assert board_for(ctx.comm) is board
@@ -62,7 +49,7 @@ def test_a_thousand_random_checks_agree_with_the_mpi_path_on_every_rank(comm) ->
     plain = comm.Dup()  # no board: check_signature takes the MPI_Allreduce path on it
     rng = np.random.default_rng(1234)  # the same draws on every rank
     try:
-        with _context(comm) as ctx:
+        with fresh_context(comm) as ctx:
             board = ctx.check_board
             assert board is not None and board_for(plain) is None
             seen: list[str | None] = []
@@ -100,7 +87,7 @@ def test_a_thousand_random_checks_agree_with_the_mpi_path_on_every_rank(comm) ->
 @pytest.mark.mpi(min_size=1)
 def test_parity_wrap_around_with_mismatches_on_either_parity(comm) -> None:
     rank = comm.Get_rank()
-    with _context(comm) as ctx:
+    with fresh_context(comm) as ctx:
         board = ctx.check_board
         assert board is not None
         for step in range(8):  # a mismatch at k odd and at k even, agreeing checks between them
@@ -118,7 +105,7 @@ def test_parity_wrap_around_with_mismatches_on_either_parity(comm) -> None:
 @pytest.mark.mpi(min_size=2)
 def test_ranks_that_arrive_far_apart_still_agree(comm) -> None:
     rank = comm.Get_rank()
-    with _context(comm) as ctx:
+    with fresh_context(comm) as ctx:
         assert ctx.check_board is not None
         x = np.full(6, float(rank + 1))
         for late in range(comm.Get_size()):
@@ -131,7 +118,7 @@ def test_ranks_that_arrive_far_apart_still_agree(comm) -> None:
 @pytest.mark.mpi(min_size=2)
 def test_a_rank_that_rejects_its_arguments_is_named_on_every_other_rank(comm) -> None:
     rank, n = comm.Get_rank(), comm.Get_size()
-    with _context(comm) as ctx:
+    with fresh_context(comm) as ctx:
         before = ctx.check_board.k
         x = np.full(4, float(rank))
         if rank == 1:

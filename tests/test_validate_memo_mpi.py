@@ -5,14 +5,13 @@ holds no reference to the caller's arrays, and forgetting the remembered choices
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import fresh_context
 
 import mpigpu
 from mpigpu import api
@@ -22,22 +21,13 @@ from mpigpu.errors import InvalidArgument, MismatchError
 pytestmark = pytest.mark.mpi(min_size=1)
 
 
-@contextlib.contextmanager
-def _context(comm: Any) -> Iterator[Context]:
-    dup = comm.Dup()
-    try:
-        yield Context.get(dup)
-    finally:
-        dup.Free()
-
-
 def _memo(ctx: Context) -> Any:
     return ctx.plan_cache.get(api._LAST_CALL)
 
 
 def test_a_repeated_call_reuses_the_memo_and_gives_exact_results(comm) -> None:
     n, rank = comm.Get_size(), comm.Get_rank()
-    with _context(comm) as ctx:
+    with fresh_context(comm) as ctx:
         x = np.arange(6, dtype=np.float64) + rank
         for step in range(3):
             x[:] = np.arange(6) + rank + step
@@ -51,7 +41,7 @@ def test_a_repeated_call_reuses_the_memo_and_gives_exact_results(comm) -> None:
 
 def test_another_out_is_validated_again(comm) -> None:
     n, rank = comm.Get_size(), comm.Get_rank()
-    with _context(comm) as ctx:
+    with fresh_context(comm) as ctx:
         buf = np.zeros(8)
         x = buf[0:4]
         x[:] = rank + 1
@@ -74,7 +64,7 @@ def test_another_out_is_validated_again(comm) -> None:
 
 def test_another_op_on_the_same_array_is_chosen_again(comm) -> None:
     n, rank = comm.Get_size(), comm.Get_rank()
-    with _context(comm) as ctx:
+    with fresh_context(comm) as ctx:
         x = np.full(3, float(rank + 1))
         mpigpu.allreduce(x, "sum", comm=ctx.comm)
         key_sum = _memo(ctx)[0]
@@ -85,7 +75,7 @@ def test_another_op_on_the_same_array_is_chosen_again(comm) -> None:
 
 
 def test_the_memo_holds_no_reference_to_the_callers_arrays(comm) -> None:
-    with _context(comm) as ctx:
+    with fresh_context(comm) as ctx:
         x = np.ones(5)
         out = np.zeros(5)
         mpigpu.allreduce(x, "sum", out=out, comm=ctx.comm)
@@ -97,7 +87,7 @@ def test_the_memo_holds_no_reference_to_the_callers_arrays(comm) -> None:
 
 
 def test_forgetting_the_choices_forgets_the_memo(comm) -> None:
-    with _context(comm) as ctx:
+    with fresh_context(comm) as ctx:
         x = np.ones(5)
         mpigpu.allreduce(x, comm=ctx.comm)
         ctx.plan_cache.clear()  # what a new tuning table does (mpigpu.tune)
@@ -108,7 +98,7 @@ def test_forgetting_the_choices_forgets_the_memo(comm) -> None:
 
 def test_an_array_reshaped_in_place_is_checked_with_its_new_shape(comm) -> None:
     n, rank = comm.Get_size(), comm.Get_rank()
-    with _context(comm) as ctx:
+    with fresh_context(comm) as ctx:
         x = np.arange(6, dtype=np.float64)
         for _ in range(2):
             mpigpu.allreduce(x, "max", comm=ctx.comm)  # remembered, signature included
