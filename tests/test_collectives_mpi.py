@@ -416,10 +416,10 @@ def test_allgather_rows_travel_in_the_check(comm, monkeypatch) -> None:
     monkeypatch.setattr(collectives, "_gather_rows", no_gather)
     rank, n = comm.Get_rank(), comm.Get_size()
     assert Context.get(comm).check_board is not None  # one node: the board carries the rows
-    for rows in (3, _rows(rank)):
-        x = _pattern(rank, (rows, 2), "int32")
+    for rows_of in (lambda r: 3, _rows):  # equal first dimensions, then unequal ones
+        x = _pattern(rank, (rows_of(rank), 2), "int32")
         y = mpigpu.allgather(x, comm=comm)
-        expected = np.concatenate([_pattern(r, (3 if rows == 3 else _rows(r), 2), "int32") for r in range(n)])
+        expected = np.concatenate([_pattern(r, (rows_of(r), 2), "int32") for r in range(n)])
         assert y.tobytes() == expected.tobytes()
 
 
