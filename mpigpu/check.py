@@ -143,19 +143,20 @@ def check_signature(
         if board.agree(mine):
             return
         _mismatch(comm, sig, mine, name, failure, backend_name)
-    mpi = MPI()
-    f, c, d, o, b, p, s, k, r = mine
-    # MAX over [v, -v] gives max and -min of every field in one collective. max - min >= 0 per field,
-    # so all fields fail_together iff the 18 results sum to 0; result[0] is 1 if any rank failed.
-    result = array("q", _ZEROS)
-    comm.Allreduce(
-        [array("q", (f, c, d, o, b, p, s, k, r, -f, -c, -d, -o, -b, -p, -s, -k, -r)), mpi.INT64_T],
-        [result, mpi.INT64_T],
-        mpi.MAX,
-    )
+    result = _max_and_min(comm, mine)
+    # max - min >= 0 per field, so all fields agree iff the results sum to 0; result[0] is 1 if any rank failed
     if result[0] == 0 and sum(result) == 0:
         return
     _mismatch(comm, sig, mine, name, failure, backend_name)
+
+
+def _max_and_min(comm: Any, mine: list[int]) -> array:
+    """MPI_Allreduce(MAX) of [v, -v] (collective): result[i] is field i's maximum over the ranks and
+    -result[FIELDS + i] its minimum, both in one collective of 18 int64."""
+    mpi = MPI()
+    result = array("q", _ZEROS)
+    comm.Allreduce([array("q", mine + [-v for v in mine]), mpi.INT64_T], [result, mpi.INT64_T], mpi.MAX)
+    return result
 
 
 _ROOT = _FIELDS.index("root")
@@ -177,9 +178,7 @@ def check_rows(comm: Any, sig: Signature, name: str = "allgather", backend_name:
         if posted[0][0] == 0 and all(v == strip[0] for v in strip):
             return [v[_ROOT] for v in posted]
     else:
-        mpi = MPI()
-        result = array("q", _ZEROS)
-        comm.Allreduce([array("q", mine + [-v for v in mine]), mpi.INT64_T], [result, mpi.INT64_T], mpi.MAX)
+        result = _max_and_min(comm, mine)
         spread = [result[i] + result[i + FIELDS] for i in range(FIELDS)]  # max - min of each field
         if result[0] == 0 and sum(spread) == spread[_ROOT]:
             return [sig.root] * comm.Get_size() if spread[_ROOT] == 0 else None
