@@ -8,12 +8,8 @@ Importing mpigpu starts nothing: MPI, CUDA and the GPU libraries load on first u
 
 from mpigpu._version import __version__
 from mpigpu.api import allreduce, explain, select_device
-from mpigpu.averager import Averager
-from mpigpu.broadcast_state import broadcast_optimizer_state, broadcast_parameters
 from mpigpu.collectives import allgather, broadcast
-from mpigpu.context import finalize
-from mpigpu.device import GpuInfo
-from mpigpu.errors import (
+from mpigpu.core.errors import (
     BackendUnavailable,
     CollectiveTimeout,
     ConfigError,
@@ -24,15 +20,19 @@ from mpigpu.errors import (
     MissingDependency,
     MpigpuError,
 )
-from mpigpu.failsafe import install_abort_handler
+from mpigpu.core.ops import Op
+from mpigpu.core.timing import Result
 from mpigpu.handles import Handle, allreduce_async
-from mpigpu.integrations.torch import BackwardAverager
 from mpigpu.ipc import IpcGraph, ipc_buffer, ipc_graph
+from mpigpu.job.device import GpuInfo
+from mpigpu.job.failsafe import install_abort_handler
 from mpigpu.objects import allgather_object, broadcast_object
-from mpigpu.ops import Op
 from mpigpu.persistent import Graph, Request, allreduce_init
-from mpigpu.plan import Choice
-from mpigpu.timing import Result
+from mpigpu.runtime.context import finalize
+from mpigpu.runtime.plan import Choice
+from mpigpu.training.averager import Averager
+from mpigpu.training.broadcast_state import broadcast_optimizer_state, broadcast_parameters
+from mpigpu.training.torch import BackwardAverager
 
 __all__ = [
     "Averager",

@@ -7,20 +7,19 @@ from typing import Any
 
 import numpy as np
 
-from mpigpu._cuda import StreamRef, resolve_stream
-from mpigpu.arrays import ArrayView, as_view, check_out
 from mpigpu.backends import backend_code
-from mpigpu.check import Signature, announce_rejection, check_signature
-from mpigpu.context import Context
-from mpigpu.device import GpuInfo
-from mpigpu.errors import InvalidArgument
-from mpigpu.ops import Op, parse_op
-from mpigpu.plan import Choice, choose, choose_cached
+from mpigpu.core._cuda import StreamRef, resolve_stream
+from mpigpu.core.arrays import ArrayView, as_view, check_out
+from mpigpu.core.errors import InvalidArgument
+from mpigpu.core.ops import Op, parse_op
+from mpigpu.job.check import Signature, check_signature
+from mpigpu.job.device import GpuInfo
+from mpigpu.runtime.context import Context, announce_rejection
+from mpigpu.runtime.plan import Choice, choose, choose_cached
 
 __all__ = [
     "Prepared",
     "allreduce",
-    "announce_rejection",
     "check_call",
     "explain",
     "prepare",
@@ -50,7 +49,7 @@ class Prepared:
 def _output_for(x: ArrayView) -> tuple[ArrayView, Any, Any]:
     """A fresh output array for an input that cannot be written (JAX): (view, holder, finish)."""
     if x.on_device:
-        from mpigpu._cuda import cupy, set_device
+        from mpigpu.core._cuda import cupy, set_device
 
         set_device(x.device)  # type: ignore[arg-type]
         holder = cupy().empty(x.shape, dtype=x.dtype.np)
@@ -184,7 +183,7 @@ def _single_rank(prepared: Prepared) -> None:
     if x.host is not None and out.host is not None:
         out.host[...] = x.host
         return
-    from mpigpu._cuda import cupy
+    from mpigpu.core._cuda import cupy
 
     runtime = cupy().cuda.runtime
     handle = prepared.stream.handle if prepared.stream is not None else 0

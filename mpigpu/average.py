@@ -28,8 +28,8 @@ from mpigpu.cli import (
     versions,
     write_json,
 )
-from mpigpu.config import ENV_VARS
-from mpigpu.ops import Op
+from mpigpu.core.config import ENV_VARS
+from mpigpu.core.ops import Op
 
 __all__ = ["main"]
 
@@ -112,8 +112,8 @@ def build_parser() -> Parser:
 
 def _on_gpu(args: argparse.Namespace, ctx: Any) -> bool:
     """True for GPU buffers: the GPU when every rank has one, unless --backend cpu (host arrays only)."""
-    from mpigpu.errors import InvalidArgument
-    from mpigpu.harness import placements
+    from mpigpu.bench.harness import placements
+    from mpigpu.core.errors import InvalidArgument
 
     on_gpu = placements(ctx, args.device, auto_both=False) == [True]
     if on_gpu and args.backend == "cpu":
@@ -124,20 +124,20 @@ def _on_gpu(args: argparse.Namespace, ctx: Any) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mpigpu._mpi import world
     from mpigpu.api import prepare
     from mpigpu.api import run as run_prepared
-    from mpigpu.context import Context
-    from mpigpu.dtypes import parse_dtype
-    from mpigpu.errors import MpigpuError
-    from mpigpu.harness import command_stream
+    from mpigpu.bench.harness import command_stream
+    from mpigpu.bench.workload import Workload
+    from mpigpu.core._mpi import world
+    from mpigpu.core.dtypes import parse_dtype
+    from mpigpu.core.errors import MpigpuError
+    from mpigpu.core.ops import parse_op
+    from mpigpu.core.patterns import check_pattern, default_pattern
+    from mpigpu.core.timing import Result, max_over_ranks, max_phases_over_ranks, summarize, time_calls
+    from mpigpu.core.verify import total_wrong
     from mpigpu.kernels.compile import compile_stats
-    from mpigpu.ops import parse_op
-    from mpigpu.patterns import check_pattern, default_pattern
-    from mpigpu.plan import choose
-    from mpigpu.timing import Result, max_over_ranks, max_phases_over_ranks, summarize, time_calls
-    from mpigpu.verify import total_wrong
-    from mpigpu.workload import Workload
+    from mpigpu.runtime.context import Context
+    from mpigpu.runtime.plan import choose
 
     comm = world()
     ctx = Context.get(comm)

@@ -2,7 +2,7 @@
 
 import sys
 
-from mpigpu.bench import main
+from mpigpu.bench.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

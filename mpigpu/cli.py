@@ -16,13 +16,13 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mpigpu._mpi import launcher_rank
 from mpigpu._version import __version__
 from mpigpu.backends import BACKEND_NAMES
-from mpigpu.config import parse_count
-from mpigpu.dtypes import DTYPES, parse_dtype
-from mpigpu.errors import InvalidArgument
-from mpigpu.ops import parse_op
+from mpigpu.core._mpi import launcher_rank
+from mpigpu.core.config import parse_count
+from mpigpu.core.dtypes import DTYPES, parse_dtype
+from mpigpu.core.errors import InvalidArgument
+from mpigpu.core.ops import parse_op
 
 __all__ = [
     "Parser",
@@ -53,7 +53,7 @@ class Parser(argparse.ArgumentParser):
             self.print_usage(sys.stderr)
             sys.stderr.write(f"{self.prog}: error: {message}\n")
         if launcher_rank() >= 0:  # ranks whose own options were valid (MPMD launch) must not wait for this one
-            from mpigpu.failsafe import abort_before_start
+            from mpigpu.job.failsafe import abort_before_start
 
             abort_before_start(2, f"{self.prog}: error: {message}")
         self.exit(2)
@@ -63,7 +63,7 @@ def parse_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> ar
     """A command's options, parsed; from then on one rank's unhandled exception ends the whole job
     with its message, rather than leaving the other ranks waiting (``failsafe.abort_on_exception``)."""
     args = parser.parse_args(argv)
-    from mpigpu.failsafe import abort_on_exception
+    from mpigpu.job.failsafe import abort_on_exception
 
     abort_on_exception()
     return args

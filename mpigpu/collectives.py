@@ -15,14 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from mpigpu._cuda import StreamRef, resolve_stream
-from mpigpu.arrays import ArrayView, as_view
 from mpigpu.backends import backend_code
-from mpigpu.check import COLLECTIVES, Signature, announce_rejection, check_rows, check_signature
-from mpigpu.context import Context
-from mpigpu.errors import InvalidArgument
-from mpigpu.ops import Op
-from mpigpu.plan import Choice, choose_cached
+from mpigpu.core._cuda import StreamRef, resolve_stream
+from mpigpu.core.arrays import ArrayView, as_view
+from mpigpu.core.errors import InvalidArgument
+from mpigpu.core.ops import Op
+from mpigpu.job.check import COLLECTIVES, Signature, check_rows, check_signature
+from mpigpu.runtime.context import Context, announce_rejection
+from mpigpu.runtime.plan import Choice, choose_cached
 
 __all__ = ["allgather", "broadcast", "check_root"]
 
@@ -116,7 +116,7 @@ def _new_array(like: ArrayView, shape: tuple[int, ...]) -> tuple[Any, Any]:
 
         return torch.empty(shape, dtype=like.obj.dtype, device=like.obj.device), None
     if like.on_device:
-        from mpigpu._cuda import cupy, set_device
+        from mpigpu.core._cuda import cupy, set_device
 
         set_device(like.device)  # type: ignore[arg-type]
         holder = cupy().empty(shape, dtype=like.dtype.np)
@@ -140,7 +140,7 @@ def _copy(dst: ArrayView, src: ArrayView, stream: StreamRef | None) -> None:
     if src.host is not None and dst.host is not None:
         dst.host.reshape(-1).view(np.uint8)[...] = src.host.reshape(-1).view(np.uint8)
         return
-    from mpigpu._cuda import cupy
+    from mpigpu.core._cuda import cupy
 
     runtime = cupy().cuda.runtime
     handle = 0 if stream is None else stream.handle
@@ -238,7 +238,7 @@ def _run(ctx: Context, backend: str, collective: str, on_device: bool, *args: An
 
 def _gather_rows(ctx: Context, mine: int) -> list[int]:
     """Every rank's first dimension (collective; one MPI_Allgather of an int64)."""
-    from mpigpu._mpi import MPI
+    from mpigpu.core._mpi import MPI
 
     everyone = np.empty(ctx.size, np.int64)
     ctx.comm.Allgather([np.array([mine], np.int64), MPI().INT64_T], [everyone, MPI().INT64_T])

@@ -35,13 +35,13 @@ from functools import partial
 from queue import SimpleQueue
 from typing import Any
 
-from mpigpu._cuda import StreamRef, core_stream
-from mpigpu.api import Prepared, announce_rejection, check_call, run, validate
+from mpigpu.api import Prepared, check_call, run, validate
 from mpigpu.backends import backend_class
-from mpigpu.context import Context
-from mpigpu.errors import MismatchError, MpigpuError
-from mpigpu.failsafe import report_background_failure
-from mpigpu.ops import Op
+from mpigpu.core._cuda import StreamRef, core_stream
+from mpigpu.core.errors import MismatchError, MpigpuError
+from mpigpu.core.ops import Op
+from mpigpu.job.failsafe import report_background_failure
+from mpigpu.runtime.context import Context, announce_rejection
 
 __all__ = ["Handle", "Worker", "allreduce_async", "reject"]
 
@@ -161,7 +161,7 @@ class Handle:
 
 
 def _thread_level_ok() -> bool:
-    from mpigpu._mpi import MPI
+    from mpigpu.core._mpi import MPI
 
     mpi = MPI()
     return bool(mpi.Query_thread() >= mpi.THREAD_MULTIPLE)

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from mpigpu.cli import Parser, header_lines, parse_command, prog, versions
-from mpigpu.config import size_label
+from mpigpu.core.config import size_label
 
 __all__ = ["gather_info", "main"]
 
@@ -22,11 +22,11 @@ def _auto_examples(ctx: Any) -> list[tuple[str, str, str]]:
     """(placement, size, choice) for a few sizes, as ``auto`` would decide them."""
     import numpy as np
 
-    from mpigpu.arrays import ArrayView
-    from mpigpu.dtypes import DTYPES
-    from mpigpu.errors import MpigpuError
-    from mpigpu.ops import Op
-    from mpigpu.plan import choose
+    from mpigpu.core.arrays import ArrayView
+    from mpigpu.core.dtypes import DTYPES
+    from mpigpu.core.errors import MpigpuError
+    from mpigpu.core.ops import Op
+    from mpigpu.runtime.plan import choose
 
     rows = []
     places = [("host", None)] + ([("gpu", ctx.gpu.index)] if ctx.gpu is not None else [])
@@ -47,8 +47,8 @@ def _auto_examples(ctx: Any) -> list[tuple[str, str, str]]:
 
 def gather_info() -> dict[str, Any]:
     """Everything ``info`` prints, as a dict (collective)."""
-    from mpigpu._mpi import world
-    from mpigpu.context import Context
+    from mpigpu.core._mpi import world
+    from mpigpu.runtime.context import Context
 
     ctx = Context.get(world())
     gpus = ctx.comm.gather(
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = parse_command(parser, argv)
     info = gather_info()
-    from mpigpu._mpi import world
+    from mpigpu.core._mpi import world
 
     if world().Get_rank() == 0:
         print(json.dumps(info, indent=2) if args.json else render(info))

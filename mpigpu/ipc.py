@@ -13,11 +13,11 @@ import math
 import operator
 from typing import TYPE_CHECKING, Any
 
-from mpigpu.errors import BackendUnavailable, InvalidArgument
+from mpigpu.core.errors import BackendUnavailable, InvalidArgument
 from mpigpu.persistent import Graph
 
 if TYPE_CHECKING:
-    from mpigpu.dtypes import DType
+    from mpigpu.core.dtypes import DType
 
 __all__ = ["IpcGraph", "ipc_buffer", "ipc_graph"]
 
@@ -31,10 +31,10 @@ def ipc_buffer(shape: int | tuple[int, ...], dtype: Any = "float32", *, comm: An
     array after that. Other frameworks can view it without a copy, e.g.
     ``torch.as_tensor(buf, device="cuda")``. The contents start zeroed.
     """
-    from mpigpu._cuda import cupy
     from mpigpu.backends.ipc_memory import collective_step
-    from mpigpu.context import Context
-    from mpigpu.dtypes import parse_dtype
+    from mpigpu.core._cuda import cupy
+    from mpigpu.core.dtypes import parse_dtype
+    from mpigpu.runtime.context import Context
 
     ctx = Context.get(comm)
     available = ctx.availability["ipc"]

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from mpigpu._mpi import MPI
-from mpigpu.check import COLLECTIVES, Signature, announce_rejection, check_signature
 from mpigpu.collectives import check_root
-from mpigpu.context import Context
+from mpigpu.core._mpi import MPI
+from mpigpu.job.check import COLLECTIVES, Signature, check_signature
+from mpigpu.runtime.context import Context, announce_rejection
 
 __all__ = ["allgather_object", "broadcast_object"]
 

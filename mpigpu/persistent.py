@@ -27,13 +27,13 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from mpigpu._cuda import StreamRef, core_stream, resolve_stream
 from mpigpu.api import Prepared, _log_choice, _single_rank, prepare
 from mpigpu.backends import backend_class, backend_code
-from mpigpu.check import Signature, check_signature
-from mpigpu.errors import DeviceError, InvalidArgument, MpigpuError
+from mpigpu.core._cuda import StreamRef, core_stream, resolve_stream
+from mpigpu.core.errors import DeviceError, InvalidArgument, MpigpuError
+from mpigpu.core.ops import Op
 from mpigpu.handles import _worker
-from mpigpu.ops import Op
+from mpigpu.job.check import Signature, check_signature
 
 __all__ = ["Graph", "Request", "allreduce_init"]
 
@@ -214,7 +214,7 @@ class Request:
         ref = self._started_on
         if ref is None or not self._on_device or not self._prepared.x.size:
             return True
-        from mpigpu._cuda import cupy
+        from mpigpu.core._cuda import cupy
 
         runtime = cupy().cuda.runtime
         if ref.handle and runtime.streamIsCapturing(ref.handle):

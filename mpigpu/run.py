@@ -168,7 +168,7 @@ def _end_job_on_sigint() -> None:
 
 
 def _abort_for_blocked_sigint() -> None:
-    from mpigpu import failsafe
+    from mpigpu.job import failsafe
 
     frame = sys._current_frames().get(threading.main_thread().ident or 0)
     stack = "".join(traceback.format_stack(frame)).rstrip() if frame is not None else "(not available)"
@@ -181,7 +181,7 @@ def _abort_for_blocked_sigint() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the program; return its exit status (abort the job instead if it fails on this rank)."""
-    from mpigpu import failsafe
+    from mpigpu.job import failsafe
 
     try:
         kind, target, program_argv, timeout = _parse(sys.argv[1:] if argv is None else argv)

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 import mpigpu
-from mpigpu.averager import Averager
+from mpigpu import Averager
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,9 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
     parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto", help="default: GPU if present")
     args = parser.parse_args(argv)
-    from mpigpu._mpi import world
+    from mpi4py import MPI
 
-    comm = world()
+    comm = MPI.COMM_WORLD
     rank, nranks = comm.Get_rank(), comm.Get_size()
 
     # 1. CuPy on this rank's GPU, or NumPy where there is none: the code below is the same.
@@ -81,7 +81,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from mpigpu.failsafe import abort_on_exception
-
-    abort_on_exception()  # an error on one rank ends every rank
+    mpigpu.install_abort_handler()  # an uncaught error on one rank ends every rank
     sys.exit(main())

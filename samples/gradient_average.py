@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 import mpigpu
-from mpigpu.config import parse_count
+from mpigpu.core.config import parse_count
 
 # The per-rank gradient. __fadd_rn/__fmul_rn round each step (no fused multiply-add), so the host
 # can reproduce every value exactly.
@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20, help="timed calls (default 20)")
     parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto", help="default: GPU if present")
     args = parser.parse_args(argv)
-    from mpigpu._mpi import world
+    from mpi4py import MPI
 
-    comm = world()
+    comm = MPI.COMM_WORLD
     rank, nranks, n = comm.Get_rank(), comm.Get_size(), args.size
 
     # 1. Bind this rank to its GPU (node-local rank modulo the visible GPUs); None without a GPU.
@@ -120,7 +120,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from mpigpu.failsafe import abort_on_exception
-
-    abort_on_exception()  # an error on one rank ends every rank
+    mpigpu.install_abort_handler()  # an uncaught error on one rank ends every rank
     sys.exit(main())

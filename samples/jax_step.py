@@ -27,9 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64, help="samples per rank (default 64)")
     parser.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
     args = parser.parse_args(argv)
-    from mpigpu._mpi import world
+    from mpi4py import MPI
 
-    comm = world()
+    comm = MPI.COMM_WORLD
     rank, nranks = comm.Get_rank(), comm.Get_size()
     gpu = mpigpu.select_device()  # None without a GPU
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # several ranks share the node's GPUs
@@ -78,7 +78,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from mpigpu.failsafe import abort_on_exception
-
-    abort_on_exception()  # an error on one rank ends every rank
+    mpigpu.install_abort_handler()  # an uncaught error on one rank ends every rank
     sys.exit(main())

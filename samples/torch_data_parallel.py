@@ -101,12 +101,12 @@ def ddp_parameters(args: argparse.Namespace, comm: Any, device: Any) -> list[Any
 
 def run(args: argparse.Namespace) -> int:
     import torch
+    from mpi4py import MPI
 
     import mpigpu
-    from mpigpu._mpi import world
-    from mpigpu.integrations.torch import BackwardAverager
+    from mpigpu import BackwardAverager
 
-    comm = world()
+    comm = MPI.COMM_WORLD
     rank, nranks = comm.Get_rank(), comm.Get_size()
     gpu = mpigpu.select_device() if args.device != "cpu" else None
     if args.device == "gpu" and gpu is None:
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from mpigpu.failsafe import abort_on_exception
+    import mpigpu
 
-    abort_on_exception()  # an error on one rank ends every rank
+    mpigpu.install_abort_handler()  # an uncaught error on one rank ends every rank
     sys.exit(main())

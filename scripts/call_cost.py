@@ -37,14 +37,14 @@ import numpy as np
 
 import mpigpu
 from mpigpu import api
-from mpigpu._cuda import resolve_stream
-from mpigpu._mpi import MPI, world
-from mpigpu.arrays import as_view
 from mpigpu.backends import backend_code
-from mpigpu.check import Signature, check_signature
-from mpigpu.context import Context
-from mpigpu.ops import parse_op
-from mpigpu.plan import choose_cached
+from mpigpu.core._cuda import resolve_stream
+from mpigpu.core._mpi import MPI, world
+from mpigpu.core.arrays import as_view
+from mpigpu.core.ops import parse_op
+from mpigpu.job.check import Signature, check_signature
+from mpigpu.runtime.context import Context
+from mpigpu.runtime.plan import choose_cached
 
 _BATCH = 100
 

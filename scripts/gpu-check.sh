@@ -176,8 +176,8 @@ stage_collectives() {  # issue 16: broadcast and allgather beside raw NCCL and t
 }
 
 stage_soak() {
-  step soak-ompi 150 0 "$OMPI -n $NGPU $PY -m mpigpu.soak --calls ${SOAK_CALLS:-3000} --json $LOGS/soak-ompi.json"
-  step check-cost 60 0 "$OMPI -n $NGPU $PY -m mpigpu.soak --check-cost --device gpu --iters 5000"
+  step soak-ompi 150 0 "$OMPI -n $NGPU $PY -m mpigpu.bench.soak --calls ${SOAK_CALLS:-3000} --json $LOGS/soak-ompi.json"
+  step check-cost 60 0 "$OMPI -n $NGPU $PY -m mpigpu.bench.soak --check-cost --device gpu --iters 5000"
 }
 
 stage_train() {

@@ -22,8 +22,8 @@ import cupy as cp
 from cupy.cuda import nccl
 
 import mpigpu
-from mpigpu._mpi import MPI, world
 from mpigpu.cli import write_json
+from mpigpu.core._mpi import MPI, world
 from mpigpu.ipc import ipc_graph
 
 

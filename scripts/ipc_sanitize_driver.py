@@ -15,13 +15,13 @@ def main() -> int:
     import cupy as cp
 
     import mpigpu
-    from mpigpu._mpi import world
-    from mpigpu.context import Context
-    from mpigpu.dtypes import DTYPES
-    from mpigpu.harness import command_stream
+    from mpigpu.bench.harness import command_stream
+    from mpigpu.bench.workload import POISON_BYTE, count_wrong_device, fill_device
+    from mpigpu.core._mpi import world
+    from mpigpu.core.dtypes import DTYPES
+    from mpigpu.core.ops import Op
     from mpigpu.ipc import ipc_buffer, ipc_graph
-    from mpigpu.ops import Op
-    from mpigpu.workload import POISON_BYTE, count_wrong_device, fill_device
+    from mpigpu.runtime.context import Context
 
     comm = world()
     mpigpu.select_device(comm)

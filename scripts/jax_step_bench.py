@@ -111,7 +111,7 @@ def _timed(comm: Any, run_steps: Any, steps: int) -> tuple[float, float, float]:
     start = time.perf_counter()
     dispatch, cpu = run_steps(steps)
     elapsed = time.perf_counter() - start
-    from mpigpu._mpi import MPI
+    from mpigpu.core._mpi import MPI
 
     slowest = MPI().MAX
     return tuple(comm.allreduce(v, op=slowest) * 1e3 / steps for v in (elapsed, dispatch, cpu))  # type: ignore[return-value]
@@ -119,7 +119,7 @@ def _timed(comm: Any, run_steps: Any, steps: int) -> tuple[float, float, float]:
 
 def _handler_row(comm: Any, times: Any, steps: int) -> dict[str, Any]:
     """The FFI handler's cost per call during the timed steps, the slowest rank's."""
-    from mpigpu._mpi import MPI
+    from mpigpu.core._mpi import MPI
 
     calls = max(times.calls, 1)
     slowest = MPI().MAX
@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import mpigpu
-    from mpigpu._mpi import MPI, world
-    from mpigpu.context import Context
+    from mpigpu.core._mpi import MPI, world
+    from mpigpu.runtime.context import Context
 
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -373,7 +373,7 @@ def _jax_variant(
 
 
 if __name__ == "__main__":
-    from mpigpu.failsafe import abort_on_exception
+    from mpigpu.job.failsafe import abort_on_exception
 
     abort_on_exception()
     sys.exit(main())

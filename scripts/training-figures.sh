@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The training figures (issue 15) on a GPU machine: python -m mpigpu.bench_training under mpirun with
+# The training figures (issue 15) on a GPU machine: python -m mpigpu.bench.training under mpirun with
 # every GPU, for the MLP (with the fusion part), ResNet-50 and GPT-2, each beside DDP (NCCL), and
 # GPT-2 once more with --deterministic (its parameters against DDP's without kernel nondeterminism).
 #
@@ -42,7 +42,7 @@ figure() {
   fi
   [ "$limit" -gt "$left" ] && limit=$left
   # shellcheck disable=SC2086  # MPIRUN is a command line
-  timeout -k 10 "$limit" $MPIRUN -n "$NGPU" "$PY" -m mpigpu.bench_training --device gpu "$@" \
+  timeout -k 10 "$limit" $MPIRUN -n "$NGPU" "$PY" -m mpigpu.bench.training --device gpu "$@" \
     --json "$OUT/training-$name-$tag.json" >"$OUT/training-$name-$tag.txt" 2>&1
   rc=$?
   [ "$rc" -ne 0 ] && failures=$((failures + 1))

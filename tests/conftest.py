@@ -51,7 +51,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def gpu_count() -> int:
     """CUDA GPUs visible to this process (0 without a GPU or without cuda.core)."""
-    from mpigpu._cuda import visible_device_count
+    from mpigpu.core._cuda import visible_device_count
 
     return visible_device_count()
 
@@ -70,15 +70,25 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.fixture(scope="session")
 def comm():
-    from mpigpu._mpi import world
+    from mpigpu.core._mpi import world
 
     return world()
+
+
+@pytest.fixture(scope="module")
+def ctx(comm):
+    """This rank bound to its GPU, and mpigpu's Context of the world communicator (the GPU tests' start)."""
+    import mpigpu
+    from mpigpu.runtime.context import Context
+
+    mpigpu.select_device(comm)
+    return Context.get(comm)
 
 
 @contextlib.contextmanager
 def fresh_context(comm: Any) -> Iterator[Any]:
     """mpigpu's Context of a fresh duplicate of ``comm`` (collective), freed afterwards."""
-    from mpigpu.context import Context
+    from mpigpu.runtime.context import Context
 
     dup = comm.Dup()
     try:

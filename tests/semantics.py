@@ -1,5 +1,5 @@
 """Inputs with NaN, signed zeros and integer extremes, and their exact expected results computed in
-Python from mpigpu's semantics (mpigpu.ops): shared by the CPU tests and tests/gpu/."""
+Python from mpigpu's semantics (mpigpu.core.ops): shared by the CPU tests and tests/gpu/."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 
-from mpigpu.dtypes import DTYPES
-from mpigpu.ops import Op, canonical_nan, minmax_rows
+from mpigpu.core.dtypes import DTYPES
+from mpigpu.core.ops import Op, canonical_nan, minmax_rows
 
 FLOAT_POOL = [math.nan, -math.nan, 0.0, -0.0, 1.0, -1.0, 2.0, 0.5, math.inf, -math.inf]
 INT_POOL = [0, 1, -1, 2, -3, 5]

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import mpigpu
-from mpigpu.dtypes import DTYPES
-from mpigpu.ops import Op
-from mpigpu.patterns import fill
-from mpigpu.verify import count_wrong_host
+from mpigpu.core.dtypes import DTYPES
+from mpigpu.core.ops import Op
+from mpigpu.core.patterns import fill
+from mpigpu.core.verify import count_wrong_host
 
 pytestmark = pytest.mark.mpi(min_size=1)
 

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 import mpigpu
-from mpigpu.context import Context
-from mpigpu.dtypes import DTYPES
-from mpigpu.errors import InvalidArgument, MismatchError, MpigpuError
+from mpigpu.core.dtypes import DTYPES
+from mpigpu.core.errors import InvalidArgument, MismatchError, MpigpuError
+from mpigpu.core.ops import Op
+from mpigpu.core.patterns import fill
+from mpigpu.core.verify import count_wrong_host
 from mpigpu.handles import Handle, Worker, allreduce_async
-from mpigpu.ops import Op
-from mpigpu.patterns import fill
-from mpigpu.verify import count_wrong_host
+from mpigpu.runtime.context import Context
 
 
 def _filled(count: int, dtype: str, op: Op, comm, offset: int = 0) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""`python -m mpigpu.average` (and `mpigpu.bench_training`) refusing what this job cannot do: one line
+"""`python -m mpigpu.average` (and `mpigpu.bench.training`) refusing what this job cannot do: one line
 that says why and exit status 2 (1 means wrong elements), never an abort. Serial tests: each one
 launches the command through ``run_mpi``."""
 
@@ -36,6 +36,6 @@ def test_average_refuses_with_one_line_and_status_2(args: list[str], message: st
 def test_bench_training_refuses_a_missing_gpu_with_status_2() -> None:
     if gpu_available():
         pytest.skip(NEEDS_NO_GPU)
-    done = run_mpi(2, ["-m", "mpigpu.bench_training", "--device", "gpu"], timeout=60)
+    done = run_mpi(2, ["-m", "mpigpu.bench.training", "--device", "gpu"], timeout=60)
     assert done.returncode == 2, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     assert done.stderr.count("error: --device gpu: not every rank has a GPU") == 1

@@ -13,7 +13,7 @@ import pytest
 from conftest import run_mpi
 
 import mpigpu
-from mpigpu.errors import BackendUnavailable, InvalidArgument, MismatchError, MpigpuError
+from mpigpu.core.errors import BackendUnavailable, InvalidArgument, MismatchError, MpigpuError
 
 
 def _bytes(*arrays: np.ndarray) -> list[bytes]:
@@ -297,7 +297,7 @@ def test_shape_must_agree_not_only_the_count(comm) -> None:
 @pytest.mark.parametrize("backend", ["cpu", "auto"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 def test_nan_and_inf_propagate_in_sums(comm, backend: str, dtype: str) -> None:
-    from mpigpu.dtypes import DTYPES
+    from mpigpu.core.dtypes import DTYPES
 
     rank, n = comm.Get_rank(), comm.Get_size()
     x = np.ones(6, dtype=DTYPES[dtype].np)

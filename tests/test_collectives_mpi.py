@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import mpigpu
-from mpigpu.dtypes import DTYPES
-from mpigpu.errors import InvalidArgument, MismatchError
+from mpigpu.core.dtypes import DTYPES
+from mpigpu.core.errors import InvalidArgument, MismatchError
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -408,7 +408,7 @@ def test_allgather_rows_travel_in_the_check(comm, monkeypatch) -> None:
     """The first dimensions ride in the cross-rank check: equal ones (through MPI or the check board)
     and unequal ones on one node (read from the board) need no MPI_Allgather of their own."""
     import mpigpu.collectives as collectives
-    from mpigpu.context import Context
+    from mpigpu.runtime.context import Context
 
     def no_gather(ctx, mine):
         raise AssertionError("an extra MPI_Allgather of the first dimensions")
@@ -425,9 +425,9 @@ def test_allgather_rows_travel_in_the_check(comm, monkeypatch) -> None:
 
 @pytest.mark.parametrize("board", [True, False])
 def test_check_rows_returns_every_ranks_rows_or_raises_on_every_rank(comm, board: bool) -> None:
-    from mpigpu.check import Signature, check_rows
-    from mpigpu.check_board import board_for
-    from mpigpu.context import Context
+    from mpigpu.job.check import Signature, check_rows
+    from mpigpu.job.check_board import board_for
+    from mpigpu.runtime.context import Context
 
     rank, n = comm.Get_rank(), comm.Get_size()
     ctx = Context.get(comm)

@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT, gpu_available
 
 import mpigpu
-from mpigpu.errors import BackendUnavailable
+from mpigpu.core.errors import BackendUnavailable
 
 FIX = "use backend='auto', 'cpu' or 'host' for NumPy arrays"
 

@@ -13,14 +13,14 @@ import pytest
 import mpigpu
 from mpigpu import api
 from mpigpu.backends.cpu import CpuBackend
-from mpigpu.context import Context
-from mpigpu.dtypes import DTYPES
-from mpigpu.errors import InvalidArgument, MismatchError, MpigpuError
+from mpigpu.core.dtypes import DTYPES
+from mpigpu.core.errors import InvalidArgument, MismatchError, MpigpuError
+from mpigpu.core.ops import Op
+from mpigpu.core.patterns import fill
+from mpigpu.core.verify import count_wrong_host
 from mpigpu.handles import allreduce_async
-from mpigpu.ops import Op
-from mpigpu.patterns import fill
 from mpigpu.persistent import Request, allreduce_init
-from mpigpu.verify import count_wrong_host
+from mpigpu.runtime.context import Context
 
 DTYPE_NAMES = ("float32", "float64", "int32", "int64", "bfloat16")
 

@@ -24,7 +24,7 @@ PROGRAM = """
 import os, sys, time
 import numpy as np
 import mpigpu
-from mpigpu._mpi import world
+from mpigpu.core._mpi import world
 
 pid_file, where = sys.argv[1], sys.argv[2]
 rank = world().Get_rank()

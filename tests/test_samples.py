@@ -1,5 +1,5 @@
 """Every sample in samples/ runs under mpiexec on the CPU path (the GPU script runs them on GPUs,
-tests/gpu/test_training_gpu.py; python -m mpigpu.bench_training in test_bench_training_mpi.py). The DDP
+tests/gpu/test_training_gpu.py; python -m mpigpu.bench.training in test_bench_training_mpi.py). The DDP
 equivalence check of samples/torch_data_parallel.py runs with 2 and 4 ranks, and must fail when the
 gradients are not averaged."""
 

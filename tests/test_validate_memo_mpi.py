@@ -15,8 +15,8 @@ from conftest import fresh_context
 
 import mpigpu
 from mpigpu import api
-from mpigpu.context import Context
-from mpigpu.errors import InvalidArgument, MismatchError
+from mpigpu.core.errors import InvalidArgument, MismatchError
+from mpigpu.runtime.context import Context
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -90,7 +90,7 @@ def test_forgetting_the_choices_forgets_the_memo(comm) -> None:
     with fresh_context(comm) as ctx:
         x = np.ones(5)
         mpigpu.allreduce(x, comm=ctx.comm)
-        ctx.plan_cache.clear()  # what a new tuning table does (mpigpu.tune)
+        ctx.plan_cache.clear()  # what a new tuning table does (mpigpu.runtime.tuning)
         assert _memo(ctx) is None
         mpigpu.allreduce(x, comm=ctx.comm)
         assert _memo(ctx) is not None

@@ -11,7 +11,7 @@ import functools
 import importlib
 
 from mpigpu.backends.base import Availability, Backend
-from mpigpu.errors import InvalidArgument
+from mpigpu.core.errors import InvalidArgument
 
 __all__ = ["BACKEND_NAMES", "Availability", "Backend", "backend_class", "backend_code", "preference"]
 

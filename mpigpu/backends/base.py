@@ -29,16 +29,40 @@ import abc
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
-    from mpigpu._cuda import StreamRef
-    from mpigpu.arrays import ArrayView
-    from mpigpu.context import Context
-    from mpigpu.dtypes import DType
-    from mpigpu.ops import Op
+    from mpigpu.core._cuda import StreamRef
+    from mpigpu.core._mpi import LibraryInfo
+    from mpigpu.core.arrays import ArrayView
+    from mpigpu.core.config import Settings
+    from mpigpu.core.dtypes import DType
+    from mpigpu.core.ops import Op
+    from mpigpu.job.detect import CudaAwareness, NcclInfo
+    from mpigpu.job.device import GpuInfo
+    from mpigpu.job.topology import Layout
 
-__all__ = ["Availability", "Backend"]
+__all__ = ["Availability", "Backend", "CommContext"]
+
+
+class CommContext(Protocol):
+    """What a backend may read from the runtime's per-communicator context (mpigpu.runtime.context
+    satisfies it): backends import nothing above themselves, so the registry never reaches back up."""
+
+    comm: Any  # mpigpu's own duplicate of the user's communicator
+    rank: int
+    size: int
+    layout: Layout
+    gpu: GpuInfo | None
+    all_have_gpus: bool
+    settings: Settings
+    mpi_lib: LibraryInfo
+    cuda_aware: CudaAwareness
+    nccl: NcclInfo
+
+    def activate_gpu(self) -> Any:
+        """Make this rank's GPU current on the calling thread; return its cuda.core Device."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -64,13 +88,13 @@ class Backend(abc.ABC):
     # placement ("device" or "host") -> the raw library anchor python -m mpigpu.bench reports it beside
     anchors: ClassVar[Mapping[str, str]] = {}
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: CommContext) -> None:
         self.ctx = ctx
         self.last_phases: dict[str, float] = {}  # per-phase times (us) of the last call, if measured
 
     @classmethod
     @abc.abstractmethod
-    def probe(cls, ctx: Context) -> Availability:
+    def probe(cls, ctx: CommContext) -> Availability:
         """Can this backend run on this communicator? Called collectively, once, by every rank."""
 
     @classmethod
@@ -79,7 +103,7 @@ class Backend(abc.ABC):
         return None
 
     @classmethod
-    def supports_on(cls, ctx: Context, dtype: DType, op: Op) -> str | None:
+    def supports_on(cls, ctx: CommContext, dtype: DType, op: Op) -> str | None:
         """``supports``, with limits that depend on the communicator's layout (the same on every rank)."""
         return cls.supports(dtype, op)
 

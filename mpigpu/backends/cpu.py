@@ -3,7 +3,7 @@ and the latency path for small host messages.
 
 Only order-independent reductions are handed to MPI as they are (MPICH combines operands in a
 different order on each rank): float min/max travel as order-preserving integer keys reduced with
-MPI's integer MIN/MAX, integer avg as 64-bit parts summed exactly (mpigpu.ops), and any NaN a float
+MPI's integer MIN/MAX, integer avg as 64-bit parts summed exactly (mpigpu.core.ops), and any NaN a float
 sum or product leaves is made the canonical NaN, whose bits then match on every rank."""
 
 from __future__ import annotations
@@ -13,15 +13,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from mpigpu._mpi import MPI
-from mpigpu.backends.base import Availability, Backend
+from mpigpu.backends.base import Availability, Backend, CommContext
 from mpigpu.backends.mpi_moves import allgather_bytes, broadcast_bytes
-from mpigpu.ops import Op, canonicalize_nan, finish_avg, from_keys, int_avg_join, int_avg_parts, to_keys
+from mpigpu.core._mpi import MPI
+from mpigpu.core.ops import Op, canonicalize_nan, finish_avg, from_keys, int_avg_join, int_avg_parts, to_keys
 
 if TYPE_CHECKING:
-    from mpigpu._cuda import StreamRef
-    from mpigpu.arrays import ArrayView
-    from mpigpu.context import Context
+    from mpigpu.core._cuda import StreamRef
+    from mpigpu.core.arrays import ArrayView
 
 __all__ = ["CpuBackend"]
 
@@ -44,12 +43,12 @@ class CpuBackend(Backend):
     anchors: ClassVar[Mapping[str, str]] = {"host": "mpi-host"}
     collectives: ClassVar[frozenset[str]] = frozenset({"allreduce", "broadcast", "allgather"})
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: CommContext) -> None:
         super().__init__(ctx)
         self._acc = np.empty(0, np.float32)
 
     @classmethod
-    def probe(cls, ctx: Context) -> Availability:
+    def probe(cls, ctx: CommContext) -> Availability:
         return Availability(True, f"NumPy arrays through {ctx.mpi_lib.name}'s MPI_Allreduce")
 
     def _accumulator(self, size: int) -> np.ndarray:

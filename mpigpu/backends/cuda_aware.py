@@ -6,7 +6,7 @@ to a reused float32 device buffer, reduced, then rounded once on the way back. A
 the device afterwards. Float min/max travel as order-preserving integer keys and integer avg as
 64-bit parts summed exactly (device_scratch.py), and a float sum or product has its NaNs made the
 canonical NaN (MPI's operand order may differ per rank): mpigpu's semantics, the same bits on every
-rank. Runs only where CUDA-awareness was detected (mpigpu.detect) or forced with
+rank. Runs only where CUDA-awareness was detected (mpigpu.job.detect) or forced with
 MPIGPU_CUDA_AWARE=1 and not contradicted: a device pointer never reaches an MPI that cannot take it.
 """
 
@@ -15,17 +15,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from mpigpu._mpi import MPI
-from mpigpu.backends.base import Availability, Backend
+from mpigpu.backends.base import Availability, Backend, CommContext
 from mpigpu.backends.device_scratch import DeviceScratch, by_keys_or_parts
 from mpigpu.backends.mpi_moves import allgather_bytes, broadcast_bytes
-from mpigpu.dtypes import DTYPES
-from mpigpu.ops import Op
+from mpigpu.core._mpi import MPI
+from mpigpu.core.dtypes import DTYPES
+from mpigpu.core.ops import Op
 
 if TYPE_CHECKING:
-    from mpigpu._cuda import StreamRef
-    from mpigpu.arrays import ArrayView
-    from mpigpu.context import Context
+    from mpigpu.core._cuda import StreamRef
+    from mpigpu.core.arrays import ArrayView
 
 __all__ = ["CudaAwareBackend"]
 
@@ -40,7 +39,7 @@ class CudaAwareBackend(Backend):
     collectives: ClassVar[frozenset[str]] = frozenset({"allreduce", "broadcast", "allgather"})
 
     @classmethod
-    def probe(cls, ctx: Context) -> Availability:
+    def probe(cls, ctx: CommContext) -> Availability:
         aware = ctx.cuda_aware
         if not ctx.all_have_gpus:
             return Availability(False, "not every rank has a GPU")
@@ -52,7 +51,7 @@ class CudaAwareBackend(Backend):
             )
         return Availability(True, f"{ctx.mpi_lib.name}: {aware.rule}")
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: CommContext) -> None:
         super().__init__(ctx)
         self._wide: Any = None  # reused float32 device buffer for the half types
         self._wide_free: Any = None  # event: the last call's narrowing finished reading _wide
@@ -66,14 +65,14 @@ class CudaAwareBackend(Backend):
         return load_module("arith.cu", f"{major}{minor}")
 
     def _wide_buffer(self, count: int) -> Any:
-        from mpigpu._cuda import cupy
+        from mpigpu.core._cuda import cupy
 
         if self._wide is None or self._wide.size < count:
             self._wide = cupy().empty(count, dtype="float32")
         return self._wide
 
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
-        from mpigpu._cuda import StreamRef, cupy
+        from mpigpu.core._cuda import StreamRef, cupy
         from mpigpu.kernels.compile import i32, i64, launch
 
         mpi = MPI()
@@ -120,7 +119,7 @@ class CudaAwareBackend(Backend):
 
     def broadcast(self, x: ArrayView, root: int, stream: StreamRef | None) -> None:
         """MPI_Bcast on the device pointer, after the caller's stream (MPI reads outside stream order)."""
-        from mpigpu._cuda import cupy
+        from mpigpu.core._cuda import cupy
 
         cupy().cuda.runtime.streamSynchronize(0 if stream is None else stream.handle)
         mpi = MPI()
@@ -129,7 +128,7 @@ class CudaAwareBackend(Backend):
     def allgather(self, x: ArrayView, out: ArrayView, rows: list[int], stream: StreamRef | None) -> None:
         """MPI_Allgatherv on device pointers, after the caller's stream. ``out`` is new, written by MPI
         before this returns: later work on the stream sees it."""
-        from mpigpu._cuda import cupy
+        from mpigpu.core._cuda import cupy
 
         cupy().cuda.runtime.streamSynchronize(0 if stream is None else stream.handle)
         mpi = MPI()
@@ -139,7 +138,7 @@ class CudaAwareBackend(Backend):
 
     def close(self) -> None:
         if self._wide_free is not None:
-            from mpigpu._cuda import cupy
+            from mpigpu.core._cuda import cupy
 
             cupy().cuda.runtime.eventDestroy(self._wide_free)
             self._wide_free = None

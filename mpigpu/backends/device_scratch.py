@@ -1,6 +1,6 @@
 """The device side of mpigpu's semantics for transports that reduce whole buffers (nccl, cuda-aware):
 float min/max as order-preserving integer keys, integer avg as 64-bit parts summed exactly
-(kernels/arith.cu; the same algebra as mpigpu.ops). The caller's input is never written: keys and
+(kernels/arith.cu; the same algebra as mpigpu.core.ops). The caller's input is never written: keys and
 parts live in ``out`` where they fit (float32/float64 keys) or in a reused scratch buffer."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from mpigpu.ops import Op
+from mpigpu.core.ops import Op
 
 if TYPE_CHECKING:
-    from mpigpu._cuda import StreamRef
-    from mpigpu.arrays import ArrayView
-    from mpigpu.dtypes import DType
+    from mpigpu.core._cuda import StreamRef
+    from mpigpu.core.arrays import ArrayView
+    from mpigpu.core.dtypes import DType
 
 __all__ = ["DeviceScratch", "by_keys_or_parts", "needs_keys_or_parts"]
 
@@ -27,7 +27,7 @@ class DeviceScratch:
         self._free: Any = None  # event: the last call is done with the buffer
 
     def take(self, nbytes: int, stream: int) -> int:
-        from mpigpu._cuda import cupy
+        from mpigpu.core._cuda import cupy
 
         rt = cupy().cuda.runtime
         if self._free is None:
@@ -41,13 +41,13 @@ class DeviceScratch:
         return int(self._buf.data.ptr)
 
     def give_back(self, stream: int) -> None:
-        from mpigpu._cuda import cupy
+        from mpigpu.core._cuda import cupy
 
         cupy().cuda.runtime.eventRecord(self._free, stream)
 
     def close(self) -> None:
         if self._free is not None:
-            from mpigpu._cuda import cupy
+            from mpigpu.core._cuda import cupy
 
             cupy().cuda.runtime.eventDestroy(self._free)
             self._free = None

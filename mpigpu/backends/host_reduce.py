@@ -1,6 +1,6 @@
 """The host backend's NumPy reductions: rows of the node's slots reduced in rank order (both routes,
 and the finishing step after a GPU partial), the semantics NumPy's ufuncs lack (float min/max,
-exact integer avg: mpigpu.ops), and the exchange of node partials across nodes."""
+exact integer avg: mpigpu.core.ops), and the exchange of node partials across nodes."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mpigpu.backends.host_layout import split_even
-from mpigpu.ops import Op, finish_avg, from_keys, int_avg_rows, minmax_rows, to_keys
+from mpigpu.core.ops import Op, finish_avg, from_keys, int_avg_rows, minmax_rows, to_keys
 
 if TYPE_CHECKING:
-    from mpigpu.dtypes import DType
+    from mpigpu.core.dtypes import DType
 
 __all__ = ["CPU_BLOCK", "GATHER_MAX", "INT_AVG_NODES", "finish", "internode", "reduce_rows", "reduce_stacked"]
 
@@ -93,7 +93,7 @@ def reduce_stacked(
             _finish(acc, op, dtype, nranks, dst)
 
 
-# -- semantics NumPy's ufuncs lack (mpigpu.ops): float min/max, exact integer avg ----------------
+# -- semantics NumPy's ufuncs lack (mpigpu.core.ops): float min/max, exact integer avg ----------------
 INT_AVG_NODES = (
     "integer avg across several nodes is not supported by the host backend (its per-node partial is held "
     "in the element type, where the exact sum does not fit); use backend 'cpu' for NumPy arrays, 'nccl' "

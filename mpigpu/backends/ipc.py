@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from mpigpu._cuda import core_stream, cupy, require_cuda_core
-from mpigpu.backends.base import Availability, Backend
+from mpigpu.backends.base import Availability, Backend, CommContext
 from mpigpu.backends.ipc_memory import SharedAllocation, collective_step
 from mpigpu.backends.ipc_plan import (
     DEFAULT_MAX_BLOCKS,
@@ -32,13 +31,13 @@ from mpigpu.backends.ipc_plan import (
     default_two_shot_min,
     plan_launches,
 )
-from mpigpu.errors import BackendUnavailable, CollectiveTimeout, DeviceError, MismatchError
+from mpigpu.core._cuda import core_stream, cupy, require_cuda_core
+from mpigpu.core.errors import BackendUnavailable, CollectiveTimeout, DeviceError, MismatchError
 
 if TYPE_CHECKING:
-    from mpigpu._cuda import StreamRef
-    from mpigpu.arrays import ArrayView
-    from mpigpu.context import Context
-    from mpigpu.ops import Op
+    from mpigpu.core._cuda import StreamRef
+    from mpigpu.core.arrays import ArrayView
+    from mpigpu.core.ops import Op
 
 __all__ = ["IpcBackend"]
 
@@ -58,7 +57,7 @@ class _Region:
     table: int  # device u64[MAX_RANKS]: this rank's block in each rank's address space
 
 
-def _peer_problem(ctx: Context, buses: Sequence[str]) -> str | None:
+def _peer_problem(ctx: CommContext, buses: Sequence[str]) -> str | None:
     """Why this rank's GPU cannot reach the others' (None if it may: the IPC trial decides)."""
     gpu = ctx.gpu
     assert gpu is not None
@@ -84,7 +83,7 @@ def _peer_problem(ctx: Context, buses: Sequence[str]) -> str | None:
 def _release(comm: Any, allocations: Sequence[SharedAllocation]) -> list[str]:
     """Free shared blocks (collective): wait for this GPU's work, unmap the peers' blocks, wait
     until every rank has done so (so no kernel still reads ours), then free. Returns the errors."""
-    from mpigpu._mpi import MPI
+    from mpigpu.core._mpi import MPI
 
     errors = []
     try:
@@ -126,7 +125,7 @@ class IpcBackend(Backend):
 
     # -- availability -------------------------------------------------------------------------------
     @classmethod
-    def probe(cls, ctx: Context) -> Availability:
+    def probe(cls, ctx: CommContext) -> Availability:
         """Collective on every rank: the same collectives run whatever the local outcome."""
         layout = ctx.layout
         if not ctx.all_have_gpus:
@@ -158,7 +157,7 @@ class IpcBackend(Backend):
         return Availability(True, f"CUDA IPC between the {ctx.size} GPUs of one node (handles opened on every rank)")
 
     # -- set-up (collective: every rank creates the backend in the same call) -----------------------
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: CommContext) -> None:
         super().__init__(ctx)
         layout = ctx.layout
         self._comm = layout.node_comm
@@ -389,7 +388,7 @@ class IpcBackend(Backend):
         )
 
     def close(self) -> None:
-        """Unmap the peers' buffers and free this rank's (collective: called from Context.close)."""
+        """Unmap the peers' buffers and free this rank's (collective: called from CommContext.close)."""
         if self._closed:
             return
         self._closed = True
@@ -427,6 +426,6 @@ class IpcBackend(Backend):
 
 
 def _mpi_min() -> Any:
-    from mpigpu._mpi import MPI
+    from mpigpu.core._mpi import MPI
 
     return MPI().MIN

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from mpigpu._cuda import cupy
-from mpigpu.errors import BackendUnavailable, DeviceError, MpigpuError
+from mpigpu.core._cuda import cupy
+from mpigpu.core.errors import BackendUnavailable, DeviceError, MpigpuError
 
 __all__ = ["SharedAllocation", "collective_step"]
 

@@ -26,7 +26,7 @@ __all__ = [
     "plan_launches",
 ]
 
-# Mirrors of the #defines in kernels/ipc.cu (tests/test_ipc_unit.py checks that they agree).
+# Mirrors of the #defines in kernels/ipc.cu (tests/backends/test_ipc_unit.py checks that they agree).
 MAX_RANKS = 8  # IPC_MAX_RANKS: ranks of one node the kernel can combine
 MAX_BLOCKS = 64  # IPC_MAX_BLOCKS: flag slots per rank
 SIGNAL_BYTES = 32768  # IPC_SIGNAL_BYTES: flags and tables at the start of each rank's allocation

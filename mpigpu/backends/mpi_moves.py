@@ -7,7 +7,7 @@ from __future__ import annotations
 from itertools import accumulate
 from typing import Any
 
-from mpigpu._mpi import MPI
+from mpigpu.core._mpi import MPI
 
 __all__ = ["allgather_bytes", "broadcast_bytes", "byte_counts"]
 

@@ -4,29 +4,28 @@ they are stream-ordered with no host synchronisation; float avg is NCCL's own nc
 
 Float min/max and integer avg do not go to NCCL as they are (its float max drops NaN, its integer
 avg wraps): they travel as order-preserving integer keys (ncclMin/ncclMax on uint32/uint64) or as
-64-bit parts summed exactly (device_scratch.py), so they follow mpigpu's semantics (mpigpu.ops)."""
+64-bit parts summed exactly (device_scratch.py), so they follow mpigpu's semantics (mpigpu.core.ops)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from mpigpu.backends.base import Availability, Backend
+from mpigpu.backends.base import Availability, Backend, CommContext
 from mpigpu.backends.device_scratch import DeviceScratch, by_keys_or_parts, needs_keys_or_parts
-from mpigpu.check import fail_together
-from mpigpu.errors import BackendUnavailable, InvalidArgument
+from mpigpu.core.errors import BackendUnavailable, InvalidArgument
+from mpigpu.job.check import fail_together
 
 if TYPE_CHECKING:
-    from mpigpu._cuda import StreamRef
-    from mpigpu.arrays import ArrayView
-    from mpigpu.context import Context
-    from mpigpu.dtypes import DType
-    from mpigpu.ops import Op
+    from mpigpu.core._cuda import StreamRef
+    from mpigpu.core.arrays import ArrayView
+    from mpigpu.core.dtypes import DType
+    from mpigpu.core.ops import Op
 
 __all__ = ["NcclBackend", "distinct_gpus"]
 
 
-def distinct_gpus(ctx: Context) -> str | None:
+def distinct_gpus(ctx: CommContext) -> str | None:
     """None if every rank has its own GPU, else why not (NCCL and ipc need one GPU per rank)."""
     if not ctx.all_have_gpus:
         return "not every rank has a GPU"
@@ -42,7 +41,7 @@ _NCCL_UINT8 = 1  # ncclUint8: broadcast and allgather move bytes, whatever the d
 _BROADCAST_PIECE = 1 << 30
 
 
-def _unavailable(ctx: Context, doing: str, exc: BaseException) -> BackendUnavailable:
+def _unavailable(ctx: CommContext, doing: str, exc: BaseException) -> BackendUnavailable:
     error = BackendUnavailable(f"NCCL {doing} a communicator of {ctx.size} ranks: {type(exc).__name__}: {exc}")
     error.__cause__ = exc
     return error
@@ -60,7 +59,7 @@ class NcclBackend(Backend):
     collectives: ClassVar[frozenset[str]] = frozenset({"allreduce", "broadcast", "allgather"})
 
     @classmethod
-    def probe(cls, ctx: Context) -> Availability:
+    def probe(cls, ctx: CommContext) -> Availability:
         problem = distinct_gpus(ctx)  # collective: runs on every rank whatever the outcome
         if problem:
             return Availability(False, problem)
@@ -74,7 +73,7 @@ class NcclBackend(Backend):
             return f"NCCL has no {dtype.name} type"
         return None
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: CommContext) -> None:
         """Create the NCCL communicator (collective). ncclCommInitRank waits for every rank, so a rank
         that fails before it (NCCL does not load, no GPU, no unique id on rank 0) must not leave the
         others there: the ranks agree on these local steps first and all raise if one failed. A rank
@@ -107,7 +106,7 @@ class NcclBackend(Backend):
             raise
 
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
-        from mpigpu._cuda import StreamRef
+        from mpigpu.core._cuda import StreamRef
 
         assert x.dtype.nccl is not None
         stream = stream or StreamRef(0)
@@ -180,7 +179,7 @@ class NcclBackend(Backend):
                 f"a CUDA graph of nccl {op.value} on {x.dtype.name} is not supported (it needs mpigpu's "
                 "key/part passes around NCCL): use start()/wait(), or the ipc backend"
             )
-        from mpigpu._cuda import require_cuda_core  # noqa: F401 - a clear error without cuda.core
+        from mpigpu.core._cuda import require_cuda_core  # noqa: F401 - a clear error without cuda.core
 
         device = self.ctx.activate_gpu()
         builder = device.create_graph_builder().begin_building()
@@ -193,7 +192,7 @@ class NcclBackend(Backend):
 
     def launch_graph(self, graph: Any, stream: StreamRef | None) -> None:
         """Replay a graph from ``graph_allreduce`` on ``stream`` (stream order is NCCL's order)."""
-        from mpigpu._cuda import core_stream
+        from mpigpu.core._cuda import core_stream
 
         graph.launch(core_stream(0 if stream is None else stream.handle))
 

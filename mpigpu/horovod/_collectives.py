@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import mpigpu
-from mpigpu.errors import MismatchError
+from mpigpu.core.errors import MismatchError
 
 __all__ = ["allgather", "allgather_object", "broadcast_", "broadcast_object"]
 
@@ -94,7 +94,7 @@ def allgather(t: Any, comm: Any) -> Any:
 
 
 def _byte_type() -> Any:
-    from mpigpu._mpi import MPI
+    from mpigpu.core._mpi import MPI
 
     return MPI().BYTE
 

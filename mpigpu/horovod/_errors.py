@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from mpigpu.errors import MpigpuError
+from mpigpu.core.errors import MpigpuError
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "not_initialized", "translated", "unsupported"]
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from mpigpu._mpi import MPI
-from mpigpu.context import ANY_THREAD, Context
+from mpigpu.core._mpi import MPI
 from mpigpu.horovod._errors import not_initialized
+from mpigpu.runtime.context import ANY_THREAD, Context
 
 __all__ = [
     "ProcessSet",

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from mpigpu.backends import backend_class
-from mpigpu.errors import InvalidArgument
+from mpigpu.core.errors import InvalidArgument
+from mpigpu.core.ops import Op, parse_op
 from mpigpu.jax._comms import comm_key
 from mpigpu.jax._primitive import CompiledCall, allreduce_p, compiled_calls
-from mpigpu.ops import Op, parse_op
 
 __all__ = ["CompiledCall", "allreduce", "average_tree", "compiled_calls"]
 

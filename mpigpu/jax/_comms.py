@@ -19,9 +19,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from mpigpu._mpi import MPI, world
-from mpigpu.context import Context
-from mpigpu.errors import ConfigError, MpigpuError
+from mpigpu.core._mpi import MPI, world
+from mpigpu.core.errors import ConfigError, MpigpuError
+from mpigpu.runtime.context import Context
 
 __all__ = ["Channel", "channel", "comm_key", "ready_channel"]
 

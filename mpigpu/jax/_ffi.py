@@ -271,7 +271,7 @@ def _error(frame: _CallFrame, exc: BaseException) -> int:
 # XLA calls the handler on its own threads, which Python does not know. ctypes then wraps every call in
 # PyGILState_Ensure/Release, which creates a Python thread state for the call and deletes it on return:
 # every call starts on a new thread state, so all thread-local state (threading.local: the current-GPU
-# cache of mpigpu._cuda.set_device, cuda.core's device list, CuPy's) is rebuilt on every call. Measured on
+# cache of mpigpu.core._cuda.set_device, cuda.core's device list, CuPy's) is rebuilt on every call. Measured on
 # JAX CPU (JAX 0.10.2, 2 ranks): 200 of 200 calls found their threading.local empty. One extra
 # PyGILState_Ensure per thread, never released, keeps the thread's state alive between calls (its counter
 # never returns to zero); the GIL is still released on return. The leak is one thread state per XLA thread
@@ -363,7 +363,7 @@ def make_handler(execute: Callable[[Call], None], *, traits: int = 0) -> Any:
             try:
                 return _error(frame, exc)
             except BaseException:  # no way to tell XLA: returning success would hand out garbage
-                from mpigpu.failsafe import abort_job
+                from mpigpu.job.failsafe import abort_job
 
                 abort_job(f"mpigpu.jax: the FFI handler failed and could not report it to XLA: {exc!r}")
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import threading
 
-from mpigpu._cuda import StreamRef
-from mpigpu.arrays import ArrayView, _pointer_device, raw_view
 from mpigpu.backends import BACKEND_NAMES
-from mpigpu.context import Context
+from mpigpu.core._cuda import StreamRef
+from mpigpu.core.arrays import ArrayView, _pointer_device, raw_view
+from mpigpu.core.ops import Op
 from mpigpu.jax._comms import ready_channel
 from mpigpu.jax._ffi import Buffer, Call, HandlerError
-from mpigpu.ops import Op
+from mpigpu.runtime.context import Context
 
 __all__ = ["ATTRIBUTE", "OPS", "encode", "execute"]
 
@@ -87,7 +87,7 @@ def _copy(x: ArrayView, out: ArrayView, stream: StreamRef | None) -> None:
         assert x.host is not None and out.host is not None
         out.host[...] = x.host
         return
-    from mpigpu._cuda import cupy
+    from mpigpu.core._cuda import cupy
 
     runtime = cupy().cuda.runtime
     runtime.memcpyAsync(out.ptr, x.ptr, x.nbytes, runtime.memcpyDeviceToDevice, stream.handle)

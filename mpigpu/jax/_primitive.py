@@ -41,17 +41,17 @@ from jax._src.interpreters import batching
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from mpigpu.arrays import ArrayView
 from mpigpu.backends import backend_code
-from mpigpu.check import Signature, check_signature
-from mpigpu.dtypes import parse_dtype
-from mpigpu.errors import DeviceError, InvalidArgument, MismatchError
+from mpigpu.core.arrays import ArrayView
+from mpigpu.core.dtypes import parse_dtype
+from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError
+from mpigpu.core.ops import Op
 from mpigpu.jax import _ffi
 from mpigpu.jax._comms import Channel, channel
 from mpigpu.jax._handler import ATTRIBUTE, encode, execute
 from mpigpu.jax._tokens import install as install_token_passing
-from mpigpu.ops import Op
-from mpigpu.plan import Choice, choose_cached
+from mpigpu.job.check import Signature, check_signature
+from mpigpu.runtime.plan import Choice, choose_cached
 
 __all__ = ["EFFECT", "TARGET", "CompiledCall", "allreduce_p", "compiled_calls"]
 

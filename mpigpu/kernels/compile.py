@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from mpigpu._cuda import require_cuda_core
-from mpigpu.errors import KernelCompileError
-from mpigpu.privatefs import PrivateDir, UntrustedPath
+from mpigpu.core._cuda import require_cuda_core
+from mpigpu.core.errors import KernelCompileError
+from mpigpu.core.privatefs import PrivateDir, UntrustedPath
 
 __all__ = ["CompileStats", "Module", "compile_stats", "launch", "load_module"]
 
@@ -92,7 +92,7 @@ def _nvrtc_version() -> str:
 
 
 def _cache_dir() -> Path:
-    from mpigpu.config import settings
+    from mpigpu.core.config import settings
 
     return settings().cache_dir
 

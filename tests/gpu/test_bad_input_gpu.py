@@ -22,16 +22,9 @@ import pytest
 from conftest import run_mpi
 
 import mpigpu
-from mpigpu.context import Context
-from mpigpu.errors import BackendUnavailable, DeviceError, InvalidArgument, MismatchError
+from mpigpu.core.errors import BackendUnavailable, DeviceError, InvalidArgument, MismatchError
 
 GPU_ONLY = ["nccl", "ipc", "cuda-aware"]
-
-
-@pytest.fixture(scope="module")
-def ctx(comm):
-    mpigpu.select_device(comm)
-    return Context.get(comm)
 
 
 @pytest.fixture(scope="module")
@@ -174,8 +167,8 @@ def test_placement_mismatch_named(ctx, cp) -> None:
 def test_nan_and_inf_propagate_on_gpu(ctx, cp, backend: str, dtype: str) -> None:
     if backend != "auto" and not ctx.availability[backend].ok:
         pytest.skip(f"{backend}: {ctx.availability[backend].reason}")
-    from mpigpu.arrays import ArrayView
-    from mpigpu.dtypes import DTYPES
+    from mpigpu.core.arrays import ArrayView
+    from mpigpu.core.dtypes import DTYPES
 
     host = np.ones(6, DTYPES[dtype].np)
     if ctx.rank == ctx.size - 1:

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mpigpu import bench
-from mpigpu.context import Context
+from mpigpu.bench import main as bench
+from mpigpu.runtime.context import Context
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1)]
 
@@ -161,8 +161,8 @@ def test_broadcast_and_allgather_rows_beside_raw_nccl(comm, collective: str, fra
 def test_device_wrong_counts_elements_as_numpy_does_at_every_size(comm, item: int) -> None:
     """The collectives' device verifier (one elementwise kernel for every size, no CUB reduction
     compiled per size) counts the elements with any wrong byte exactly as the NumPy reference."""
-    from mpigpu._cuda import cupy
-    from mpigpu.bench_collectives import _device_wrong
+    from mpigpu.bench.collectives import _device_wrong
+    from mpigpu.core._cuda import cupy
 
     cp = cupy()
     rng = np.random.default_rng(item)

@@ -9,17 +9,10 @@ import numpy as np
 import pytest
 
 import mpigpu
-from mpigpu._cuda import resolve_stream
-from mpigpu.context import Context
-from mpigpu.errors import MismatchError
+from mpigpu.core._cuda import resolve_stream
+from mpigpu.core.errors import MismatchError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1)]
-
-
-@pytest.fixture(scope="module")
-def ctx(comm):
-    mpigpu.select_device(comm)
-    return Context.get(comm)
 
 
 def test_torch_current_stream_is_the_handle_torch_reports(ctx) -> None:

@@ -15,20 +15,13 @@ import numpy as np
 import pytest
 
 import mpigpu
-from mpigpu.context import Context
-from mpigpu.errors import InvalidArgument, MismatchError
+from mpigpu.core.errors import InvalidArgument, MismatchError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1)]
 
 BACKENDS = ["nccl", "cuda-aware", "host", "auto"]
 DTYPES = ["float32", "float64", "float16", "int8", "int64", "uint8"]
 POISON = 0xA5
-
-
-@pytest.fixture(scope="module")
-def ctx(comm):
-    mpigpu.select_device(comm)
-    return Context.get(comm)
 
 
 @pytest.fixture(scope="module")

@@ -15,22 +15,15 @@ import numpy as np
 import pytest
 
 import mpigpu
-from mpigpu.context import Context
-from mpigpu.dtypes import DTYPES
-from mpigpu.ops import Op
-from mpigpu.workload import POISON_BYTE, count_wrong_device, fill_device
+from mpigpu.bench.workload import POISON_BYTE, count_wrong_device, fill_device
+from mpigpu.core.dtypes import DTYPES
+from mpigpu.core.ops import Op
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1)]
 
 BACKENDS = ["nccl", "cuda-aware", "host"]
 FLOATS = ["float32", "float64", "float16", "bfloat16"]
 SIZES = [1, 1000003, "64MiB"]
-
-
-@pytest.fixture(scope="module")
-def ctx(comm):
-    mpigpu.select_device(comm)
-    return Context.get(comm)
 
 
 def _count(size, dtype: str) -> int:
@@ -52,13 +45,13 @@ class _Arrays:
         if framework == "torch":
             self.torch = pytest.importorskip("torch", reason="torch is not installed")
             self.stream = self.torch.cuda.Stream(device=self.index)
-            self.ref = mpigpu._cuda.StreamRef(int(self.stream.cuda_stream))
+            self.ref = mpigpu.core._cuda.StreamRef(int(self.stream.cuda_stream))
         else:
             import cupy
 
             self.cupy = cupy
             self.stream = cupy.cuda.Stream(non_blocking=True)
-            self.ref = mpigpu._cuda.StreamRef(int(self.stream.ptr))
+            self.ref = mpigpu.core._cuda.StreamRef(int(self.stream.ptr))
 
     def empty(self, count: int, dtype: str):
         if self.framework == "torch":
@@ -129,7 +122,7 @@ def test_stream_order_is_respected(ctx, comm, backend: str) -> None:
     rank, n, d = comm.Get_rank(), comm.Get_size(), DTYPES["float32"]
     count = 1 << 22
     stream = cupy.cuda.Stream(non_blocking=True)
-    ref = mpigpu._cuda.StreamRef(int(stream.ptr))
+    ref = mpigpu.core._cuda.StreamRef(int(stream.ptr))
     good = cupy.empty(count, dtype=np.float32)
     fill_device(int(good.data.ptr), count, d, "exact", Op.SUM, rank, n, ctx.gpu, ref)
     x = cupy.empty(count, dtype=np.float32)
@@ -145,7 +138,7 @@ def test_stream_order_is_respected(ctx, comm, backend: str) -> None:
 
 
 def test_device_mapping(ctx, comm) -> None:
-    from mpigpu._cuda import visible_device_count
+    from mpigpu.core._cuda import visible_device_count
 
     gpu = mpigpu.select_device(comm)
     assert gpu is not None
@@ -171,7 +164,7 @@ def test_auto_prefers_nccl_for_large_messages(ctx, comm) -> None:
 def test_array_on_another_gpu_is_refused(ctx, comm) -> None:
     import cupy
 
-    from mpigpu._cuda import visible_device_count
+    from mpigpu.core._cuda import visible_device_count
 
     if visible_device_count() < 2:
         pytest.skip("this process sees one GPU (launcher pinning); nothing else to put an array on")

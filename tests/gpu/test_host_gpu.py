@@ -4,7 +4,7 @@ the GPU, poisoned outputs, bitwise identical on every rank; CuPy and torch input
 virtual nodes (equal and unequal); stream ordering; phases; finalize.
 
 Contexts with their own settings are built on a duplicate of the world communicator while the
-MPIGPU_* variables are set (see tests/test_host_mpi.py).
+MPIGPU_* variables are set (see tests/backends/test_host_mpi.py).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 import mpigpu
-from mpigpu._cuda import StreamRef
-from mpigpu.arrays import ArrayView
-from mpigpu.context import Context
-from mpigpu.dtypes import DTYPES
-from mpigpu.ops import Op
-from mpigpu.workload import POISON_BYTE, count_wrong_device, fill_device
+from mpigpu.bench.workload import POISON_BYTE, count_wrong_device, fill_device
+from mpigpu.core._cuda import StreamRef
+from mpigpu.core.arrays import ArrayView
+from mpigpu.core.dtypes import DTYPES
+from mpigpu.core.ops import Op
+from mpigpu.runtime.context import Context
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1)]
 

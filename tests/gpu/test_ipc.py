@@ -27,13 +27,13 @@ import numpy as np
 import pytest
 
 import mpigpu
-from mpigpu._cuda import StreamRef
-from mpigpu.arrays import as_view
 from mpigpu.backends.ipc_plan import STAGE_BYTES
-from mpigpu.context import Context
-from mpigpu.dtypes import DTYPES
-from mpigpu.ops import Op
-from mpigpu.workload import POISON_BYTE, count_wrong_device, fill_device
+from mpigpu.bench.workload import POISON_BYTE, count_wrong_device, fill_device
+from mpigpu.core._cuda import StreamRef
+from mpigpu.core.arrays import as_view
+from mpigpu.core.dtypes import DTYPES
+from mpigpu.core.ops import Op
+from mpigpu.runtime.context import Context
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=2)]
 

@@ -18,22 +18,15 @@ import pytest
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # several ranks share the node's GPUs
 
 import mpigpu
-from mpigpu.context import Context
-from mpigpu.dtypes import DTYPES
-from mpigpu.errors import MismatchError
-from mpigpu.ops import Op
-from mpigpu.patterns import fill
-from mpigpu.verify import count_wrong_host
+from mpigpu.core.dtypes import DTYPES
+from mpigpu.core.errors import MismatchError
+from mpigpu.core.ops import Op
+from mpigpu.core.patterns import fill
+from mpigpu.core.verify import count_wrong_host
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1)]
 
 BACKENDS = ["auto", "nccl", "ipc", "host"]  # cuda-aware is refused on XLA's buffers: see below
-
-
-@pytest.fixture(scope="module")
-def ctx(comm):
-    mpigpu.select_device(comm)
-    return Context.get(comm)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The kernel cache with NVRTC and the driver (tests/test_cache_security.py covers its decisions on
+"""The kernel cache with NVRTC and the driver (tests/core/test_cache_security.py covers its decisions on
 a CPU with a fake compiler): a real cubin is stored with its hash in a 0700 directory, loaded
 from there by the next process, and a damaged entry is recompiled into a working module."""
 
@@ -19,7 +19,7 @@ def _fresh_load(monkeypatch: pytest.MonkeyPatch, arch: str) -> object:
 
 
 def test_a_real_cubin_is_cached_verified_and_reloaded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from mpigpu._cuda import set_device
+    from mpigpu.core._cuda import set_device
     from mpigpu.kernels import compile as kc
 
     device = set_device(0)

@@ -11,23 +11,16 @@ import numpy as np
 import pytest
 
 import mpigpu
-from mpigpu._cuda import StreamRef
-from mpigpu.context import Context
-from mpigpu.dtypes import DTYPES
-from mpigpu.ops import Op
-from mpigpu.patterns import fill
-from mpigpu.verify import count_wrong_host
+from mpigpu.core._cuda import StreamRef
+from mpigpu.core.dtypes import DTYPES
+from mpigpu.core.ops import Op
+from mpigpu.core.patterns import fill
+from mpigpu.core.verify import count_wrong_host
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1)]
 
 BACKENDS = ["nccl", "ipc", "host", "cuda-aware"]
 _D2H, _H2D = 2, 1
-
-
-@pytest.fixture(scope="module")
-def ctx(comm):
-    mpigpu.select_device(comm)
-    return Context.get(comm)
 
 
 def _need(ctx, backend: str) -> None:

@@ -13,19 +13,12 @@ import pytest
 
 import mpigpu
 from mpigpu.backends import backend_class
-from mpigpu.context import Context
-from mpigpu.dtypes import DTYPES
-from mpigpu.ops import Op, minmax_rows
+from mpigpu.core.dtypes import DTYPES
+from mpigpu.core.ops import Op, minmax_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1)]
 
 BACKENDS = ["ipc", "nccl", "cuda-aware", "host"]
-
-
-@pytest.fixture(scope="module")
-def ctx(comm):
-    mpigpu.select_device(comm)
-    return Context.get(comm)
 
 
 def _need(ctx, backend: str) -> None:

@@ -13,26 +13,19 @@ import numpy as np
 import pytest
 
 import mpigpu
-from mpigpu.averager import Averager
 from mpigpu.backends import backend_class
-from mpigpu.context import Context
-from mpigpu.dtypes import DTYPES
+from mpigpu.core.dtypes import DTYPES
+from mpigpu.core.ops import Op
+from mpigpu.core.patterns import fill
+from mpigpu.core.verify import count_wrong_host
 from mpigpu.handles import allreduce_async
-from mpigpu.ops import Op
-from mpigpu.patterns import fill
-from mpigpu.verify import count_wrong_host
+from mpigpu.training.averager import Averager
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1)]
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before the tests import JAX: ranks share GPUs
 
 SAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "samples")
-
-
-@pytest.fixture(scope="module")
-def ctx(comm):
-    mpigpu.select_device(comm)
-    return Context.get(comm)
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +218,7 @@ def test_averager_torch_parameters(ctx, own_comm) -> None:
 
 def test_backward_averager_cuda(ctx, own_comm) -> None:
     torch = pytest.importorskip("torch", reason="torch is not installed")
-    from mpigpu.integrations.torch import BackwardAverager
+    from mpigpu.training.torch import BackwardAverager
 
     device = torch.device("cuda", ctx.gpu.index)
     model = _conv_model(torch, device)
@@ -246,7 +239,7 @@ def test_backward_averager_cuda_rebuilds_buckets_in_gradient_order(ctx, own_comm
     gradients' arrival (layers 1, 3, 0, 2), the gradients stay exact (integer values, so the float64
     mean is exact) across the rebuild, and they end up living in the new buckets."""
     torch = pytest.importorskip("torch", reason="torch is not installed")
-    from mpigpu.integrations.torch import BackwardAverager
+    from mpigpu.training.torch import BackwardAverager
 
     device = torch.device("cuda", ctx.gpu.index)
     layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4)).to(device)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpigpu._mpi import MPI
+from mpigpu.core._mpi import MPI
 from mpigpu.horovod._errors import HorovodInternalError, HostsUpdatedInterrupt, unsupported
 from mpigpu.horovod._state import (
     ProcessSet,
@@ -152,10 +152,10 @@ def gloo_enabled() -> bool:
 def nccl_built() -> bool:
     """True if NCCL loads on every rank (after init; before it, whether it loads here)."""
     if is_initialized():
-        from mpigpu.context import Context
+        from mpigpu.runtime.context import Context
 
         return bool(Context.get(comm_of(global_process_set)).nccl.available)
-    from mpigpu.detect import detect_nccl
+    from mpigpu.job.detect import detect_nccl
 
     return bool(detect_nccl(1).available)
 
@@ -184,7 +184,7 @@ def ccl_built() -> bool:
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Wait until every rank of the process set has arrived (and its queued allreduces have run)."""
-    from mpigpu.context import Context
+    from mpigpu.runtime.context import Context
 
     comm = comm_of(process_set)
     Context.get(comm).wait_async()
@@ -200,7 +200,7 @@ def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
     Supported as a synchronisation point only: a rank that has joined does not take part (with zeros)
     in allreduces the other ranks still issue, as Horovod's does for uneven data; make every rank run
     the same number of steps (e.g. drop the last partial batch) instead. ``device`` is accepted."""
-    from mpigpu.context import Context
+    from mpigpu.runtime.context import Context
 
     comm = comm_of(process_set)
     Context.get(comm).wait_async()

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 import mpigpu
-from mpigpu.context import Context
 from mpigpu.handles import reject
 from mpigpu.horovod import _collectives
 from mpigpu.horovod._errors import translated, unsupported
 from mpigpu.horovod._state import ProcessSet, comm_of, global_process_set
+from mpigpu.runtime.context import Context
 
 __all__ = [
     "Adasum",

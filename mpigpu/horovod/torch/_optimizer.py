@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from mpigpu.averager import Averager
 from mpigpu.horovod._errors import translated, unsupported
 from mpigpu.horovod._state import ProcessSet, comm_of, global_process_set
 from mpigpu.horovod.torch._ops import Average, Compression, Compressor, FP16Compressor, NoneCompressor, Sum, resolve_op
-from mpigpu.integrations.torch import BackwardAverager
+from mpigpu.training.averager import Averager
+from mpigpu.training.torch import BackwardAverager
 
 __all__ = ["DistributedOptimizer"]
 

@@ -1,0 +1,306 @@
+"""``python -m mpigpu.bench --collective broadcast|allgather``: what differs from allreduce.
+
+What is timed: the user's call, ``mpigpu.broadcast(x, root=0[, backend=name])`` (in place) or
+``y = mpigpu.allgather(x[, backend=name])`` (a new array, ``n x`` the input), beside the anchors of
+``mpigpu.bench.coll_anchors``. Sizes are the per-rank input (for allgather the output is n times larger).
+
+Verification is exact, byte for byte: rank ``r``'s input byte ``j`` of check ``g`` is
+``((j % 251) * 7 + 31 r + 17 g + 1) % 251``, so every byte differs between any two ranks (251 is
+prime), every check expects bytes no earlier check wrote (an output left over from a previous call
+cannot pass), and no pattern byte is the poison 0xFF. Broadcast: every rank must end with the root's
+(rank 0's) bytes, which differ from its own at every byte. Allgather: rank ``r``'s block of the
+output must hold rank ``r``'s bytes; the anchors' output is poisoned before the check, and the user
+call's output is allocated by ``allgather`` itself (a block of its size is poisoned and freed
+first, so the allocator most likely hands the same memory back).
+
+Bus bandwidth as nccl-tests documents it: broadcast busbw = algbw = bytes / time; allgather
+algbw = output bytes / time, busbw = algbw * (n-1)/n.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from mpigpu.core.arrays import ArrayView, as_view
+from mpigpu.core.dtypes import DType
+from mpigpu.core.errors import InvalidArgument
+from mpigpu.core.timing import Result
+
+__all__ = [
+    "COLLECTIVES",
+    "MOVES",
+    "CollectiveResult",
+    "CollectiveWorkload",
+    "bind_collective",
+    "busbw_factor",
+    "refuse_options",
+]
+
+COLLECTIVES = ("allreduce", "broadcast", "allgather")
+MOVES = ("broadcast", "allgather")  # the data-movement collectives this module times
+ROOT = 0
+POISON = 0xFF  # never a pattern byte (patterns are < 251)
+_checks = itertools.count(1)  # the salt g of each check, the same sequence on every rank
+
+
+def busbw_factor(collective: str, nranks: int) -> float:
+    """busbw / algbw, as nccl-tests: allreduce 2(n-1)/n, broadcast 1, allgather (n-1)/n (0 for one rank)."""
+    if nranks < 2:
+        return 0.0
+    return {"allreduce": 2.0 * (nranks - 1) / nranks, "broadcast": 1.0, "allgather": (nranks - 1) / nranks}[collective]
+
+
+@dataclass(frozen=True)
+class CollectiveResult(Result):
+    """A Result of broadcast or allgather: ``bytes`` is the per-rank input; algbw from the output."""
+
+    collective: str = "broadcast"
+
+    @property
+    def out_bytes(self) -> int:
+        return self.bytes * self.ranks if self.collective == "allgather" else self.bytes
+
+    @property
+    def algbw_gbps(self) -> float:
+        return self.out_bytes / (self.time_us * 1e3) if self.time_us > 0 else 0.0
+
+    @property
+    def busbw_gbps(self) -> float:
+        return self.algbw_gbps * busbw_factor(self.collective, self.ranks)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["out_bytes"] = self.out_bytes
+        return data
+
+
+def refuse_options(args: Any) -> list[str]:
+    """For --collective broadcast|allgather: raise InvalidArgument for options that have no meaning
+    there (ops other than sum, persistent or prepared calls, --tune, the mode the collective has
+    not); set ``args.calls`` and ``args.modes``; return lines saying what was set."""
+    name = args.collective
+    if args.ops != ["sum"]:
+        raise InvalidArgument(f"--collective {name} reduces nothing: leave out --ops (only allreduce takes ops)")
+    if args.calls is not None and args.calls != ["user"]:
+        raise InvalidArgument(
+            f"--collective {name} times the user's call only (mpigpu.{name} has no persistent or prepared form): "
+            "use --calls user or leave --calls out"
+        )
+    if args.tune:
+        raise InvalidArgument("--tune measures allreduce's crossover table: run it without --collective")
+    inplace = name == "broadcast"  # broadcast writes x in place; allgather returns a new array
+    if (args.out_of_place and inplace) or (args.inplace and not inplace):
+        flag = "--out-of-place" if inplace else "--inplace"
+        raise InvalidArgument(
+            f"{flag} does not apply to --collective {name}: {name} is "
+            + ("in place only" if inplace else "out of place only (it returns a new array)")
+        )
+    args.calls, args.modes = ["user"], [inplace]
+    return [
+        f"# collective {name}: "
+        + (f"root rank {ROOT}, in place" if inplace else "sizes are each rank's input (the output is n times larger)"),
+        "# busbw as nccl-tests: "
+        + (
+            "broadcast busbw = algbw = bytes/time"
+            if inplace
+            else "allgather algbw = output bytes/time, busbw = algbw*(n-1)/n"
+        ),
+        "# verified byte for byte: every rank's input differs from every other's at every byte",
+    ]
+
+
+# -- the verified buffers ----------------------------------------------------------------------------
+def _pattern(xp: Any, nbytes: int, rank: int, salt: int) -> Any:
+    """Rank ``rank``'s bytes for check ``salt`` (NumPy or CuPy, on the current stream)."""
+    j = xp.arange(nbytes, dtype=xp.uint32) % 251
+    return ((j * 7 + (31 * rank + 17 * salt + 1)) % 251).astype(xp.uint8)
+
+
+@dataclass
+class _Arenas:
+    x: Any  # uint8, the largest input
+    out: Any  # uint8, nranks x the largest input (allgather), or None
+
+
+class CollectiveWorkload:
+    """Buffers of one broadcast or allgather call: ``x`` (count elements of dtype), the anchors'
+    output ``out`` (allgather), and ``result``, the array the checked call produced (set by the call)."""
+
+    def __init__(self, collective: str, arenas: _Arenas, count: int, dtype: DType, rank: int, nranks: int,
+                 gpu: Any, stream: Any) -> None:  # fmt: skip
+        self.collective, self.arenas, self.count, self.dtype = collective, arenas, count, dtype
+        self.rank, self.nranks, self.gpu, self.stream = rank, nranks, gpu, stream  # stream: a CuPy stream
+        nbytes = count * dtype.itemsize
+        self.x = self._view(arenas.x, nbytes, (count,))
+        self.out = self.x if arenas.out is None else self._view(arenas.out, nbytes * nranks, (count * nranks,))
+        self.result: Any = self.x if collective == "broadcast" else None
+        self.salt = 0
+
+    @classmethod
+    def allocate(cls, collective: str, count: int, dtype: DType, rank: int, nranks: int, gpu: Any,
+                 stream: Any) -> CollectiveWorkload:  # fmt: skip
+        nbytes = max(1, count * dtype.itemsize)
+        xp = _xp(gpu)
+        if gpu is not None:
+            xp.cuda.Device(gpu.index).use()
+        arenas = _Arenas(
+            xp.empty(nbytes, xp.uint8), xp.empty(nbytes * nranks, xp.uint8) if collective == "allgather" else None
+        )
+        return cls(collective, arenas, count, dtype, rank, nranks, gpu, stream)
+
+    def sized(self, count: int, **_: Any) -> CollectiveWorkload:
+        """The call on ``count`` elements of the same buffers (op and mode: the collective's own)."""
+        return CollectiveWorkload(self.collective, self.arenas, count, self.dtype, self.rank, self.nranks, self.gpu,
+                                  self.stream)  # fmt: skip
+
+    def _view(self, arena: Any, nbytes: int, shape: tuple[int, ...]) -> ArrayView:
+        if self.gpu is None:
+            arr = arena[:nbytes].view(self.dtype.np)
+            return ArrayView(arr, arr.ctypes.data, shape, self.dtype, None, False, "numpy", host=arr)
+        return ArrayView(arena, int(arena.data.ptr), shape, self.dtype, self.gpu.index, False, "cupy")
+
+    def _bytes(self, obj: Any) -> Any:
+        """The bytes of an array (view, NumPy, CuPy, torch) as a NumPy or CuPy uint8 array, no copy."""
+        view = as_view(obj, name="result")
+        if view.on_device:
+            from mpigpu.bench.anchors import device_bytes
+
+            return device_bytes(view)
+        assert view.host is not None
+        return view.host.reshape(-1).view(np.uint8)
+
+    def fill(self) -> None:
+        """This rank's input, with a new salt (the same on every rank: one check at a time)."""
+        self.salt = next(_checks)
+        nbytes = self.count * self.dtype.itemsize
+        with self._on_stream():
+            self._bytes(self.x)[:] = _pattern(_xp(self.gpu), nbytes, self.rank, self.salt)
+
+    def poison(self) -> None:
+        """Allgather: the anchors' output, and a block the size of the user call's output, freed again."""
+        if self.collective != "allgather":
+            return
+        xp = _xp(self.gpu)
+        self.result = None  # the previous call's output goes back to the allocator first...
+        with self._on_stream():
+            self._bytes(self.out)[:] = POISON
+            block = xp.full(self.count * self.dtype.itemsize * self.nranks, POISON, xp.uint8)  # ...and is poisoned
+            del block  # back to the allocator, which a new array of the same size most likely reuses
+
+    def corrupt(self, elements: int) -> None:
+        """Testing aid: damage the first ``elements`` of the checked call's result on this rank."""
+        if elements > 0 and self.result is not None:
+            with self._on_stream():
+                self._bytes(self.result)[: min(elements, self.count) * self.dtype.itemsize] = POISON
+
+    def wrong(self) -> int:
+        """Wrong elements of the result on this rank (every one, when there is no result of the right size)."""
+        expected_count = self.count * (self.nranks if self.collective == "allgather" else 1)
+        if self.result is None:
+            return expected_count
+        got = self._bytes(self.result)
+        item, nbytes = self.dtype.itemsize, self.count * self.dtype.itemsize
+        if got.size != expected_count * item:
+            return expected_count
+        xp = _xp(self.gpu)
+        ranks = range(self.nranks) if self.collective == "allgather" else [ROOT]
+        wrong = 0
+        with self._on_stream():
+            for block, rank in enumerate(ranks):
+                mine = got[block * nbytes : (block + 1) * nbytes]
+                want = _pattern(xp, nbytes, rank, self.salt)
+                if self.gpu is None:
+                    wrong += int((mine.reshape(self.count, item) != want.reshape(self.count, item)).any(axis=1).sum())
+                else:
+                    wrong += _device_wrong(xp, mine, want, item, self.count)  # waits for the stream
+        return wrong
+
+    def _on_stream(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext() if self.gpu is None else self.stream
+
+    def free(self) -> None:
+        self.arenas.x = self.arenas.out = None
+        self.x = self.out = self.result = None  # type: ignore[assignment]
+
+
+def _xp(gpu: Any) -> Any:
+    if gpu is None:
+        return np
+    from mpigpu.core._cuda import cupy
+
+    return cupy()
+
+
+_wrong_kernel: Any = None  # the CuPy kernel of _device_wrong, compiled on first use
+
+
+def _device_wrong(cp: Any, got: Any, want: Any, item: int, count: int) -> int:
+    """How many of ``count`` elements of ``item`` bytes differ between the CuPy uint8 arrays ``got``
+    and ``want``, on the current stream (the int read back waits for it).
+
+    One elementwise kernel, compiled once for every size: CuPy's reductions (``any``, ``sum``) go
+    through CUB kernels compiled per block size, and the block size follows the array size up to
+    2048 elements, so the check of the second size compiled new ones (3.3 s on 2 x H200 at 64 KiB,
+    which stopped the sweep of the raw NCCL broadcast anchor)."""
+    global _wrong_kernel
+    if _wrong_kernel is None:
+        _wrong_kernel = cp.ElementwiseKernel(
+            "raw uint8 got, raw uint8 want, int64 item",
+            "raw uint64 wrong",
+            """
+            bool bad = false;
+            for (long long k = 0; k < item; ++k) bad |= got[i * item + k] != want[i * item + k];
+            if (bad) atomicAdd(&wrong[0], 1ULL);
+            """,
+            "mpigpu_count_wrong",
+        )
+    wrong = cp.zeros(1, cp.uint64)
+    _wrong_kernel(got, want, np.int64(item), wrong, size=count)
+    return int(wrong.get()[0])
+
+
+# -- the calls --------------------------------------------------------------------------------------
+def bind_collective(
+    path: Any, work: CollectiveWorkload, *, framework: str, ctx: Any, stream: Any = None, anchor: Any = None
+) -> Any:
+    """The call of ``path`` on ``work`` as a ``bench_calls.Bound`` (collective: a refusal raises the
+    same InvalidArgument on every rank)."""
+    import mpigpu
+    from mpigpu.bench.anchors import _agreed_problem
+    from mpigpu.bench.calls import Bound, _check_current_stream, _nothing, user_arrays
+    from mpigpu.core.errors import MpigpuError
+    from mpigpu.core.ops import Op
+    from mpigpu.runtime.plan import choose_cached
+
+    if path.kind == "anchor":
+        if work.collective == "broadcast":
+            return Bound(partial(anchor.broadcast, work.x, ROOT), _nothing)
+        return Bound(partial(_store, work, lambda: anchor.allgather(work.x, work.out) or work.out), _nothing)
+    problem, choice = None, None
+    try:
+        x, _ = user_arrays(work, framework)  # type: ignore[arg-type]
+        choice = choose_cached(ctx, as_view(x), Op.SUM, path.name, work.collective)
+    except MpigpuError as exc:
+        problem = str(exc)
+    problem = _agreed_problem(ctx, problem)
+    if problem is not None:
+        raise InvalidArgument(problem)
+    assert choice is not None
+    if stream is not None:
+        _check_current_stream(framework, work, stream)  # type: ignore[arg-type]
+    kwargs = {} if path.name == "auto" else {"backend": path.name}  # auto is the default: left out
+    if work.collective == "broadcast":
+        work.result = x
+        return Bound(partial(mpigpu.broadcast, x, ROOT, **kwargs), _nothing, choice.backend, choice.reason)
+    return Bound(partial(_store, work, partial(mpigpu.allgather, x, **kwargs)), _nothing, choice.backend, choice.reason)
+
+
+def _store(work: CollectiveWorkload, call: Any) -> None:
+    work.result = call()

@@ -1,0 +1,504 @@
+"""``mpiexec -n N python -m mpigpu.bench``: the allreduce benchmark (``mpigpu.benchmark`` too).
+
+Sweeps message sizes (8 B to 1 GiB by default) over every available mpigpu backend, called as users
+call it (``allreduce(x)``, checked every call) and as a persistent request (``req()``), beside the
+raw anchors each one has to beat (``mpigpu.bench.anchors``: raw NCCL, torch.distributed, MPI), in place
+and out of place, for the chosen dtypes and ops. Every path is verified at every size before it is
+timed (nccl-tests' check, with the 'exact' pattern); a single wrong element makes the exit status 1.
+Rank 0 prints one fixed-width table per path and group, then the user's call, the request and the
+anchors side by side, and can write JSON (--json), a plot (--plot) and a crossover table for
+``backend="auto"`` (--tune); ``--compare A.json B.json`` prints the ratios between two runs.
+
+This module is the command (options, header, the run, the JSON document, tuning); the sweep is in
+``bench_sweep``, what is called and how it is timed in ``bench_calls``, the tables, summary, plot
+and compare in ``bench_report``; ``--collective broadcast|allgather`` in ``bench_collectives``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from mpigpu.backends import BACKEND_NAMES
+from mpigpu.bench.anchors import ANCHORS
+from mpigpu.bench.calls import FRAMEWORKS, TIMINGS
+from mpigpu.bench.collectives import COLLECTIVES, refuse_options
+from mpigpu.bench.report import (
+    CALLS,
+    PathSpec,
+    auto_summary,
+    call_description,
+    compare,
+    failures,
+    load_run,
+    median_us,
+    plot,
+    render_tables,
+    side_by_side,
+    summary_lines,
+)
+from mpigpu.bench.sweep import MAX_ITERS, TARGET_REP_S, Sweep, auto_paths, plan_paths
+from mpigpu.cli import (
+    Parser,
+    choice_arg,
+    comma_list,
+    count_arg,
+    dtype_arg,
+    header_lines,
+    nonneg_int,
+    now,
+    op_arg,
+    positive_int,
+    prog,
+    refuse,
+    seconds_arg,
+    versions,
+    write_json,
+)
+from mpigpu.core.dtypes import DTYPES
+from mpigpu.core.errors import InvalidArgument
+from mpigpu.core.ops import Op
+from mpigpu.runtime.tuning import size_label
+
+__all__ = ["build_parser", "main", "run", "size_list"]
+
+PATH_NAMES = ("auto", *BACKEND_NAMES, *ANCHORS)
+# environment variables that change results, recorded in the JSON
+_ENV_PREFIXES = ("MPIGPU_", "NCCL_", "I_MPI_", "MPIR_CVAR_", "MPICH_", "OMPI_", "UCX_", "CUDA_VISIBLE_DEVICES")
+
+
+# -- options ------------------------------------------------------------------------------------
+def build_parser() -> Parser:
+    parser = Parser(
+        prog=prog("mpigpu.bench"),
+        description=(
+            "Time allreduce over a range of message sizes for every available mpigpu backend, as users call it\n"
+            "(allreduce(x)) and as a persistent request (req()), beside the raw anchors (nccl-raw, torch-nccl,\n"
+            "seed-staging, mpi-device, mpi-host, torch-gloo). Every path is verified at every size before it is\n"
+            "timed. --collective broadcast|allgather times mpigpu.broadcast(x, root=0) or mpigpu.allgather(x)\n"
+            "instead, beside raw NCCL, torch.distributed and MPI. Run it under your launcher:\n"
+            "  mpiexec -n 4 python -m mpigpu.bench --max-bytes 64M --json run.json --plot run.png\n"
+            "  mpiexec -n 4 python -m mpigpu.bench --collective allgather --sizes 8,64K,1M"
+        ),
+        epilog="time = mean per call on the slowest rank; median = median per call on the slowest rank (the\n"
+        "figure compared); spread = max - min of the repetitions' medians; all wall clock, the same harness for\n"
+        "every row (--timing). busbw as nccl-tests: allreduce algbw = bytes/time, busbw = algbw * 2(n-1)/n;\n"
+        "broadcast busbw = algbw = bytes/time; allgather algbw = OUTPUT bytes (n x the per-rank input)/time,\n"
+        "busbw = algbw * (n-1)/n. Sizes are per rank (allgather: each rank's input). exit status: 0 if\n"
+        "every element was right, 1 if any was wrong, 2 for invalid options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sizes = parser.add_argument_group("sizes")
+    sizes.add_argument("--min-bytes", "-b", type=count_arg, default=8, metavar="SIZE", help="smallest (default 8)")
+    sizes.add_argument(
+        "--max-bytes", "-e", type=count_arg, default=1 << 30, metavar="SIZE", help="largest (default 1G)"
+    )
+    sizes.add_argument("--step-factor", "-f", type=positive_int, default=2, metavar="F", help="size step (default 2)")
+    sizes.add_argument(
+        "--sizes", type=comma_list(count_arg, "sizes"), default=None, metavar="LIST",
+        help="comma-separated sizes to time instead of -b/-e/-f (8,64K,1M,...)",
+    )  # fmt: skip
+    what = parser.add_argument_group("what to time")
+    what.add_argument(
+        "--collective", choices=COLLECTIVES, default="allreduce",
+        help="allreduce (default); broadcast = mpigpu.broadcast(x, root=0), in place; allgather = "
+        "mpigpu.allgather(x), sizes = each rank's input. Both: the user call only, no --ops, no --tune; "
+        "broadcast refuses --out-of-place, allgather --inplace",
+    )  # fmt: skip
+    what.add_argument(
+        "--dtypes", type=comma_list(dtype_arg, "dtypes", DTYPES), default=["float32"], metavar="LIST",
+        help=f"comma-separated element types or 'all' (default float32): {', '.join(DTYPES)}",
+    )  # fmt: skip
+    what.add_argument(
+        "--ops", type=comma_list(op_arg, "ops", [o.value for o in Op]), default=["sum"], metavar="LIST",
+        help="comma-separated reductions or 'all' (default sum, as nccl-tests)",
+    )  # fmt: skip
+    what.add_argument(
+        "--backends", type=comma_list(choice_arg(PATH_NAMES, "backend or anchor"), "backends"), default=None,
+        metavar="LIST",
+        help="comma-separated backends, anchors and/or auto (default: every available backend and anchor); "
+        "a backend always brings its anchor",
+    )  # fmt: skip
+    what.add_argument(
+        "--calls", type=comma_list(choice_arg(CALLS, "call"), "calls", CALLS), default=None,
+        metavar="LIST",
+        help="how each mpigpu backend and auto is called, comma-separated or 'all' (default user,persistent; "
+        "user for broadcast and allgather): "
+        "user = mpigpu.allreduce(x) checked every call; persistent = req() of a request from allreduce_init; "
+        "prepared = api.run of a call prepared once (diagnostic; --tune adds it)",
+    )  # fmt: skip
+    what.add_argument(
+        "--framework", choices=FRAMEWORKS, default="native",
+        help="the arrays given to allreduce and allreduce_init: native = CuPy on GPUs, NumPy on the host "
+        "(default); torch = torch tensors over the same memory",
+    )  # fmt: skip
+    what.add_argument(
+        "--placement", choices=["auto", "gpu", "host", "both"], default="auto",
+        help="where the buffers live: auto = GPU and host buffers when every rank has a GPU, host otherwise",
+    )  # fmt: skip
+    what.add_argument("--inplace", action="store_true", help="time in-place calls only")
+    what.add_argument("--out-of-place", action="store_true", help="time out-of-place calls only")
+    timing = parser.add_argument_group("timing")
+    timing.add_argument(
+        "--iters", "-n", type=positive_int, default=None, metavar="N",
+        help=f"timed calls per repetition (default: adaptive, about {TARGET_REP_S * 1e3:g} ms per repetition, "
+        f"1 to {MAX_ITERS})",
+    )  # fmt: skip
+    timing.add_argument(
+        "--timing", choices=TIMINGS, default="call",
+        help="call (default): every sample is one call between a barrier and a stream synchronisation, median "
+        "per call; loop: every sample is --iters calls back to back, then one synchronisation",
+    )  # fmt: skip
+    timing.add_argument("--warmup", "-w", type=nonneg_int, default=5, metavar="N", help="untimed calls (default 5)")
+    timing.add_argument("--repeats", type=positive_int, default=3, metavar="N", help="repetitions (default 3)")
+    timing.add_argument(
+        "--time-limit", type=seconds_arg, default=60.0, metavar="S",
+        help="stop a path's sweep before a size that would take longer than S seconds (default 60; 0 = none)",
+    )  # fmt: skip
+    output = parser.add_argument_group("output")
+    output.add_argument("--json", type=Path, metavar="PATH", help="write every figure and the machine as JSON")
+    output.add_argument("--plot", type=Path, metavar="PNG", help="plot busbw and time against size (matplotlib)")
+    output.add_argument(
+        "--tune", "--autotune", action="store_true",
+        help="write the fastest backend per size band into the tuning table (MPIGPU_TUNE_FILE), then time auto; "
+        "backends are compared by their prepared calls",
+    )  # fmt: skip
+    output.add_argument(
+        "--compare", nargs=2, type=Path, metavar=("A", "B"), help="print the ratios between two JSON runs and exit"
+    )
+    output.add_argument("--replot", type=Path, metavar="JSON", help="redraw --plot from a JSON run and exit")
+    output.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument(
+        "--corrupt", type=nonneg_int, default=0, metavar="N", help=argparse.SUPPRESS
+    )  # testing aid: damage N results on rank 0 before every check
+    return parser
+
+
+def _check_args(parser: Parser, args: argparse.Namespace) -> None:
+    if args.sizes is not None and any(size < 1 for size in args.sizes):
+        parser.error("--sizes: every size must be at least 1 byte")
+    if args.min_bytes > args.max_bytes:
+        parser.error(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
+    if args.step_factor < 2:
+        parser.error("--step-factor must be >= 2")
+    if args.replot is not None and args.plot is None:
+        parser.error("--replot needs --plot PATH.png")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install 'mpigpu[plot]'")
+
+
+def size_list(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
+    """min_bytes, min_bytes*factor, ... below max_bytes, and max_bytes itself: the largest size
+    asked for is always timed, a power of ``factor`` from ``min_bytes`` or not."""
+    sizes, size = [], min_bytes
+    while size < max_bytes:
+        sizes.append(size)
+        size *= factor
+    return [*sizes, max_bytes]
+
+
+# -- the machine and the JSON document ------------------------------------------------------------
+def _nvidia_topology() -> str | None:
+    """``nvidia-smi topo -m`` (None where the command does not exist)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        done = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"nvidia-smi topo -m failed: {exc}"
+    return (done.stdout or done.stderr).strip() or None
+
+
+def machine_info(ctx: Any) -> dict[str, Any]:
+    """Hosts, GPUs and links of the job (collective; complete on rank 0)."""
+    from mpigpu.runtime.tuning import machine_signature
+
+    gpu = ctx.gpu
+    mine = {
+        "host": socket.gethostname(),
+        "gpu": None if gpu is None else {"index": gpu.index, "name": gpu.name, "pci_bus_id": gpu.pci_bus_id},
+    }
+    ranks = ctx.comm.gather(mine, root=0)
+    signature = machine_signature(ctx)
+    if ctx.rank != 0:
+        return {}
+    gpus = {(r["host"], r["gpu"]["pci_bus_id"]): r["gpu"]["name"] for r in ranks if r["gpu"]}
+    layout = ctx.layout
+    nodes = f"{layout.num_nodes} node{'s' if layout.num_nodes != 1 else ''}"
+    topology = f"{ctx.size} ranks on {nodes} ({', '.join(map(str, layout.node_sizes))} per node), " + (
+        f"{len(gpus)} GPUs, link {signature['link']}" if gpus else "no GPU"
+    )
+    return {
+        "hostname": socket.gethostname(),
+        "hostnames": sorted({r["host"] for r in ranks}),
+        "gpu_model": ", ".join(sorted(set(gpus.values()))) or None,
+        "gpu_count": len(gpus),
+        "ranks": ranks,
+        "topology": topology,
+        "nvidia_smi_topo": _nvidia_topology(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "signature": signature,
+    }
+
+
+def _versions(ctx: Any) -> dict[str, Any]:
+    from mpigpu.core._cuda import cuda_version
+
+    found: dict[str, Any] = versions()
+    lib = ctx.mpi_lib
+    found.update(
+        mpi_library=lib.name,
+        mpi=lib.version,
+        mpi_standard=lib.standard,
+        nccl=ctx.nccl.version if ctx.nccl.available else None,
+        cuda=(cuda_version() or None) if ctx.any_has_gpus else None,
+    )
+    return found
+
+
+def _settings(ctx: Any, args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "collective": args.collective,
+        "sizes": args.sizes,
+        "calls": args.calls,
+        "timing": args.timing,
+        "framework": args.framework,
+        "min_bytes": args.min_bytes,
+        "max_bytes": args.max_bytes,
+        "step_factor": args.step_factor,
+        "dtypes": args.dtypes,
+        "ops": args.ops,
+        "backends": args.backends,
+        "placement": args.placement,
+        "modes": ["in-place" if m else "out-of-place" for m in args.modes],
+        "iters": args.iters if args.iters else f"adaptive ({TARGET_REP_S * 1e3:g} ms per repetition, <= {MAX_ITERS})",
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "time_limit_s": args.time_limit,
+        "pattern": "exact",
+        "tune": args.tune,
+        "mpigpu": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(ctx.settings).items()},
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)},
+    }
+
+
+# -- tuning and auto ----------------------------------------------------------------------------
+def _tune(ctx: Any, sweep: Sweep, args: argparse.Namespace, command: list[str]) -> dict[str, Any] | None:
+    """Write the crossover table measured by ``sweep`` and make ``auto`` use it (collective)."""
+    from mpigpu import __version__
+    from mpigpu.runtime.tuning import (
+        Sample,
+        bands_from_samples,
+        describe_bands,
+        install,
+        machine_signature,
+        signature_key,
+    )
+
+    samples = [
+        Sample(m.path.placement, m.result.bytes, m.path.name, median_us(m) or 0.0,
+               (m.result.dtype, m.result.op, m.result.inplace), ok=m.result.wrong == 0)
+        for m in sweep.measurements
+        if m.path.kind == "backend" and m.path.call == "prepared"  # the backend's own cost, as always
+    ]  # fmt: skip
+    bands = bands_from_samples(samples)
+    if not bands:
+        if ctx.rank == 0:
+            print("# --tune: no mpigpu backend was measured without errors; no table written")
+        return None
+    meta = {
+        "created": now(), "command": " ".join(command), "ranks": ctx.size, "hostname": socket.gethostname(),
+        "sizes": [min(args.sizes), max(args.sizes)], "mpigpu": __version__,
+    }  # fmt: skip
+    table = install(ctx, bands, meta)
+    signature = machine_signature(ctx)
+    info = {
+        "file": str(ctx.settings.tune_path),
+        "signature": signature,
+        "key": signature_key(signature),
+        "bands": {p: [[edge, name] for edge, name in entries] for p, entries in bands.items()},
+        "applies": table.source if table else None,
+    }
+    if ctx.rank == 0:
+        print("#")
+        print(f"# tuned crossover table for {info['key']}")
+        print(f"#   written to {info['file']}")
+        for line in describe_bands(bands):
+            print(f"#   {line}")
+        sys.stdout.flush()
+    return info
+
+
+# -- the command ------------------------------------------------------------------------------
+def _header(ctx: Any, args: argparse.Namespace, paths: list[PathSpec], skipped: list[str]) -> list[str]:
+    sizes = args.sizes
+    iters = f"{args.iters}" if args.iters else f"adaptive (~{TARGET_REP_S * 1e3:g} ms per repetition)"
+    modes = " and ".join("in-place" if m else "out-of-place" for m in args.modes)
+    lines = header_lines(ctx)
+    steps = f"x{args.step_factor}" if args.given_sizes is None else "as listed"
+    timing = {
+        "call": "per call: barrier, clock, one call, stream synchronize, clock",
+        "loop": "per repetition: barrier, clock, the calls back to back, stream synchronize, clock",
+    }[args.timing]
+    lines += [
+        f"# sizes {size_label(sizes[0])} .. {size_label(sizes[-1])} {steps} ({len(sizes)} sizes), "
+        f"dtypes {','.join(args.dtypes)}, ops {','.join(args.ops)}, {modes}",
+        f"# iterations {iters}, {args.repeats} repetitions, warm-up {args.warmup}, time limit "
+        + (f"{args.time_limit:g} s per size" if args.time_limit else "none"),
+        f"# timing {args.timing}: wall clock {timing}; the same for every row",
+        "# time: mean per call, median per call and spread of the repetitions' medians (us), slowest rank; "
+        "algbw, busbw in GB/s; #wrong summed over ranks",
+    ]
+    lines += args.collective_lines
+    lines += [f"# call {c}: {call_description(c, args.collective)}" for c in args.calls]
+    arrays = "torch tensors" if args.framework == "torch" else "CuPy arrays on GPUs, NumPy arrays on the host"
+    called = "allreduce and allreduce_init" if args.collective == "allreduce" else args.collective
+    lines += [
+        f"# arrays passed to {called}: {arrays}; the default stream is the benchmark's",
+        "# paths: " + ", ".join(p.label for p in paths),
+    ]
+    lines += [f"# skipped: {line}" for line in skipped]
+    tune_state = f"applies ({ctx.tuning.source})" if ctx.tuning else "none for this machine; auto uses the rules"
+    lines.append(f"# tuning table {ctx.settings.tune_path}: {tune_state}")
+    return lines
+
+
+def run(args: argparse.Namespace, command: list[str]) -> int:
+    from mpigpu.core._mpi import world
+    from mpigpu.runtime.context import Context
+
+    ctx = Context.get(world())
+    rank = ctx.rank
+    args.given_sizes = args.sizes
+    if args.sizes is None:
+        args.sizes = size_list(args.min_bytes, args.max_bytes, args.step_factor)
+    else:
+        args.sizes = sorted(set(args.sizes))
+        args.min_bytes, args.max_bytes = args.sizes[0], args.sizes[-1]
+    both = args.inplace == args.out_of_place  # neither flag, or both: time both modes
+    args.modes = [False, True] if both else [args.inplace]
+    args.collective_lines = []
+    try:
+        if args.collective != "allreduce":
+            args.collective_lines = refuse_options(args)  # sets calls and modes
+        else:
+            args.calls = args.calls or ["user", "persistent"]
+            if args.tune and "prepared" not in args.calls:
+                args.calls = [*args.calls, "prepared"]  # tuning compares the backends' prepared calls
+        paths, skipped = plan_paths(ctx, args)
+        if not paths and not args.tune:
+            raise InvalidArgument("nothing to time: " + ("; ".join(skipped) or "no backend selected"))
+    except InvalidArgument as exc:
+        return refuse("mpigpu.bench", exc, rank)
+    lines = _header(ctx, args, paths, skipped)
+    machine = machine_info(ctx)
+    if rank == 0:
+        print("\n".join(lines))
+        sys.stdout.flush()
+
+    sweep = Sweep(ctx, args)
+    placements = list(dict.fromkeys(p.placement for p in paths))
+    ops = [Op(o) for o in args.ops]
+    tuning = None
+
+    def sweep_all(selected: list[PathSpec]) -> None:
+        for placement in placements:
+            mine = [p for p in selected if p.placement == placement]
+            for dtype in (DTYPES[d] for d in args.dtypes):
+                if mine:
+                    found = sweep.sweep_group(mine, placement, dtype, ops)
+                    if rank == 0:
+                        print("\n".join(render_tables(found, sweep.measurements)))
+                        sys.stdout.flush()
+
+    try:
+        sweep_all(paths)
+        if args.tune:
+            tuning = _tune(ctx, sweep, args, command)
+            if tuning is not None:
+                sweep_all([p for placement in placements for p in auto_paths(placement, args.calls)])
+    finally:
+        sweep.close()
+
+    measurements = sweep.measurements
+    used = sorted({m.chosen or m.path.name for m in measurements if m.path.kind != "anchor"})
+    described = {name: ctx.backend(name).describe() for name in used}  # collective: may create a backend
+    checked = [*measurements, *sweep.rechecks]
+    failed = failures(checked)
+    auto = auto_summary(measurements)
+    ok = not failed
+    if rank == 0:
+        print("\n".join(side_by_side(measurements, args.timing)))
+        print("\n".join(summary_lines(checked, auto, sweep.unsupported, sweep.stopped, ctx.size)))
+        sys.stdout.flush()
+        doc = {
+            "format": "mpigpu-bench/1",
+            "collective": args.collective,
+            "ok": ok,
+            "date": now(),
+            "command": command,
+            "ranks": ctx.size,
+            "nodes": ctx.layout.num_nodes,
+            "machine": machine,
+            "versions": _versions(ctx),
+            "header": lines,
+            "settings": _settings(ctx, args),
+            "paths": [dataclasses.asdict(p) for p in paths],
+            "skipped": skipped,
+            "not_timed": sweep.unsupported,
+            "stopped": sweep.stopped,
+            "backend_settings": described,
+            "results": [m.to_dict() for m in measurements],
+            "rechecks": [m.to_dict() for m in sweep.rechecks],
+            "failures": [m.to_dict() for m in failed],
+            "tuning": tuning,
+            "auto": auto,
+        }
+        if args.json is not None:
+            write_json(args.json, doc)
+        if args.plot is not None:
+            plot(doc, args.plot)
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    raw = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(raw)
+    _check_args(parser, args)
+    if args.compare is not None:
+        with contextlib.suppress(BrokenPipeError):
+            try:
+                print("\n".join(compare(*args.compare)))
+            except InvalidArgument as exc:
+                return refuse("mpigpu.bench", exc)
+        return 0
+    if args.replot is not None:
+        try:
+            plot(load_run(args.replot), args.plot)
+        except InvalidArgument as exc:
+            return refuse("mpigpu.bench", exc)
+        return 0
+    from mpigpu.job.failsafe import abort_on_exception
+
+    abort_on_exception()  # one rank's failure ends the job, with its message
+    command = [os.path.basename(sys.executable) or "python", "-m", "mpigpu.bench", *raw]
+    return run(args, command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

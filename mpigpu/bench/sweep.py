@@ -1,0 +1,354 @@
+"""The sweep of ``python -m mpigpu.bench``: which paths to time (mpigpu backends and auto, each
+called the ways ``--calls`` names; the raw anchor beside each backend; the torch.distributed
+anchors), and the measurement of each path at each size: verified first (fresh input, poisoned
+output, every element checked, through the very call that is then timed), then timed on the wall
+clock (``mpigpu.bench.calls``). ``--collective broadcast|allgather`` swaps in the buffers, calls
+and anchors of ``mpigpu.bench.collectives``. Collective: every rank runs the same sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import sys
+import time
+from typing import Any
+
+from mpigpu.backends import BACKEND_NAMES
+from mpigpu.bench.anchors import ANCHORS, anchor_for
+from mpigpu.bench.calls import bind_call, summarize_samples, time_samples
+from mpigpu.bench.coll_anchors import COLLECTIVE_ANCHORS
+from mpigpu.bench.collectives import CollectiveResult, CollectiveWorkload, bind_collective
+from mpigpu.bench.harness import command_stream, placements
+from mpigpu.bench.report import PLACE_LABEL, Measurement, PathSpec, fastest_backends, median_us
+from mpigpu.bench.workload import Workload
+from mpigpu.core.dtypes import DType
+from mpigpu.core.errors import MpigpuError
+from mpigpu.core.ops import Op
+from mpigpu.core.timing import Result
+from mpigpu.runtime.tuning import size_label
+
+__all__ = ["MAX_ITERS", "TARGET_REP_S", "Sweep", "plan_paths"]
+
+TARGET_REP_S = 0.05  # adaptive iteration count: about this long per repetition
+MAX_ITERS = 1000
+
+
+# -- paths --------------------------------------------------------------------------------------
+def _placements(args: argparse.Namespace, ctx: Any) -> list[str]:
+    """--placement as the sweep's placements, GPU buffers first."""
+    return ["device" if gpu else "host" for gpu in placements(ctx, args.placement, option="--placement")]
+
+
+def anchor_classes(collective: str) -> dict[str, Any]:
+    """The anchors of ``collective``: allreduce's (``mpigpu.bench.anchors``) or broadcast/allgather's."""
+    return ANCHORS if collective == "allreduce" else COLLECTIVE_ANCHORS
+
+
+def plan_paths(ctx: Any, args: argparse.Namespace) -> tuple[list[PathSpec], list[str]]:
+    """The paths to time, in order (anchors before the backends that refer to them, auto last; a
+    backend or auto once per call in ``args.calls``), and a line for each one that cannot run here."""
+    from mpigpu.backends import backend_class
+
+    collective = getattr(args, "collective", "allreduce")
+    anchors = anchor_classes(collective)
+    wanted = set(args.backends or [*BACKEND_NAMES, *anchors])
+    skipped: list[str] = []
+    backends = []
+    for name in BACKEND_NAMES:
+        if name not in wanted:
+            continue
+        available = ctx.availability[name]
+        if collective not in backend_class(name).collectives:
+            skipped.append(f"{name}: does not implement {collective}")
+        elif available.ok:
+            backends.append(name)
+        else:
+            skipped.append(f"{name}: {available.reason}")
+    paths: list[PathSpec] = []
+    for placement in _placements(args, ctx):
+        mine = []
+        for name in backends:
+            cls = backend_class(name)
+            if cls.device_arrays if placement == "device" else cls.host_arrays:
+                anchor = anchor_for(placement, name)
+                anchor = anchor if anchor in anchors else None
+                mine += [PathSpec(name, "backend", placement, anchor, c) for c in args.calls]
+        needed = {p.anchor for p in mine} | {a for a in wanted if a in anchors}
+        skipped += [f"{a}: no {collective} anchor" for a in sorted(wanted) if a in ANCHORS and a not in anchors]
+        for name, cls in anchors.items():
+            if name in needed and cls.placement == placement:
+                problem = cls.unavailable(ctx)
+                if problem is None:
+                    paths.append(PathSpec(name, "anchor", placement))
+                elif f"{name}: {problem}" not in skipped:
+                    skipped.append(f"{name}: {problem}")
+        paths.extend(mine)
+        if "auto" in wanted and not args.tune:
+            paths += auto_paths(placement, args.calls)
+    return paths, skipped
+
+
+def auto_paths(placement: str, calls: list[str]) -> list[PathSpec]:
+    return [PathSpec("auto", "auto", placement, None, c) for c in calls]
+
+
+def _unsupported(ctx: Any, path: PathSpec, dtype: DType, op: Op, collective: str) -> str | None:
+    from mpigpu.backends import backend_class
+
+    if path.kind == "anchor":
+        return anchor_classes(collective)[path.name].supports(dtype, op)
+    if collective != "allreduce":  # data movement: bytes, any dtype
+        return None
+    if path.kind == "backend":
+        return backend_class(path.name).supports(dtype, op)
+    return None
+
+
+# -- measuring ----------------------------------------------------------------------------------
+class Sweep:
+    """Runs the measurements of one benchmark (collective: every rank runs the same sequence)."""
+
+    def __init__(self, ctx: Any, args: argparse.Namespace) -> None:
+        self.ctx, self.args, self.comm = ctx, args, ctx.comm
+        self.collective: str = getattr(args, "collective", "allreduce")
+        self.rank = ctx.rank
+        self.stopped: list[str] = []
+        self.unsupported: list[str] = []
+        self.measurements: list[Measurement] = []
+        self.rechecks: list[Measurement] = []  # fastest backends re-timed beside auto
+        self._anchors: dict[str, Any] = {}
+        self.cp_stream: Any = None
+        self.stream: Any = None  # StreamRef of cp_stream
+        self._torch_stream: Any = None
+        self._current = contextlib.ExitStack()  # the CuPy stream made current, until close()
+        if ctx.all_have_gpus:
+            self.cp_stream, self.stream = command_stream(ctx)
+            # The user's call and the request take the framework's current stream, as a user's do.
+            # Entered, not .use(): CuPy ends a `with stream:` block (the staging anchor's) by going
+            # back to the innermost entered stream, which would drop a stream set by .use() and leave
+            # the legacy stream current, unordered with this stream's fills, checks and timing.
+            self._current.enter_context(self.cp_stream)
+            try:
+                if args.framework == "torch":
+                    from mpigpu.bench.anchors import use_torch_stream
+
+                    self._torch_stream = use_torch_stream(ctx, self.cp_stream)
+            except BaseException:
+                self.close()
+                raise
+
+    def close(self) -> None:
+        """Close the anchors; CuPy gets back the stream current before the sweep, torch its default (collective)."""
+        for anchor in self._anchors.values():
+            anchor.close()
+        self._anchors.clear()
+        self._current.close()  # CuPy's current stream: the one before this sweep
+        if self.cp_stream is not None:
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_initialized():
+                torch.cuda.set_stream(torch.cuda.default_stream(self.ctx.gpu.index))
+            self._torch_stream = None
+
+    def _anchor(self, name: str) -> Any:
+        anchor = self._anchors.get(name)
+        if anchor is None:
+            cls = anchor_classes(self.collective)[name]
+            anchor = self._anchors[name] = cls(self.ctx, self.cp_stream if cls.placement == "device" else None)
+        return anchor
+
+    def _max(self, value: float) -> float:
+        from mpigpu.core._mpi import MPI
+
+        return float(self.comm.allreduce(float(value), op=MPI().MAX))
+
+    def progress(self, text: str) -> None:
+        if self.rank == 0 and not self.args.quiet:
+            sys.stderr.write(f"[bench] {text}\n")
+            sys.stderr.flush()
+
+    def workload(self, placement: str, dtype: DType, count: int) -> Any:
+        """Buffers for the largest call of a group (an output only where out of place is timed)."""
+        device = placement == "device"
+        if device:
+            self.ctx.activate_gpu()
+        if self.collective != "allreduce":
+            gpu = self.ctx.gpu if device else None
+            return CollectiveWorkload.allocate(
+                self.collective, count, dtype, self.rank, self.ctx.size, gpu, self.cp_stream if device else None
+            )
+        return Workload.allocate(
+            count=count, dtype=dtype, op=Op.SUM, pattern="exact", rank=self.rank, nranks=self.ctx.size,
+            device=self.ctx.gpu if device else None, inplace=False not in self.args.modes,
+            stream=self.stream if device else None,
+        )  # fmt: skip
+
+    def sweep_group(self, paths: list[PathSpec], placement: str, dtype: DType, ops: list[Op]) -> list[Measurement]:
+        """Every path of one placement and dtype, for each op, mode and size."""
+        counts = sorted({max(1, size // dtype.itemsize) for size in self.args.sizes})
+        work = self.workload(placement, dtype, counts[-1])
+        found = []
+        try:
+            for op in ops:
+                for path in paths:
+                    problem = _unsupported(self.ctx, path, dtype, op, self.collective)
+                    if problem is not None:
+                        self.unsupported.append(f"{path.label} {dtype.name} {op.value}: {problem}")
+                        continue
+                    for inplace in self.args.modes:
+                        found.extend(self._sweep_path(path, work, counts, op, inplace))
+        finally:
+            work.free()
+        return found
+
+    def _sweep_path(self, path: PathSpec, work: Any, counts: list[int], op: Op, inplace: bool) -> list[Measurement]:
+        found: list[Measurement] = []
+        mode = "in-place" if inplace else "out-of-place"
+        opname = op.value if self.collective == "allreduce" else self.collective
+        what = f"{path.column} {PLACE_LABEL[path.placement]} {work.dtype.name} {opname} {mode}"
+        limit = self.args.time_limit
+        for i, count in enumerate(counts):
+            sized = work.sized(count, op=op, inplace=inplace)
+            m = self.measure(path, sized, op, inplace)
+            if m is None:
+                break
+            growth = counts[i + 1] / count if i + 1 < len(counts) else 0.0
+            if limit and 0 < i < len(counts) - 1:  # not judged from the first size: see _judge
+                m = self._judge(path, sized, op, inplace, m, growth)
+            top = fastest_backends(self.measurements, path.call).get(m.key) if path.kind == "auto" else None
+            if top is not None:
+                again = self.measure(top.path, sized, op, inplace)
+                if again is not None:
+                    self.rechecks.append(again)
+                    m = dataclasses.replace(m, best=top.path.name, best_us=median_us(again))
+            found.append(m)
+            self.measurements.append(m)
+            wrong = f", {m.result.wrong} WRONG" if m.result.wrong else ""
+            chosen = f" -> {m.chosen}" if m.chosen else ""
+            self.progress(
+                f"{what} {size_label(m.result.bytes)} ({i + 1}/{len(counts)}){chosen}: "
+                f"{m.result.median_us:.2f} us{wrong}"
+            )
+            if limit and 0 < i < len(counts) - 1:
+                predicted = self._predicted(m, growth)
+                if m.seconds > limit or predicted > limit:
+                    why = f"took {m.seconds:.3g} s" if m.seconds > limit else f"the next would take ~{predicted:.3g} s"
+                    note = f"{what}: stopped after {size_label(m.result.bytes)} ({why}; --time-limit {limit:g} s)"
+                    self.stopped.append(note)
+                    self.progress(note)
+                    break
+        return found
+
+    @staticmethod
+    def _predicted(m: Measurement, growth: float) -> float:
+        """The least the next size (``growth`` times this one) costs: the check, the estimate and one
+        timed call per repetition, scaled from this size's."""
+        per_call = (m.result.median_us or m.result.time_us) * 1e-6 * growth
+        return m.check_seconds * growth + per_call * (1 + m.repeats)
+
+    def _judge(self, path: PathSpec, work: Any, op: Op, inplace: bool, m: Measurement, growth: float) -> Measurement:
+        """``m`` with a check time fit to predict from (collective: every rank decides alike, on maxima).
+
+        The first size is never judged: its check carries the path's set-up (communicator creation,
+        kernel compilation), which does not grow with the size. But one-time set-up can land in the
+        check of a later size too: a communicator connecting a new protocol, a kernel compiled for a
+        new launch shape. Scaled by the growth, a few seconds of it stopped a sweep whose calls take
+        microseconds. So a check that predicts a stop is run once more, and the faster of the two is
+        the one scaled (a wrong element found by either counts)."""
+        limit = self.args.time_limit
+        if m.seconds > limit or self._predicted(m, growth) <= limit:
+            return m
+        again = self._check_again(path, work, op, inplace)
+        if again is None:
+            return m
+        wrong, seconds = again
+        result = dataclasses.replace(m.result, wrong=max(m.result.wrong, wrong))
+        return dataclasses.replace(m, result=result, check_seconds=min(m.check_seconds, seconds))
+
+    def _check_again(self, path: PathSpec, work: Any, op: Op, inplace: bool) -> tuple[int, float] | None:
+        """(wrong elements, seconds) of one more check of ``path`` (None if it refuses the call)."""
+        bound = self._bind(path, work, op)
+        if bound is None:
+            return None
+        try:
+            return self._check(bound.call, work, time.perf_counter())
+        finally:
+            bound.close()
+
+    def _bind(self, path: PathSpec, work: Any, op: Op) -> Any:
+        """The call of ``path`` on ``work`` (a bench_calls.Bound), or None if it refuses it (noted)."""
+        args, comm = self.args, self.comm
+        stream = self.stream if path.placement == "device" else None
+        anchor = self._anchor(path.name) if path.kind == "anchor" else None
+        try:
+            if self.collective == "allreduce":
+                return bind_call(path, work, op, framework=args.framework, comm=comm, stream=stream, anchor=anchor)
+            return bind_collective(path, work, framework=args.framework, ctx=self.ctx, stream=stream, anchor=anchor)
+        except MpigpuError as exc:  # raised alike on every rank (the arguments are checked across ranks)
+            self.unsupported.append(f"{path.label} {work.dtype.name} {op.value} {work.count} elements: {exc}")
+            return None
+
+    def _check(self, call: Any, work: Any, started: float) -> tuple[int, float]:
+        """The check (nccl-tests' #wrong): fresh input, poisoned output, one call, every element;
+        (wrong elements summed over ranks, seconds since ``started`` on the slowest rank)."""
+        from mpigpu.core.verify import total_wrong
+
+        work.fill()
+        work.poison()
+        call()
+        if self.rank == 0:
+            work.corrupt(self.args.corrupt)
+        wrong = total_wrong(self.comm, work.wrong())
+        return wrong, self._max(time.perf_counter() - started)
+
+    def measure(self, path: PathSpec, work: Any, op: Op, inplace: bool) -> Measurement | None:
+        """Verify, then time, one path at one size; None if the path refuses this call."""
+        from mpigpu.core.timing import max_over_ranks, max_phases_over_ranks
+
+        args, comm = self.args, self.comm
+        started = time.perf_counter()
+        stream = self.stream if path.placement == "device" else None
+        bound = self._bind(path, work, op)
+        if bound is None:
+            return None
+        call = bound.call
+        chosen, reason = (bound.chosen, bound.reason) if path.kind == "auto" else (None, None)
+
+        def sync() -> None:
+            if stream is not None:
+                self.cp_stream.synchronize()
+
+        try:
+            wrong, check_seconds = self._check(call, work, started)
+
+            comm.Barrier()
+            t0 = time.perf_counter()
+            call()
+            sync()
+            estimate = self._max(time.perf_counter() - t0)
+            iters = args.iters or max(1, min(MAX_ITERS, int(TARGET_REP_S / max(estimate, 1e-9))))
+            warmup = max(1, min(args.warmup, iters))
+            for _ in range(warmup - 1):
+                call()
+            reps = time_samples(
+                call, sync, comm.Barrier, iters=iters, repeats=args.repeats, timing=args.timing
+            )  # fmt: skip
+        finally:
+            bound.close()
+        mean, median, spread = summarize_samples(reps)
+        time_us, per_rank = max_over_ranks(comm, mean)
+        phases: dict[str, float] = {}
+        if path.kind != "anchor" and self.collective == "allreduce":  # last_phases: the backend's allreduce
+            phases = max_phases_over_ranks(comm, self.ctx.backend(bound.chosen or path.name).last_phases)
+        fields = dict(
+            bytes=work.count * work.dtype.itemsize, elements=work.count, dtype=work.dtype.name, op=op.value,
+            backend=path.name, ranks=self.ctx.size, time_us=time_us, wrong=wrong, inplace=inplace,
+            median_us=self._max(median), spread_us=self._max(spread), phases_us=phases, per_rank_us=per_rank,
+        )  # fmt: skip
+        if self.collective == "allreduce":
+            result = Result(**fields)
+        else:
+            result = CollectiveResult(**{**fields, "op": "none"}, collective=self.collective)
+        seconds = self._max(time.perf_counter() - started)
+        return Measurement(path, result, iters, warmup, args.repeats, seconds, check_seconds, chosen, reason)

@@ -1,0 +1,574 @@
+"""``mpiexec -n N python -m mpigpu.bench.training``: gradient averaging the way training does it.
+
+1. Fusion, on a ResNet-50-shaped gradient list (161 float32 tensors, 25,557,032 parameters): the
+   Averager (packing copies; and with the gradients living in its buckets) against one allreduce
+   per tensor and against one flat allreduce of the same bytes (mean per step, slowest rank).
+2. Training step (PyTorch), ``--model mlp|resnet50|gpt2``: forward, backward, averaging and SGD
+   with momentum (bf16 autocast on a GPU), with no communication, with DistributedDataParallel (NCCL
+   on GPUs, gloo on the host) as the anchor (trained twice: the second run's difference to the
+   first is DDP's own run-to-run noise), with BackwardAverager, with the Averager after backward,
+   and with mpigpu.horovod's DistributedOptimizer; every row from the same parameters, data and
+   seeds. Median ms per step (slowest rank), the cost over no communication, the fraction of the
+   communication BackwardAverager hides behind backward(), and the largest parameter difference to
+   DDP after the steps (exit status 1 if an mpigpu row is outside --tolerance and larger than
+   DDP's noise; ``--deterministic`` makes torch's kernels deterministic where it can).
+3. ``--accuracy``: float16 and bfloat16 compression against float32 averaging, on the same
+   gradient list filled with Gaussian values whose scale differs per tensor (1e-6 .. 1e-1).
+
+ResNet-50 needs torchvision, GPT-2 transformers (both built from a seed, no downloads): a model
+named in --model that cannot be built is refused (exit status 2), one in ``--model all`` is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mpigpu.cli import (
+    Parser,
+    header_lines,
+    nonneg_int,
+    now,
+    parse_command,
+    positive_int,
+    prog,
+    refuse,
+    versions,
+    write_json,
+)
+
+__all__ = ["RESNET50_PARAMETERS", "main", "resnet50_shapes"]
+
+RESNET50_PARAMETERS = 25_557_032
+
+
+def resnet50_shapes(scale: float = 1.0) -> list[tuple[int, ...]]:
+    """The parameter shapes of torchvision's ResNet-50, in model order (161 tensors). ``scale`` < 1
+    shrinks every tensor's first dimension (at least 1) for quick runs."""
+    shapes: list[tuple[int, ...]] = []
+
+    def conv_bn(out: int, inp: int, k: int) -> None:
+        shapes.extend([(out, inp, k, k), (out,), (out,)])  # conv weight, batch-norm weight and bias
+
+    conv_bn(64, 3, 7)
+    inplanes = 64
+    for planes, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for block in range(blocks):
+            conv_bn(planes, inplanes, 1)
+            conv_bn(planes, planes, 3)
+            conv_bn(planes * 4, planes, 1)
+            if block == 0:
+                conv_bn(planes * 4, inplanes, 1)  # the downsample branch
+            inplanes = planes * 4
+    shapes.extend([(1000, 2048), (1000,)])
+    if scale != 1.0:
+        shapes = [(max(1, round(s[0] * scale)), *s[1:]) for s in shapes]
+    return shapes
+
+
+# -- timing ---------------------------------------------------------------------------------------
+def _step_time(step: Callable[[], Any], args: argparse.Namespace, comm: Any, sync: Callable[[], Any]) -> float:
+    """Mean seconds per call of ``step`` on the slowest rank (device work included)."""
+    for _ in range(args.warmup):
+        step()
+    sync()
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(args.iters):
+        step()
+    sync()
+    elapsed = (time.perf_counter() - start) / args.iters
+    return max(comm.allgather(elapsed))
+
+
+def _arrays(shapes: list[tuple[int, ...]], on_gpu: bool, seed: int) -> list[Any]:
+    rng = np.random.default_rng(seed)
+    host = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
+    if not on_gpu:
+        return host
+    from mpigpu.core._cuda import cupy
+
+    return [cupy().asarray(a) for a in host]
+
+
+def measure_fusion(args: argparse.Namespace, ctx: Any, on_gpu: bool, sync: Callable[[], Any]) -> dict[str, Any]:
+    """Per-tensor allreduces, one flat allreduce, and the Averager, on the ResNet-50 shapes."""
+    from mpigpu.api import allreduce
+    from mpigpu.training.averager import Averager
+
+    comm, backend = ctx.comm, args.backend
+    shapes = resnet50_shapes(args.scale)
+    arrays = _arrays(shapes, on_gpu, ctx.rank)
+    count = sum(int(np.prod(s)) for s in shapes)
+    flat = _arrays([(count,)], on_gpu, ctx.rank)[0]
+    times: dict[str, float] = {}
+    times["per_tensor"] = _step_time(lambda: [allreduce(a, backend=backend) for a in arrays], args, comm, sync)
+    times["flat"] = _step_time(lambda: allreduce(flat, backend=backend), args, comm, sync)
+    copying = Averager(arrays, bucket_bytes=args.bucket_bytes, backend=backend)
+    times["averager_copy"] = _step_time(copying, args, comm, sync)
+    viewing = Averager(_arrays(shapes, on_gpu, ctx.rank), bucket_bytes=args.bucket_bytes, backend=backend)
+    viewing.bucket_views()  # the gradients live in the buckets: nothing to pack
+    times["averager_views"] = _step_time(viewing, args, comm, sync)
+    for kind in ("float16", "bfloat16"):
+        compressed = Averager(arrays, bucket_bytes=args.bucket_bytes, compression=kind, backend=backend)
+        times[f"averager_{kind}"] = _step_time(compressed, args, comm, sync)
+        compressed.close()
+    for averager in (copying, viewing):
+        averager.close()
+    return {
+        "tensors": len(shapes),
+        "parameters": count,
+        "bucket_bytes": args.bucket_bytes,
+        "buckets": len(copying.buckets),
+        "seconds": times,
+        "speedup_vs_per_tensor": times["per_tensor"] / times["averager_copy"],
+        "speedup_vs_per_tensor_views": times["per_tensor"] / times["averager_views"],
+        "speed_vs_flat": times["flat"] / times["averager_copy"],
+        "speed_vs_flat_views": times["flat"] / times["averager_views"],
+    }
+
+
+# the table's order; "ddp_repeat" trains DDP a second time: its difference to the first is DDP's own run-to-run noise
+ROWS = ("none", "ddp", "ddp_repeat", "backward_averager", "averager_after", "distributed_optimizer")
+_RUN_ORDER = ("ddp", "ddp_repeat", "none", "backward_averager", "averager_after", "distributed_optimizer")
+_AVERAGING = ("backward_averager", "averager_after", "distributed_optimizer")  # mpigpu's rows, verified
+
+
+def _timed_steps(step: Callable[[], Any], args: argparse.Namespace, comm: Any, on_gpu: bool) -> list[float]:
+    """Seconds of each of ``args.iters`` steps after ``args.warmup``, on this rank. On a GPU, from
+    CUDA events recorded between consecutive steps on the compute stream (no host synchronisation
+    inside the loop, so the host runs ahead as in training); on the host, from the clock."""
+    import torch
+
+    for _ in range(args.warmup):
+        step()
+    if on_gpu:
+        torch.cuda.synchronize()
+    comm.Barrier()
+    if on_gpu:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters + 1)]
+        events[0].record()
+        for i in range(args.iters):
+            step()
+            events[i + 1].record()
+        torch.cuda.synchronize()
+        return [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(args.iters)]
+    seconds, last = [], time.perf_counter()
+    for _ in range(args.iters):
+        step()
+        moment = time.perf_counter()
+        seconds.append(moment - last)
+        last = moment
+    return seconds
+
+
+def _largest_difference(params: list[Any], reference: list[Any]) -> float:
+    """max |p - q| over all parameters (inf if any is not finite)."""
+    import torch
+
+    worst = 0.0
+    for p, q in zip(params, reference, strict=True):
+        d = (p.detach().float() - q.float()).abs().max()
+        if not bool(torch.isfinite(d)):
+            return math.inf
+        worst = max(worst, float(d))
+    return worst
+
+
+def _train_row(row: str, made: Any, args: argparse.Namespace, comm: Any, on_gpu: bool) -> tuple[list[float], Any, int]:
+    """Train a fresh copy of ``made.module`` for warmup + iters steps the way ``row`` says; return
+    the step times, the final parameters and the number of buckets (0 for no averaging or DDP)."""
+    import copy
+
+    import torch
+
+    from mpigpu.training.averager import Averager
+    from mpigpu.training.torch import BackwardAverager
+
+    torch.manual_seed(args.seed + comm.Get_rank())  # dropout (GPT-2) draws the same masks in every row
+    model = copy.deepcopy(made.module)
+    wrapped = model
+    if row in ("ddp", "ddp_repeat"):
+        ids = [torch.cuda.current_device()] if on_gpu else None
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    hooked = after = None
+    if row == "backward_averager":
+        hooked = BackwardAverager(
+            model, optimizer=optimizer, bucket_bytes=args.overlap_bucket_bytes, backend=args.backend
+        )
+    elif row == "averager_after":
+        after = Averager(model, bucket_bytes=args.bucket_bytes, backend=args.backend)
+    elif row == "distributed_optimizer":  # as a Horovod script writes it (hvd.init ran in _train_models)
+        import mpigpu.horovod.torch as hvd
+
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        hooked = optimizer._hvd_overlap  # its BackwardAverager (op Average, one backward per step)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=args.set_to_none)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
+            loss = made.loss(wrapped, made.inputs)
+        loss.backward()  # BackwardAverager: buckets are averaged while this runs
+        if after is not None:
+            after()
+        optimizer.step()  # BackwardAverager: its finish() runs first (the optimizer hook)
+
+    try:
+        seconds = _timed_steps(step, args, comm, on_gpu)
+        buckets = len((hooked or after).buckets) if (hooked or after) is not None else 0
+    finally:
+        if hooked is not None:
+            hooked.close()
+        if after is not None:
+            after.close()
+    return seconds, list(model.parameters()), buckets
+
+
+def _verdict(difference: float, tolerance: float, noise: float) -> str | None:
+    """How an mpigpu row's largest difference to DDP passes: "tolerance" (within --tolerance x max |p|),
+    "ddp_noise" (not larger than DDP's own difference between two identical runs: the model's
+    backward is not deterministic, so no averaging can match DDP more closely), or None (fails)."""
+    if difference <= tolerance:
+        return "tolerance"
+    if difference <= noise:
+        return "ddp_noise"
+    return None
+
+
+def _deterministic(args: argparse.Namespace) -> None:
+    """--deterministic: deterministic kernels from here on (cuBLAS's workspace setting must precede
+    its first handle, so this runs before the models are built); ops with no deterministic version
+    warn instead of failing."""
+    import os
+
+    if not args.deterministic:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    try:
+        import torch
+    except ImportError:
+        return  # no training step: _models says so in one line
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def measure_training(args: argparse.Namespace, ctx: Any, on_gpu: bool, name: str) -> dict[str, Any]:
+    """One training step of model ``name`` (forward, backward, averaging, SGD with momentum; bf16
+    autocast on a GPU) without communication, with DDP, with BackwardAverager and with the Averager
+    after backward: every row from the same parameters, on the same data, with the same seeds."""
+    import torch
+
+    from mpigpu.bench.models import build
+    from mpigpu.training.torch import DDP_BUCKET_BYTES
+
+    device = torch.device("cuda", ctx.gpu.index) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    comm = ctx.comm.Dup()  # the benchmark's own collectives never pair with mpigpu's
+    try:
+        made = build(name, args, device, ctx.rank)
+        seconds: dict[str, list[float]] = {}
+        buckets: dict[str, int] = {}
+        difference: dict[str, float] = {}
+        reference: list[Any] = []
+        for row in _RUN_ORDER:
+            seconds[row], params, buckets[row] = _train_row(row, made, args, comm, on_gpu)
+            if row == "ddp":  # the first: everything else is compared with it
+                reference = [p.detach().clone() for p in params]
+            difference[row] = max(comm.allgather(_largest_difference(params, reference)))
+            del params
+            gc.collect()  # the row's model (and DDP, while its process group still exists) before the next
+        scale = max(comm.allgather(max(float(p.abs().max()) for p in reference)))
+        median = {row: max(comm.allgather(statistics.median(seconds[row]))) for row in ROWS}
+        mean = {row: max(comm.allgather(statistics.fmean(seconds[row]))) for row in ROWS}
+    finally:
+        comm.Free()
+    overhead = {row: median[row] - median["none"] for row in ROWS}
+    communication = overhead["averager_after"]
+    hidden = (median["averager_after"] - median["backward_averager"]) / communication if communication > 0 else None
+    tolerance = args.tolerance * scale
+    noise = difference["ddp_repeat"]
+    verdicts = {row: _verdict(difference[row], tolerance, noise) for row in _AVERAGING}
+    return {
+        "model": name,
+        "description": made.description,
+        "parameters": sum(p.numel() for p in made.module.parameters() if p.requires_grad),
+        "optimizer": f"SGD lr {args.lr} momentum 0.9, zero_grad(set_to_none={args.set_to_none})",
+        "autocast": "bfloat16" if on_gpu else None,
+        "deterministic": bool(args.deterministic),
+        "ddp_backend": "nccl" if on_gpu else "gloo",
+        "mpigpu_backend": args.backend,
+        "steps": {"timed": args.iters, "warmup": args.warmup},
+        "buckets": {row: buckets[row] for row in _AVERAGING},
+        "bucket_bytes": {
+            "backward_averager": args.overlap_bucket_bytes,
+            "averager_after": args.bucket_bytes,
+            "distributed_optimizer": DDP_BUCKET_BYTES,
+        },
+        "seconds": median,  # median over the timed steps, slowest rank
+        "mean_seconds": mean,
+        "overhead_s": overhead,
+        "communication_s": communication,
+        "hidden_fraction": hidden,
+        "overhead_vs_ddp": {
+            row: (overhead[row] / overhead["ddp"] if overhead["ddp"] > 0 else None) for row in _AVERAGING
+        },
+        "max_param_difference": difference,
+        "param_scale": scale,
+        "tolerance": tolerance,
+        "ddp_noise": noise,  # max |p - p_DDP| of DDP trained again the same way
+        "verified_by": verdicts,
+        "verified": {row: verdicts[row] is not None for row in _AVERAGING},
+    }
+
+
+def measure_accuracy(args: argparse.Namespace, ctx: Any) -> dict[str, Any]:
+    """Compressed averaging against float32 averaging and a float64 reference, on the host."""
+    from mpigpu.api import allreduce
+    from mpigpu.training.averager import Averager
+
+    shapes = resnet50_shapes(args.scale)
+    rng = np.random.default_rng(100 + ctx.rank)
+    scales = np.random.default_rng(1).uniform(-6, -1, len(shapes))  # the same per-tensor scale on every rank
+    grads = [(rng.standard_normal(s) * 10**e).astype(np.float32) for s, e in zip(shapes, scales, strict=True)]
+    reference = [allreduce(g.astype(np.float64), "avg", backend="cpu") for g in grads]
+    report: dict[str, Any] = {"gradient_scales": "N(0,1) * 10**u, u uniform in [-6, -1] per tensor"}
+    for kind in (None, "float16", "bfloat16"):
+        values = [g.copy() for g in grads]
+        Averager(values, compression=kind, bucket_bytes=args.bucket_bytes).__call__()
+        worst, num, den = 0.0, 0.0, 0.0
+        for got, ref in zip(values, reference, strict=True):
+            err = got.astype(np.float64) - ref
+            worst = max(worst, float(np.abs(err).max() / max(np.abs(ref).max(), 1e-300)))
+            num += float(np.square(err).sum())
+            den += float(np.square(ref).sum())
+        report[kind or "float32"] = {"max_rel_error_per_tensor": worst, "rel_l2_error": (num / den) ** 0.5}
+    return report
+
+
+# -- the command ----------------------------------------------------------------------------------
+def build_parser() -> Parser:
+    parser = Parser(
+        prog=prog("mpigpu.bench.training"),
+        description=__doc__.split("\n\n")[0] + "\n\n" + "\n\n".join(__doc__.split("\n\n")[1:5]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto", help="default: GPU if present")
+    parser.add_argument("--backend", default="auto", help="backend of mpigpu's allreduces (default auto)")
+    parser.add_argument("--iters", type=positive_int, default=20, help="timed steps (default 20)")
+    parser.add_argument("--warmup", type=nonneg_int, default=3, help="untimed steps first (default 3)")
+    parser.add_argument("--skip", choices=["fusion", "step"], action="append", default=[], help="skip a part")
+    parser.add_argument("--accuracy", action="store_true", help="also measure compression accuracy (host)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
+    fusion = parser.add_argument_group("fusion (the ResNet-50 gradient list)")
+    fusion.add_argument("--scale", type=float, default=1.0, help="shrink the ResNet-50 tensors (default 1 = full)")
+    fusion.add_argument("--bucket-bytes", default="128M", help="Averager bucket cap, also for the step (128M)")
+    step = parser.add_argument_group("training step")
+    step.add_argument("--model", type=_model_list, default=None,
+                      help="mlp, resnet50, gpt2, a comma list, or all (default mlp); an explicitly named model "
+                      "that cannot be built here is refused (exit 2), 'all' skips it with one line")  # fmt: skip
+    step.add_argument("--overlap-bucket-bytes", default="25M", help="BackwardAverager bucket cap (default 25M)")
+    step.add_argument("--width", type=positive_int, default=None, help="MLP width (default 4096 GPU, 256 host)")
+    step.add_argument("--depth", type=positive_int, default=8, help="MLP layers (default 8)")
+    step.add_argument("--batch", type=positive_int, default=None,
+                      help="samples per rank (default: MLP 1024 GPU / 32 host, ResNet-50 64, GPT-2 8)")  # fmt: skip
+    step.add_argument("--image-size", type=positive_int, default=224, help="ResNet-50 image side (default 224)")
+    step.add_argument("--seq-len", type=positive_int, default=512, help="GPT-2 tokens per sample (default 512)")
+    step.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (momentum 0.9; default 0.01)")
+    step.add_argument("--seed", type=nonneg_int, default=0, help="model and data seed (default 0)")
+    step.add_argument("--set-to-none", action="store_true", help="zero_grad(set_to_none=True) (default: False)")
+    step.add_argument("--tolerance", type=float, default=1e-5,
+                      help="largest |p - p_DDP| allowed over max |p| (default 1e-5, the DDP test's); a larger "
+                      "difference passes if DDP trained twice differs from itself at least as much")  # fmt: skip
+    step.add_argument("--deterministic", action="store_true",
+                      help="torch.use_deterministic_algorithms(True, warn_only=True) and "
+                      "CUBLAS_WORKSPACE_CONFIG=:4096:8: DDP's run-to-run noise is 0 where torch can")  # fmt: skip
+    return parser
+
+
+def _model_list(text: str) -> list[str]:
+    """--model: ``all`` as it stands (its missing models are skipped), or a comma list of names."""
+    from mpigpu.bench.models import MODELS
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    for name in names:
+        if name not in (*MODELS, "all") or (name == "all" and len(names) > 1):
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(MODELS)}, a comma list, or all")
+    if not names:
+        raise argparse.ArgumentTypeError("empty list of models")
+    return names
+
+
+def _print_fusion(fusion: dict[str, Any]) -> None:
+    t = fusion["seconds"]
+    print(f"# fusion: {fusion['tensors']} float32 tensors, {fusion['parameters']} parameters, "
+          f"{fusion['buckets']} bucket(s) of <= {fusion['bucket_bytes']}")  # fmt: skip
+    for name, seconds in t.items():
+        print(f"  {name:<20} {seconds * 1e3:10.3f} ms per step")
+    print(f"  Averager vs one allreduce per tensor: {fusion['speedup_vs_per_tensor']:.1f}x faster "
+          f"({fusion['speedup_vs_per_tensor_views']:.1f}x with bucket views; target >= 10x)")  # fmt: skip
+    print(f"  Averager vs one flat allreduce: {fusion['speed_vs_flat']:.2f}x its speed "
+          f"({fusion['speed_vs_flat_views']:.2f}x with bucket views; target >= 0.9x)")  # fmt: skip
+
+
+def _print_training(r: dict[str, Any]) -> None:
+    wire = f"{r['autocast']} autocast" if r["autocast"] else "float32"
+    print(f"# training step: {r['description']}; {r['parameters']:,} parameters; {r['optimizer']}; {wire}")
+    print(f"#   median ms per step of {r['steps']['timed']} after {r['steps']['warmup']}, slowest rank; "
+          f"parameters compared with DDP's after all {r['steps']['timed'] + r['steps']['warmup']} steps")  # fmt: skip
+    labels = {
+        "none": "no communication",
+        "ddp": f"DDP ({r['ddp_backend']}, defaults)",
+        "ddp_repeat": "DDP again (its run-to-run noise)",
+        "backward_averager": f"BackwardAverager, {r['buckets']['backward_averager']} bucket(s)",
+        "averager_after": f"Averager after backward, {r['buckets']['averager_after']} bucket(s)",
+        "distributed_optimizer": f"hvd.DistributedOptimizer, {r['buckets']['distributed_optimizer']} bucket(s)",
+    }
+    verdicts = {
+        "tolerance": "ok (within the tolerance)",
+        "ddp_noise": "ok (outside the tolerance, within DDP's own run-to-run noise)",
+        None: "FAIL: outside the tolerance and DDP's run-to-run noise",
+    }
+    print(f"  {'':<38} {'ms/step':>9} {'vs none':>9}   max |p - p_DDP|")
+    for row in ROWS:
+        d = r["max_param_difference"][row]
+        if row == "ddp":
+            verdict = "(the reference)"
+        elif row == "ddp_repeat":
+            verdict = "(the noise floor)"
+        elif row == "none":
+            verdict = "(not averaged)"
+        else:
+            verdict = verdicts[r["verified_by"][row]]
+        print(f"  {labels[row]:<38} {r['seconds'][row] * 1e3:9.3f} {r['overhead_s'][row] * 1e3:+9.3f}   "
+              f"{d:.2e} {verdict}")  # fmt: skip
+    hidden = r["hidden_fraction"]
+    hidden_text = f"{hidden * 100:.0f}%" if hidden is not None else "n/a (no communication cost measured)"
+    print(f"  communication {r['communication_s'] * 1e3:.3f} ms per step (Averager after backward - no "
+          f"communication); hidden by BackwardAverager: {hidden_text}")  # fmt: skip
+    ratios = r["overhead_vs_ddp"]
+    if ratios["backward_averager"] is not None:
+        print(f"  cost over no communication, relative to DDP's: BackwardAverager {ratios['backward_averager']:.2f}x, "
+              f"Averager after backward {ratios['averager_after']:.2f}x, "
+              f"DistributedOptimizer {ratios['distributed_optimizer']:.2f}x")  # fmt: skip
+    relative = r["tolerance"] / r["param_scale"]
+    mode = " (deterministic algorithms)" if r["deterministic"] else ""
+    print(f"  tolerance {r['tolerance']:.2e} (= {relative:.0e} x max |p| {r['param_scale']:.3f}); "
+          f"DDP's run-to-run noise {r['ddp_noise']:.2e}{mode}")  # fmt: skip
+
+
+def _print_report(results: dict[str, Any]) -> None:
+    if results.get("fusion"):
+        _print_fusion(results["fusion"])
+    for r in results.get("training") or []:
+        _print_training(r)
+    accuracy = results.get("accuracy")
+    if accuracy:
+        print(f"# compression accuracy against a float64 average ({accuracy['gradient_scales']})")
+        for kind in ("float32", "float16", "bfloat16"):
+            a = accuracy[kind]
+            print(f"  {kind:<9} max relative error per tensor {a['max_rel_error_per_tensor']:.3e}, "
+                  f"relative L2 error {a['rel_l2_error']:.3e}")  # fmt: skip
+
+
+def _models(args: argparse.Namespace, comm: Any, rank: int) -> tuple[list[str], list[str], str | None]:
+    """(models to train, one line per model skipped, the refusal if a model named explicitly cannot
+    be built). Every rank decides alike: a model counts as missing if it is missing on any rank."""
+    from mpigpu.bench.models import MODELS, missing
+
+    if "step" in args.skip:
+        return [], [], None
+    asked = args.model or ["mlp"]
+    names = list(MODELS) if "all" in asked else list(dict.fromkeys(asked))
+    gaps = comm.allgather({name: missing(name) for name in names})
+    problems = {name: next((g[name] for g in gaps if g[name]), None) for name in names}
+    explicit = args.model is not None and "all" not in asked
+    for name in names:
+        if problems[name] and explicit:
+            return [], [], problems[name]
+    skipped = [f"# training step: {name} skipped: {problems[name]}" for name in names if problems[name]]
+    return [n for n in names if not problems[n]], skipped, None
+
+
+def run(args: argparse.Namespace) -> int:
+    from mpigpu.bench.harness import placements
+    from mpigpu.core._mpi import world
+    from mpigpu.core.config import parse_count
+    from mpigpu.core.errors import InvalidArgument
+    from mpigpu.runtime.context import Context
+
+    args.bucket_bytes = parse_count(args.bucket_bytes, what="--bucket-bytes")
+    args.overlap_bucket_bytes = parse_count(args.overlap_bucket_bytes, what="--overlap-bucket-bytes")
+    if "step" not in args.skip:
+        _deterministic(args)  # before anything touches CUDA
+    ctx = Context.get(world())
+    try:
+        on_gpu = placements(ctx, args.device, auto_both=False) == [True]
+    except InvalidArgument as exc:  # every rank alike: the GPUs are agreed at start-up
+        return refuse("mpigpu.bench.training", exc, ctx.rank)
+    models, skipped, refusal = _models(args, ctx.comm, ctx.rank)
+    if refusal:
+        return refuse("mpigpu.bench.training", refusal, ctx.rank)
+    args.width = args.width or (4096 if on_gpu else 256)
+    sync: Callable[[], Any] = ctx.activate_gpu().sync if on_gpu else (lambda: None)
+    lines = header_lines(ctx)
+    if ctx.rank == 0:
+        print("\n".join(lines))
+        print(f"# {'GPU' if on_gpu else 'host'} memory, backend {args.backend}, {args.iters} steps after {args.warmup}")
+        for line in skipped:
+            print(line)
+        sys.stdout.flush()
+    results: dict[str, Any] = {}
+    if "fusion" not in args.skip:
+        results["fusion"] = measure_fusion(args, ctx, on_gpu, sync)
+    if models:
+        results["training"] = _train_models(args, ctx, on_gpu, models)
+    if args.accuracy:
+        results["accuracy"] = measure_accuracy(args, ctx)
+    failed = [r["model"] for r in results.get("training", []) if not all(r["verified"].values())]
+    if ctx.rank == 0:
+        _print_report(results)
+        if failed:
+            print(f"# FAIL: parameters differ from DDP's by more than the tolerance for {', '.join(failed)}")
+        if args.json is not None:
+            document = {"header": lines, "ranks": ctx.size, "placement": "gpu" if on_gpu else "host",
+                        "backend": args.backend, "versions": versions(), "date": now(),
+                        "skipped": skipped, **results}  # fmt: skip
+            write_json(args.json, document)
+    return 1 if failed else 0
+
+
+def _train_models(args: argparse.Namespace, ctx: Any, on_gpu: bool, models: list[str]) -> list[dict[str, Any]]:
+    """measure_training for each model, inside one torch.distributed process group (for DDP) and
+    with mpigpu.horovod started on the same communicator (for DistributedOptimizer)."""
+    import torch.distributed as dist
+
+    import mpigpu.horovod.torch as hvd
+    from mpigpu.bench.models import init_torch_distributed
+
+    init_torch_distributed(ctx.comm, "nccl" if on_gpu else "gloo")
+    hvd.init(ctx.comm)
+    try:
+        return [measure_training(args, ctx, on_gpu, name) for name in models]
+    finally:
+        gc.collect()
+        hvd.shutdown()
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_command(build_parser(), argv)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

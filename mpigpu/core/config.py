@@ -1,0 +1,208 @@
+"""MPIGPU_* environment variables, parsed and validated in one place.
+
+A bad value is a ``ConfigError`` naming the variable, the value and what is accepted; it is never
+silently ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mpigpu.core.errors import ConfigError, InvalidArgument
+
+__all__ = ["ENV_VARS", "MAX_TIMEOUT_S", "Settings", "disagreement", "parse_count", "settings", "size_label"]
+
+# MPIGPU_TIMEOUT's upper bound: the ipc kernels count it in nanoseconds in a 64-bit integer (2**64 ns
+# is 584 years; 2e10 s and more overflow it). 1e6 s (11.6 days) is longer than any job's step.
+MAX_TIMEOUT_S = 1e6
+
+# name -> one-line description (used by --help texts, info and the README)
+ENV_VARS: dict[str, str] = {
+    "MPIGPU_CUDA_AWARE": "0 or 1: override CUDA-awareness detection of the MPI library",
+    "MPIGPU_NODE_SIZE": "N: split each node into virtual nodes of N ranks (runs the multi-node code on one machine)",
+    "MPIGPU_TIMEOUT": "seconds, at most 1e6: abort the job if a collective has not completed in time "
+    "(0 = off, the default)",
+    "MPIGPU_CHECK": "1 (default) or 0: check on every call that all ranks pass the same count, dtype, op and backend",
+    "MPIGPU_ABORT_ON_EXCEPTION": "1 (default) or 0: an uncaught exception on one rank aborts the whole job "
+    "(from mpigpu's first call on) instead of leaving the other ranks waiting",
+    "MPIGPU_ALLOW_SHARED_GPU": "1: allow more ranks on a node than visible GPUs (ranks then share GPUs)",
+    "MPIGPU_HOST_POOL_MB": "MiB: cap on the host path's pinned staging memory per rank (default 1024)",
+    "MPIGPU_HOST_CHUNK": "bytes (e.g. 4M): the host path's pipeline chunk (default 4 MiB on GPUs, 16 MiB for NumPy)",
+    "MPIGPU_HOST_DEPTH": "N: chunks the host path's pipeline stages ahead of the reduction (default 2)",
+    "MPIGPU_HOST_SMALL": "bytes: messages up to this size take the host path's latency route (default 64K)",
+    "MPIGPU_TUNE_FILE": "path: crossover table written by `mpigpu.bench --tune` and read by backend='auto'",
+    "MPIGPU_CACHE_DIR": "directory: compiled-kernel cache (default ~/.cache/mpigpu)",
+    "MPIGPU_LOG": "1: print to stderr (rank 0) which backend 'auto' picked and why, once per choice",
+}
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_count(text: str | int, *, what: str = "size", allow_zero: bool = False) -> int:
+    """Parse ``1000``, ``4K``, ``64M``, ``1G``, ``2MiB`` (binary multiples) into a positive int."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        match = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*", str(text), re.IGNORECASE)
+        if not match:
+            raise InvalidArgument(
+                f"invalid {what} {text!r}: give a whole number, optionally with K, M or G (e.g. 4K, 1M, 64M)"
+            )
+        value = int(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value < 0 or (value == 0 and not allow_zero):
+        raise InvalidArgument(f"invalid {what} {text!r}: it must be {'>= 0' if allow_zero else '> 0'}")
+    return value
+
+
+def size_label(nbytes: int) -> str:
+    """``8 B``, ``4 KiB``, ``1.5 MiB``: sizes as tables and ``info`` show them (``parse_count`` reads them)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            value = nbytes / (1 << shift)
+            return f"{value:g} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def _raw(name: str) -> str | None:
+    value = os.environ.get(name)
+    return None if value is None or value.strip() == "" else value.strip()
+
+
+def _bool(name: str, default: bool) -> bool:
+    value = _raw(name)
+    if value is None:
+        return default
+    lowered = value.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={value!r} is not valid: use 1 or 0")
+
+
+def _opt_bool(name: str) -> bool | None:
+    return None if _raw(name) is None else _bool(name, False)
+
+
+def _count(name: str, default: int | None, *, allow_zero: bool = False) -> int | None:
+    value = _raw(name)
+    if value is None:
+        return default
+    try:
+        return parse_count(value, what=name, allow_zero=allow_zero)
+    except InvalidArgument as exc:
+        raise ConfigError(f"{name}={value!r} is not valid: {ENV_VARS[name]}") from exc
+
+
+def _seconds(name: str) -> float:
+    value = _raw(name)
+    if value is None:
+        return 0.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= MAX_TIMEOUT_S:  # also refuses nan and inf
+        raise ConfigError(f"{name}={value!r} is not valid: {ENV_VARS[name]}")
+    return seconds
+
+
+def _cache_dir() -> Path:
+    value = _raw("MPIGPU_CACHE_DIR")
+    if value:
+        return Path(value).expanduser()
+    base = _raw("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mpigpu"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A snapshot of the MPIGPU_* variables (read when a communicator is first used)."""
+
+    cuda_aware: bool | None = None
+    node_size: int | None = None
+    timeout: float = 0.0
+    check: bool = True
+    abort_on_exception: bool = True
+    allow_shared_gpu: bool = False
+    host_pool_bytes: int = 1024 << 20
+    host_chunk: int | None = None
+    host_depth: int = 2
+    host_small: int = 64 << 10
+    cache_dir: Path = field(default_factory=_cache_dir)
+    tune_file: Path | None = None
+    log: bool = False
+
+    def agreed(self) -> tuple[tuple[str, object], ...]:
+        """(variable, value) of the settings that change which collectives run, or which backend is
+        chosen: they must be equal on every rank (checked when a communicator is first used).
+        Per-rank on purpose: MPIGPU_TIMEOUT and MPIGPU_ABORT_ON_EXCEPTION (how this rank reacts to a
+        failure), MPIGPU_LOG, MPIGPU_CACHE_DIR, MPIGPU_TUNE_FILE (rank 0 reads the table, then
+        broadcasts it)."""
+        return (
+            ("MPIGPU_CHECK", int(self.check)),
+            ("MPIGPU_NODE_SIZE", self.node_size),
+            ("MPIGPU_CUDA_AWARE", None if self.cuda_aware is None else int(self.cuda_aware)),
+            ("MPIGPU_ALLOW_SHARED_GPU", int(self.allow_shared_gpu)),
+            ("MPIGPU_HOST_POOL_MB", self.host_pool_bytes >> 20),
+            ("MPIGPU_HOST_CHUNK", self.host_chunk),
+            ("MPIGPU_HOST_DEPTH", self.host_depth),
+            ("MPIGPU_HOST_SMALL", self.host_small),
+        )
+
+    @property
+    def tune_path(self) -> Path:
+        return self.tune_file or self.cache_dir / "tune.json"
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        tune = _raw("MPIGPU_TUNE_FILE")
+        pool_mb = _count("MPIGPU_HOST_POOL_MB", 1024)
+        depth = _count("MPIGPU_HOST_DEPTH", 2)
+        small = _count("MPIGPU_HOST_SMALL", 64 << 10, allow_zero=True)
+        assert pool_mb is not None and depth is not None and small is not None
+        return cls(
+            cuda_aware=_opt_bool("MPIGPU_CUDA_AWARE"),
+            node_size=_count("MPIGPU_NODE_SIZE", None),
+            timeout=_seconds("MPIGPU_TIMEOUT"),
+            check=_bool("MPIGPU_CHECK", True),
+            abort_on_exception=_bool("MPIGPU_ABORT_ON_EXCEPTION", True),
+            allow_shared_gpu=_bool("MPIGPU_ALLOW_SHARED_GPU", False),
+            host_pool_bytes=pool_mb << 20,
+            host_chunk=_count("MPIGPU_HOST_CHUNK", None),
+            host_depth=depth,
+            host_small=small,
+            cache_dir=_cache_dir(),
+            tune_file=Path(tune).expanduser() if tune else None,
+            log=_bool("MPIGPU_LOG", False),
+        )
+
+
+def disagreement(per_rank: list[tuple[tuple[str, object], ...]]) -> str | None:
+    """None if every rank has the same ``Settings.agreed()``, else a message (the same on every rank)
+    naming each variable that differs and its value per rank."""
+    parts = []
+    for index, (name, _) in enumerate(per_rank[0]):
+        by_value: dict[object, list[int]] = {}
+        for rank, values in enumerate(per_rank):
+            by_value.setdefault(values[index][1], []).append(rank)
+        if len(by_value) > 1:
+            shown = "; ".join(
+                f"{'unset' if v is None else v} on rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}"
+                for v, r in by_value.items()
+            )
+            parts.append(f"{name}: {shown}")
+    if not parts:
+        return None
+    return (
+        f"settings differ between ranks ({' | '.join(parts)}). These change which collectives mpigpu runs, so "
+        "every rank must have the same value: set them alike in the environment of every rank."
+    )
+
+
+def settings() -> Settings:
+    """Read and validate the environment now."""
+    return Settings.from_env()

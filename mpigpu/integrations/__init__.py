@@ -1,1 +1,0 @@
-"""Framework integrations. ``mpigpu.integrations.torch``: average gradients during backward()."""

@@ -1,0 +1,200 @@
+"""Cross-rank argument check: every rank learns, before any data moves, whether all ranks called
+the collective with the same count, dtype, op, backend and data placement, or whether a rank
+rejected its own arguments. Mismatches become the same MismatchError on every rank instead of a
+hang or a read past a buffer. The shape is checked too (as a 62-bit hash): ranks that pass the same
+element count in different shapes are almost certainly reducing different tensors into each other.
+
+How: when every rank of the communicator is on one node (the usual GPU box), through node-shared
+memory (mpigpu/job/check_board.py): each rank posts its 9 values and reads everyone's, no MPI call; else
+one MPI_Allreduce(MAX) of 18 int64 values ([v, -v]). On a difference, either way, every rank gathers
+the signatures (MPI) and raises the same message. It runs on every call, by design: any
+scheme where ranks skip the check independently (say, once per signature seen) can leave one rank
+checking while another has moved on, which is the hang the check exists to prevent. Example: rank 0
+has seen (1000, float32) before and skips; rank 1 passes 1001 for the first time and checks, so
+rank 1 waits in the check while rank 0 is already in the data collective. MPIGPU_CHECK=0 turns it
+off for production runs whose call sequence has been validated with it on.
+
+``fail_together`` is the same mechanism for a step that can fail on some ranks only (reading the
+MPIGPU_* settings at start-up): every rank learns of the failure instead of waiting for the rank
+that failed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Any, NamedTuple, NoReturn
+
+from mpigpu.core._mpi import MPI
+from mpigpu.core.dtypes import DTYPES
+from mpigpu.core.errors import MismatchError
+from mpigpu.core.ops import Op
+from mpigpu.job.check_board import FIELDS, board_for
+
+__all__ = ["COLLECTIVES", "Signature", "check_rows", "check_signature", "fail_together"]
+
+_FIELDS = ("failed", "count", "dtype", "op", "backend", "placement", "shape", "collective", "root")
+assert len(_FIELDS) == FIELDS, "the check board's slots hold one value per field"
+# A collective's code in the signature is its index here: one collective per call, and two ranks in
+# different collectives fail the check like any other difference.
+COLLECTIVES: tuple[str, ...] = ("allreduce", "broadcast", "allgather", "broadcast_object", "allgather_object")
+_ZEROS = bytes(16 * len(_FIELDS))  # [v, -v] as int64 (array.array: cheaper per call than NumPy here)
+
+
+class Signature(NamedTuple):
+    """What one rank asked for. ``error`` is set when the rank rejected its own arguments.
+
+    A NamedTuple, not a dataclass: it is built on every call, and this is 5x cheaper."""
+
+    count: int
+    dtype: int  # DType.code
+    op: int  # Op.code
+    backend: int  # Backend.code
+    placement: int  # 0 host, 1 GPU
+    error: str | None = None
+    shape: tuple[int, ...] = ()
+    collective: int = 0  # index in COLLECTIVES
+    root: int = 0  # the root rank (broadcast); 0 for collectives without one
+
+    def values(self) -> list[int]:
+        """The checked fields, in _FIELDS order."""
+        return [
+            1 if self.error else 0, self.count, self.dtype, self.op, self.backend, self.placement,
+            shape_hash(self.shape), self.collective, self.root,
+        ]  # fmt: skip
+
+
+_SHAPE_HASHES: dict[tuple[int, ...], int] = {}
+
+
+def shape_hash(shape: tuple[int, ...]) -> int:
+    """A hash of the shape that is the same in every process (Python's hash() is salted per process),
+    in 62 bits so that -v fits an int64. Cached: a training loop repeats a few shapes."""
+    value = _SHAPE_HASHES.get(shape)
+    if value is None:
+        text = ",".join(str(int(d)) for d in shape).encode()
+        value = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
+        if len(_SHAPE_HASHES) >= 4096:
+            _SHAPE_HASHES.clear()
+        _SHAPE_HASHES[shape] = value
+    return value
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
+
+
+def _label(field: str, value: Any) -> str:
+    if field == "dtype":
+        return next((d.name for d in DTYPES.values() if d.code == value), str(value))
+    if field == "op":
+        return next((o.value for o in Op if o.code == value), str(value))
+    if field == "placement":
+        return "GPU array" if value else "host array"
+    if field == "shape":
+        return "[" + ", ".join(map(str, value)) + "]"
+    if field == "collective" and 0 <= value < len(COLLECTIVES):
+        return COLLECTIVES[value]
+    return str(value)
+
+
+def _describe(name: str, gathered: list[tuple[list[int], str | None, tuple[int, ...], str]], failure: str) -> str:
+    failed = [(r, err) for r, (_, err, _, _) in enumerate(gathered) if err]
+    if failed:
+        lines = [f"rank {r}: {err}" for r, err in failed]
+        return f"{name} did not run: {_ranks([r for r, _ in failed])} {failure}.\n  " + "\n  ".join(lines)
+    parts = []
+    for index, field in enumerate(_FIELDS):
+        if field == "failed":
+            continue
+        by_value: dict[Any, list[int]] = {}
+        for r, (vec, _, shape, _) in enumerate(gathered):
+            by_value.setdefault(shape if field == "shape" else vec[index], []).append(r)
+        if len(by_value) > 1:
+            labels = {vec[index]: backend for vec, _, _, backend in gathered} if field == "backend" else {}
+            shown = "; ".join(f"{labels.get(v) or _label(field, v)} on {_ranks(rs)}" for v, rs in by_value.items())
+            parts.append(f"{field}: {shown}")
+    if not parts:
+        parts.append("arguments differ")
+    return (
+        f"{name}: ranks passed different arguments ({' | '.join(parts)}). "
+        "Every rank must call it with the same shape, dtype, op, root and backend."
+    )
+
+
+def check_signature(
+    comm: Any,
+    sig: Signature,
+    name: str = "allreduce",
+    failure: str = "rejected the arguments",
+    backend_name: str = "",
+) -> None:
+    """Raise MismatchError (the same text on every rank) unless all ranks fail_together and none failed.
+
+    ``failure`` completes "<name> did not run: rank 1 ..." when a rank reports an error;
+    ``backend_name`` names ``sig.backend`` in that message (this module sits below the backends)."""
+    mine = sig.values()
+    board = board_for(comm)
+    if board is not None:
+        if board.agree(mine):
+            return
+        _mismatch(comm, sig, mine, name, failure, backend_name)
+    result = _max_and_min(comm, mine)
+    # max - min >= 0 per field, so all fields agree iff the results sum to 0; result[0] is 1 if any rank failed
+    if result[0] == 0 and sum(result) == 0:
+        return
+    _mismatch(comm, sig, mine, name, failure, backend_name)
+
+
+def _max_and_min(comm: Any, mine: list[int]) -> array:
+    """MPI_Allreduce(MAX) of [v, -v] (collective): result[i] is field i's maximum over the ranks and
+    -result[FIELDS + i] its minimum, both in one collective of 18 int64."""
+    mpi = MPI()
+    result = array("q", _ZEROS)
+    comm.Allreduce([array("q", mine + [-v for v in mine]), mpi.INT64_T], [result, mpi.INT64_T], mpi.MAX)
+    return result
+
+
+_ROOT = _FIELDS.index("root")
+
+
+def check_rows(comm: Any, sig: Signature, name: str = "allgather", backend_name: str = "") -> list[int] | None:
+    """check_signature for allgather, whose ``root`` field carries this rank's first dimension, which
+    may differ between ranks (collective). MismatchError on every rank as check_signature raises it
+    when a rank failed or any other field differs; else every rank's first dimension, in rank order,
+    when this one exchange tells it (all equal, or read from the check board), or None when they
+    differ and must be gathered. Every rank returns alike: they all read the same exchange."""
+    mine = sig.values()
+    board = board_for(comm)
+    if board is not None:
+        if board.agree(mine):
+            return [sig.root] * board.size
+        posted = board.posted()
+        strip = [v[:_ROOT] + v[_ROOT + 1 :] for v in posted]
+        if posted[0][0] == 0 and all(v == strip[0] for v in strip):
+            return [v[_ROOT] for v in posted]
+    else:
+        result = _max_and_min(comm, mine)
+        spread = [result[i] + result[i + FIELDS] for i in range(FIELDS)]  # max - min of each field
+        if result[0] == 0 and sum(spread) == spread[_ROOT]:
+            return [sig.root] * comm.Get_size() if spread[_ROOT] == 0 else None
+    sig = sig._replace(root=0)  # the message names the fields that must agree, not the first dimension
+    _mismatch(comm, sig, sig.values(), name, "rejected the arguments", backend_name)
+
+
+def _mismatch(comm: Any, sig: Signature, mine: list[int], name: str, failure: str, backend_name: str) -> NoReturn:
+    """Every rank found a difference: gather the signatures and raise the same message everywhere (collective)."""
+    gathered = comm.allgather((mine, sig.error, tuple(int(d) for d in sig.shape), backend_name))
+    raise MismatchError(_describe(name, gathered, failure))
+
+
+def fail_together(comm: Any, error: BaseException | None, name: str) -> None:
+    """Collective: if ``error`` is set on any rank, raise on every rank (the failing rank raises its own
+    error, the others a MismatchError naming it and its message); otherwise return."""
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    try:
+        check_signature(comm, Signature(0, 0, 0, 0, 0, error=text), name, failure="failed")
+    except MismatchError:
+        if error is not None:
+            raise error from None
+        raise

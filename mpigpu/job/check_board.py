@@ -1,0 +1,150 @@
+"""The node-local check board: the cross-rank argument check through node-shared memory.
+
+When every rank of a communicator is on one node, the signature check needs no MPI collective:
+each rank writes its signature into a node-shared segment and reads everyone else's. Layout: per
+rank, two slots (the parity of the per-communicator check number ``k``), each ``[k, 9 values]`` on
+its own 128-byte line. A rank writes its values, fences (``MPI_Win_sync``: a memory barrier, needed
+on weakly ordered CPUs such as Grace), then writes ``k``; it waits until every rank's slot of parity
+``k % 2`` holds ``k``, fences, and compares the values. Every rank reads the same slots, so every
+rank reaches the same verdict.
+
+Two parities are enough: a rank can reach check ``k + 2`` (and overwrite the slot of parity
+``k % 2``) only after every rank has written ``k + 1``, and a rank writes ``k + 1`` only after it
+finished reading the slots of ``k``.
+
+Waiting does not burn an oversubscribed machine: it spins briefly, then yields the CPU, then sleeps
+in short steps. A rank that never arrives leaves the others waiting here exactly as in an MPI
+collective, so the caller's watchdog (``MPIGPU_TIMEOUT``) ends it with its usual error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import time
+from typing import Any
+
+from mpigpu.core._mpi import MPI
+from mpigpu.core.errors import MpigpuError
+from mpigpu.job.shm import SharedSegment
+
+__all__ = ["CheckBoard", "board_for", "open_board"]
+
+FIELDS = 9  # values per signature (check._FIELDS)
+_SLOT = 16  # int64 per slot: [k, 9 values, padding] = 128 bytes, one slot per pair of cache lines
+_PACK = struct.Struct(f"={FIELDS}q").pack_into  # native int64, as the "q" view reads them
+_SPIN_S = 20e-6  # busy-wait this long first: the other ranks are usually microseconds away
+_YIELD_S = 2e-3  # then give the CPU away (sched_yield) until this long
+_SLEEP_S = 50e-6  # then sleep in steps of this long (an oversubscribed machine, a slow rank)
+
+# id(communicator object) -> (that object, its board): check_signature looks its communicator up here
+_BOARDS: dict[int, tuple[Any, CheckBoard]] = {}
+
+
+class CheckBoard:
+    """Signatures of every rank of ``comm``, exchanged through a node-shared segment.
+
+    Collective to create and close (over ``shared_comm``, the ranks of ``comm`` in the same order, all
+    on one node). Used by one thread at a time, in the same order on every rank (the callers' rule)."""
+
+    def __init__(self, comm: Any, shared_comm: Any) -> None:
+        self.comm = comm
+        self.size = shared_comm.Get_size()
+        self.rank = shared_comm.Get_rank()
+        if self.size != comm.Get_size() or self.rank != comm.Get_rank():
+            raise MpigpuError("a check board needs every rank of its communicator on one node, in the same order")
+        segment = SharedSegment(shared_comm, 2 * _SLOT * 8 * self.size)
+        segment.touch(2 * _SLOT * 8 * self.rank, 2 * _SLOT * 8)  # k = 0 in both slots: no check yet
+        segment.barrier()
+        self._segment: SharedSegment | None = segment
+        self._bytes: memoryview = memoryview(segment.array)
+        self._mv: memoryview = self._bytes.cast("q")
+        self._fence = segment.fence
+        # slot offsets (in int64) of parity 0 and 1: this rank's, and every rank's in rank order
+        self._mine = (2 * _SLOT * self.rank, 2 * _SLOT * self.rank + _SLOT)
+        self._all = tuple(tuple(2 * _SLOT * r + p * _SLOT for r in range(self.size)) for p in (0, 1))
+        self.k = 0  # checks made on this board
+
+    def agree(self, values: list[int]) -> bool:
+        """Post this rank's ``values`` (FIELDS int64) as check ``k + 1`` and return True when every rank
+        posted the same values with values[0] (the failed flag) 0 (collective)."""
+        k = self.k + 1
+        self.k = k
+        mv, parity = self._mv, k & 1
+        mine = self._mine[parity]
+        _PACK(self._bytes, 8 * mine + 8, *values)
+        self._fence()  # the values are visible before k is
+        mv[mine] = k
+        slots = self._all[parity]
+        for slot in slots:
+            if mv[slot] != k:
+                _wait(mv, slot, k)
+        self._fence()  # k was seen: the values written before it are read after it
+        if mv[slots[0] + 1] != 0:  # rank 0 failed (another rank that failed differs from rank 0 below)
+            return False
+        raw = self._bytes
+        first = raw[8 * slots[0] + 8 : 8 * slots[0] + 8 + 8 * FIELDS]
+        return all(raw[8 * slot + 8 : 8 * slot + 8 + 8 * FIELDS] == first for slot in slots[1:])
+
+    def posted(self) -> list[list[int]]:
+        """Every rank's values of the last check, in rank order (local). Valid until this rank's next
+        check: no rank can overwrite a slot of parity k % 2 before this rank has posted k + 1."""
+        mv = self._mv
+        return [list(mv[slot + 1 : slot + 1 + FIELDS]) for slot in self._all[self.k & 1]]
+
+    def close(self) -> None:
+        """Free the segment (collective; idempotent)."""
+        if board_for(self.comm) is self:
+            del _BOARDS[id(self.comm)]
+        if self._segment is not None:
+            with contextlib.suppress(BufferError):  # a view still exported: freed with the segment anyway
+                self._mv.release()
+                self._bytes.release()
+            segment, self._segment = self._segment, None
+            segment.close()
+
+
+def _wait(mv: memoryview, slot: int, k: int) -> None:
+    """Until ``mv[slot] == k``: spin, then yield, then sleep in short steps."""
+    clock = time.perf_counter
+    start = clock()
+    while mv[slot] != k:
+        waited = clock() - start
+        if waited < _SPIN_S:
+            continue
+        if waited < _YIELD_S:
+            os.sched_yield()
+        else:
+            time.sleep(_SLEEP_S)
+
+
+def board_for(comm: Any) -> CheckBoard | None:
+    """The board of ``comm`` (the communicator object itself), or None: check through MPI."""
+    entry = _BOARDS.get(id(comm))
+    if entry is not None and entry[0] is comm:
+        return entry[1]
+    return None
+
+
+def open_board(comm: Any, shared_comm: Any | None) -> CheckBoard | None:
+    """Make the board of ``comm`` when ``shared_comm`` (ranks of ``comm`` sharing memory, same order)
+    holds all of it, and register it for ``check_signature``; None (check through MPI) when the
+    communicator spans nodes or the segment cannot be made on every rank. Collective over ``comm``."""
+    mpi = MPI()
+    size = comm.Get_size()
+    usable = shared_comm is not None and shared_comm != mpi.COMM_NULL and shared_comm.Get_size() == size
+    if not comm.allreduce(int(usable), op=mpi.MIN):
+        return None  # spans nodes (or simulated: MPIGPU_NODE_SIZE): MPI_Allreduce
+    board: CheckBoard | None = None
+    try:
+        board = CheckBoard(comm, shared_comm)
+    except (MpigpuError, mpi.Exception):
+        board = None
+    if not comm.allreduce(int(board is not None), op=mpi.MIN):
+        if board is not None:
+            board.close()
+        return None
+    assert board is not None
+    _BOARDS[id(comm)] = (comm, board)
+    return board

@@ -1,0 +1,92 @@
+"""Which ranks share a node: the node communicator, the node-local rank, and the communicator
+between nodes. ``MPIGPU_NODE_SIZE=N`` splits each physical node into virtual nodes of N ranks, so
+the multi-node code runs (and is tested) on one machine.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from mpigpu.core._mpi import MPI
+
+__all__ = ["Layout", "build_layout"]
+
+
+@dataclass
+class Layout:
+    """Where this rank sits. Built collectively over ``comm``; free with ``close()``."""
+
+    comm: Any
+    rank: int
+    size: int
+    phys_comm: Any  # ranks sharing this physical node (shared memory works among them)
+    phys_rank: int  # node-local rank on the physical node: the GPU mapping uses this
+    phys_size: int
+    node_comm: Any  # ranks of this (possibly virtual) node
+    local_rank: int
+    local_size: int
+    node_index: int
+    num_nodes: int
+    node_sizes: tuple[int, ...]  # ranks per node, by node index
+    inter_comm: Any | None  # ranks with this local_rank on every node (None on a single node)
+    hostnames: tuple[str, ...]  # per world rank of comm
+    virtual: bool  # MPIGPU_NODE_SIZE split the physical nodes
+
+    @property
+    def equal_nodes(self) -> bool:
+        return len(set(self.node_sizes)) == 1
+
+    def close(self) -> None:
+        """Free the communicators this layout created (idempotent)."""
+        for name in ("inter_comm", "node_comm", "phys_comm"):
+            sub = getattr(self, name)
+            if sub is not None and sub != MPI().COMM_NULL:
+                try:
+                    if not MPI().Is_finalized():
+                        sub.Free()
+                except Exception:
+                    pass
+            setattr(self, name, None)
+
+
+def build_layout(comm: Any, node_size: int | None) -> Layout:
+    """Split ``comm`` by shared memory (and by ``node_size`` within a node, if given)."""
+    mpi = MPI()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    phys = comm.Split_type(mpi.COMM_TYPE_SHARED, key=rank)
+    phys_rank, phys_size = phys.Get_rank(), phys.Get_size()
+    if node_size is not None and node_size < phys_size:
+        node = phys.Split(color=phys_rank // node_size, key=phys_rank)
+        virtual = True
+    else:
+        node = phys.Dup()
+        virtual = False
+    local_rank, local_size = node.Get_rank(), node.Get_size()
+    # Number nodes by their lowest world rank, so every rank agrees on the order.
+    leader = node.allreduce(rank, op=mpi.MIN)
+    leaders = sorted(set(comm.allgather(leader)))
+    node_index = leaders.index(leader)
+    num_nodes = len(leaders)
+    sizes_by_leader = dict(comm.allgather((leader, local_size)))
+    node_sizes = tuple(sizes_by_leader[ld] for ld in leaders)
+    hostnames = tuple(comm.allgather(socket.gethostname()))
+    inter = comm.Split(color=local_rank, key=node_index) if num_nodes > 1 else None
+    return Layout(
+        comm=comm,
+        rank=rank,
+        size=size,
+        phys_comm=phys,
+        phys_rank=phys_rank,
+        phys_size=phys_size,
+        node_comm=node,
+        local_rank=local_rank,
+        local_size=local_size,
+        node_index=node_index,
+        num_nodes=num_nodes,
+        node_sizes=node_sizes,
+        inter_comm=inter,
+        hostnames=hostnames,
+        virtual=virtual,
+    )

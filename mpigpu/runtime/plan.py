@@ -1,0 +1,123 @@
+"""Choosing a backend per call: an explicit request is validated; ``auto`` uses the crossover table
+that ``python -m mpigpu.bench --tune`` measured on a matching machine, or these rules:
+
+GPU arrays:  ipc (one node, peer access) up to 4 MiB -> nccl -> cuda-aware MPI -> host staging.
+Host arrays: cpu (MPI_Allreduce) below 32 MiB -> host (shared-memory reduce) from there on, where
+             the host backend is available; cpu otherwise.
+
+The order is the registry's (``mpigpu.backends._REGISTRY``), the size limits are each backend's
+``auto_declines``, and a backend is tried only for the collectives it lists.
+
+Every input to the choice (sizes, dtypes, capabilities agreed at start-up, the table broadcast from
+rank 0) is identical on every rank, so ranks agree without talking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mpigpu.backends import BACKEND_NAMES, backend_class, preference
+from mpigpu.core.errors import BackendUnavailable, InvalidArgument
+
+if TYPE_CHECKING:
+    from mpigpu.core.arrays import ArrayView
+    from mpigpu.core.ops import Op
+    from mpigpu.runtime.context import Context
+
+__all__ = ["Choice", "choose", "choose_cached"]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A backend and the reason it was chosen."""
+
+    backend: str
+    reason: str
+
+
+_REDUCTIONS = frozenset({"allreduce"})  # the collectives whose dtype/op support a backend states
+
+
+def _usable(ctx: Context, name: str, view: ArrayView, op: Op, collective: str = "allreduce") -> str | None:
+    """None if ``name`` can take this call, else why not."""
+    available = ctx.availability.get(name)
+    if available is None or not available.ok:
+        return available.reason if available else "unknown backend"
+    cls = backend_class(name)
+    if collective not in cls.collectives:
+        return f"does not implement {collective}"
+    if view.on_device and not cls.device_arrays:
+        return "takes host (NumPy) arrays only"
+    if not view.on_device and not cls.host_arrays:
+        return "takes GPU arrays only"
+    if collective not in _REDUCTIONS:  # data movement: bytes, any dtype
+        return None
+    return cls.supports_on(ctx, view.dtype, op)
+
+
+_CACHE_LIMIT = 4096
+
+
+def choose_cached(ctx: Context, view: ArrayView, op: Op, requested: str, collective: str = "allreduce") -> Choice:
+    """``choose``, remembered per (placement, shape, dtype, op, request, collective) on the context:
+    the decision depends on nothing else (bytes follow from shape and dtype), and repeated calls (a
+    training loop) then cost a lookup."""
+    key = (view.device is not None, view.shape, view.dtype.name, op, requested, collective)
+    cache = ctx.plan_cache
+    choice = cache.get(key)
+    if choice is None:
+        choice = choose(ctx, view, op, requested, collective)
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        cache[key] = choice
+    return choice
+
+
+def choose(ctx: Context, view: ArrayView, op: Op, requested: str, collective: str = "allreduce") -> Choice:
+    """Resolve ``requested`` ("auto" or a backend name) for this call of ``collective``, or raise
+    saying why not."""
+    if requested != "auto":
+        if requested not in BACKEND_NAMES:
+            backend_class(requested)  # raises the "unknown backend" error
+        problem = _usable(ctx, requested, view, op, collective)
+        if problem is None:
+            return Choice(requested, "requested")
+        available = ctx.availability[requested]
+        if not available.ok:
+            fix = ""
+            if not ctx.all_have_gpus and not backend_class(requested).host_arrays:
+                fix = (
+                    ". It runs on GPUs only: use backend='auto', 'cpu' or 'host' for NumPy arrays; for GPU arrays, "
+                    "run on GPU nodes with at most one rank per GPU (python -m mpigpu.info shows each rank's GPU)"
+                )
+            raise BackendUnavailable(f"backend {requested!r} is not available here: {available.reason}{fix}")
+        where = "a GPU array" if view.on_device else "a host array"
+        hint = "use backend='auto'"
+        if not view.on_device and not backend_class(requested).host_arrays:
+            hint = "move the data to the GPU first, or use backend='host' or 'cpu'"
+        if view.on_device and not backend_class(requested).device_arrays:
+            hint = "use backend='host', 'nccl' or 'auto' for GPU arrays"
+        what = (
+            f"reduce {where} of {view.dtype.name} with op {op.value}"
+            if collective in _REDUCTIONS
+            else (f"{collective} {where}")
+        )
+        raise InvalidArgument(f"backend {requested!r} cannot {what}: {problem}; {hint}")
+    placement = "device" if view.on_device else "host"
+    if ctx.tuning is not None:
+        name = ctx.tuning.lookup(placement, view.nbytes)
+        if name is not None and _usable(ctx, name, view, op, collective) is None:
+            return Choice(name, f"tuned table ({ctx.tuning.source}) for {view.nbytes} B")
+    order = preference(view.on_device, collective)
+    skipped = []
+    for name in order:
+        problem = _usable(ctx, name, view, op, collective)
+        if problem is None:
+            problem = backend_class(name).auto_declines(view.on_device, view.nbytes)
+        if problem is None:
+            why = "; ".join(skipped)
+            return Choice(name, f"rule: first usable of {', '.join(order)}" + (f" (skipped {why})" if why else ""))
+        skipped.append(f"{name}: {problem}")
+    verb = "reduce" if collective in _REDUCTIONS else collective
+    raise BackendUnavailable(f"no backend can {verb} this {placement} array: " + "; ".join(skipped))

@@ -1,0 +1,120 @@
+"""``python -m mpigpu.bench.training`` under mpiexec (2 ranks, host, gloo as the DDP anchor): the
+training-step table and JSON, every mpigpu row (BackwardAverager with its default buckets: a small
+first one, as DDP's; hvd.DistributedOptimizer) within the DDP tolerance of samples/torch_data_parallel.py
+(1e-5 x max |p|) while the row without averaging is not, DDP's run-to-run noise 0 on the host, and
+the verdict (tolerance, or DDP's own noise); ResNet-50 and GPT-2 without torchvision and
+transformers (hidden by the test, so it holds where they are installed too): refused when named,
+skipped under ``--model all``; the fusion and accuracy sections. Serial tests: each launches mpiexec."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, run_mpi
+
+from mpigpu.bench.training import _model_list, _verdict
+from mpigpu.cli import launcher_rank
+
+pytestmark = pytest.mark.skipif(launcher_rank() >= 0, reason="serial test: it launches mpiexec itself")
+
+ROWS = {"none", "ddp", "ddp_repeat", "backward_averager", "averager_after", "distributed_optimizer"}
+AVERAGING = {"backward_averager", "averager_after", "distributed_optimizer"}
+
+
+def _hide(tmp_path: Path, *packages: str) -> dict[str, str]:
+    """An environment in which importing ``packages`` raises ImportError, as when not installed."""
+    tmp_path.mkdir(exist_ok=True)
+    for name in packages:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('{name} is hidden by the test')\n")
+    return {"PYTHONPATH": f"{tmp_path}:{ROOT}"}
+
+
+def _ok(done, *expected: str) -> None:
+    text = f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    assert done.returncode == 0, text
+    for line in expected:
+        assert line in done.stdout, text
+
+
+def test_model_list() -> None:
+    assert _model_list("mlp,gpt2") == ["mlp", "gpt2"]
+    assert _model_list("all") == ["all"]
+    for bad in ("vgg", "all,mlp", ","):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _model_list(bad)
+
+
+def test_training_step_matches_ddp_and_skips_missing_models(tmp_path) -> None:
+    pytest.importorskip("torch", reason="torch is not installed (the CI test script installs it)")
+    out = tmp_path / "training.json"
+    env = _hide(tmp_path / "hidden", "torchvision", "transformers")
+    args = ["-m", "mpigpu.bench.training", "--device", "cpu", "--skip", "fusion", "--model", "all",
+            "--width", "256", "--depth", "6", "--batch", "8", "--iters", "3", "--warmup", "2",
+            "--bucket-bytes", "512K", "--json", str(out)]  # fmt: skip
+    done = run_mpi(2, args, timeout=600, env=env)
+    _ok(done, "# training step: resnet50 skipped: --model resnet50 needs torchvision",
+        "# training step: gpt2 skipped: --model gpt2 needs transformers", "DDP (gloo, defaults)",
+        "BackwardAverager, 2 bucket(s)", "Averager after backward, 6 bucket(s)",
+        "hvd.DistributedOptimizer, 2 bucket(s)", "DDP again (its run-to-run noise)",
+        "hidden by BackwardAverager", "DDP's run-to-run noise 0.00e+00")  # fmt: skip
+    document = json.loads(out.read_text())
+    assert len(document["skipped"]) == 2
+    [step] = document["training"]
+    assert step["model"] == "mlp" and step["parameters"] == 6 * (256 * 256 + 256)
+    # BackwardAverager's defaults (DDP's): the 6 layers (257 KiB each) in a first bucket of <= 1 MiB
+    # (the last 3 layers) and one of <= 25 MiB; the Averager after backward: one layer per 512K bucket
+    assert step["buckets"] == {"backward_averager": 2, "averager_after": 6, "distributed_optimizer": 2}
+    assert set(step["seconds"]) == ROWS and all(s > 0 for s in step["seconds"].values())
+    assert step["overhead_s"]["none"] == 0.0
+    assert step["communication_s"] == pytest.approx(step["seconds"]["averager_after"] - step["seconds"]["none"])
+    assert "hidden_fraction" in step and set(step["overhead_vs_ddp"]) == AVERAGING
+    diff, tolerance = step["max_param_difference"], step["tolerance"]
+    assert tolerance == pytest.approx(1e-5 * step["param_scale"]) and step["param_scale"] > 0.05
+    # gloo and the CPU kernels are deterministic: DDP trained twice is bitwise the same (noise floor 0),
+    # so every mpigpu row passes on the tolerance alone, and hvd.DistributedOptimizer's row is there
+    assert diff["ddp"] == 0.0 and diff["ddp_repeat"] == 0.0 and step["ddp_noise"] == 0.0
+    assert all(diff[row] <= tolerance for row in AVERAGING)
+    assert step["verified"] == dict.fromkeys(AVERAGING, True)
+    assert step["verified_by"] == dict.fromkeys(AVERAGING, "tolerance") and step["deterministic"] is False
+    # the check can fail: each rank trains on its own data, so not averaging moves the parameters
+    assert diff["none"] > 100 * tolerance
+
+
+def test_verdict_passes_on_the_tolerance_or_within_ddps_own_noise() -> None:
+    assert _verdict(1e-7, tolerance=1e-6, noise=0.0) == "tolerance"
+    assert _verdict(1e-6, tolerance=1e-6, noise=1e-3) == "tolerance"  # the tolerance is named first
+    assert _verdict(2e-4, tolerance=1e-6, noise=3e-4) == "ddp_noise"
+    assert _verdict(3e-4, tolerance=1e-6, noise=3e-4) == "ddp_noise"
+    assert _verdict(4e-4, tolerance=1e-6, noise=3e-4) is None
+    assert _verdict(float("inf"), tolerance=1e-6, noise=3e-4) is None
+    assert _verdict(float("nan"), tolerance=1e-6, noise=float("nan")) is None
+
+
+def test_a_named_missing_model_is_refused_with_status_2(tmp_path) -> None:
+    pytest.importorskip("torch", reason="torch is not installed (the CI test script installs it)")
+    done = run_mpi(2, ["-m", "mpigpu.bench.training", "--device", "cpu", "--model", "mlp,resnet50"],
+                   timeout=120, env=_hide(tmp_path, "torchvision"))  # fmt: skip
+    assert done.returncode == 2, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    assert done.stderr.count("error: --model resnet50 needs torchvision") == 1, done.stderr
+    assert "pip install torchvision" in done.stderr and "Traceback" not in done.stderr
+    assert "# fusion" not in done.stdout, "refused before measuring anything"
+
+
+def test_fusion_and_accuracy(tmp_path) -> None:
+    out = tmp_path / "training.json"
+    args = ["-m", "mpigpu.bench.training", "--device", "cpu", "--skip", "step", "--scale", "0.005",
+            "--iters", "2", "--warmup", "1", "--accuracy", "--json", str(out)]  # fmt: skip
+    _ok(run_mpi(2, args, timeout=600), "Averager vs one allreduce per tensor", "Averager vs one flat allreduce",
+        "compression accuracy")  # fmt: skip
+    document = json.loads(out.read_text())
+    fusion = document["fusion"]
+    assert fusion["tensors"] == 161 and fusion["speedup_vs_per_tensor"] > 0
+    assert set(fusion["seconds"]) >= {"per_tensor", "flat", "averager_copy", "averager_views"}
+    accuracy = document["accuracy"]
+    assert accuracy["float32"]["max_rel_error_per_tensor"] < 1e-6
+    assert 0 < accuracy["bfloat16"]["rel_l2_error"] < 1e-2
+    assert "training" not in document

@@ -1,0 +1,308 @@
+"""One rank failing must end the whole job, quickly, with that rank's message and a non-zero exit
+status: exceptions (under ``python -m mpigpu.run``, in mpigpu's commands, in plain scripts once
+mpigpu has started), ``sys.exit``, signals, MPIGPU_TIMEOUT, invalid settings and options, also when
+only one rank of an MPMD launch gets them. Each test starts its own mpiexec with a time limit and
+asserts the elapsed time, the exit status and the message."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, run_mpi
+
+from mpigpu.core.config import ENV_VARS, Settings
+from mpigpu.core.errors import ConfigError
+
+END_WITHIN_S = 10  # the issue's bound for one rank's failure to end the job
+LAUNCH_LIMIT_S = 60  # run_mpi's hang detector: a test needing longer has failed
+
+# A user program: `mode` on rank 1 after `before` successful allreduce calls, then one more call.
+VICTIM = """
+import os, signal, sys, threading, time
+import numpy as np
+import mpigpu
+from mpigpu.core._mpi import world
+
+mode, before = sys.argv[1], int(sys.argv[2])
+if "--install" in sys.argv:
+    from mpigpu.job.failsafe import install_abort_handler
+    install_abort_handler()
+rank = world().Get_rank()
+x = np.ones(8, np.float32)
+for _ in range(before):
+    mpigpu.allreduce(x, "sum")
+if rank == 1:
+    if mode == "raise":
+        raise ValueError(f"boom on rank {rank}")
+    if mode == "exit":
+        sys.exit(3)
+    if mode == "thread":
+        worker = threading.Thread(target=lambda: 1 / 0)
+        worker.start()
+        worker.join()
+        time.sleep(30)
+    if mode == "sleep":
+        time.sleep(30)
+    if mode in ("SIGKILL", "SIGTERM"):
+        os.kill(os.getpid(), getattr(signal, mode))
+        time.sleep(30)
+mpigpu.allreduce(x, "sum")
+sys.stdout.write(f"rank {rank} done: {x[0]:g}\\n")  # one write: lines of ranks do not interleave
+"""
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Path:
+    path = tmp_path / "victim.py"
+    path.write_text(VICTIM)
+    return path
+
+
+def timed(n: int, args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    result = run_mpi(n, args, timeout=LAUNCH_LIMIT_S, env=env)
+    return result, time.monotonic() - start
+
+
+def ended_with(result: subprocess.CompletedProcess, elapsed: float, *texts: str, limit: float = END_WITHIN_S) -> None:
+    """The job ended in time, with a failure status, and stderr names the problem."""
+    output = result.stdout + result.stderr
+    assert elapsed < limit, f"took {elapsed:.1f} s (limit {limit} s)\n{output}"
+    assert result.returncode != 0, output
+    for text in texts:
+        assert text in output, f"{text!r} missing from:\n{output}"
+
+
+# -- python -m mpigpu.run ------------------------------------------------------------------------------
+@pytest.mark.parametrize("before", [0, 3], ids=["before-first-call", "after-3-calls"])
+def test_exception_on_one_rank_under_run_ends_job(victim: Path, before: int) -> None:
+    result, elapsed = timed(3, ["-m", "mpigpu.run", str(victim), "raise", str(before)])
+    ended_with(result, elapsed, "[mpigpu rank 1]", "ValueError: boom on rank 1", "victim.py", "aborting all ranks")
+    assert result.returncode == 1
+    assert "mpigpu/run.py" not in result.stderr, "the runner's own frames are left out of the traceback"
+
+
+def test_exception_in_a_thread_under_run_ends_job(victim: Path) -> None:
+    result, elapsed = timed(3, ["-m", "mpigpu.run", str(victim), "thread", "1"])
+    ended_with(result, elapsed, "[mpigpu rank 1]", "ZeroDivisionError")
+
+
+def test_sys_exit_on_one_rank_under_run_ends_job_with_its_status(victim: Path) -> None:
+    result, elapsed = timed(3, ["-m", "mpigpu.run", str(victim), "exit", "1"])
+    ended_with(result, elapsed, "[mpigpu rank 1] exited with status 3")
+    assert result.returncode == 3
+
+
+def test_run_normal_end_and_forms(victim: Path, tmp_path: Path) -> None:
+    result, _ = timed(2, ["-m", "mpigpu.run", str(victim), "none", "1"])
+    assert result.returncode == 0, result.stderr
+    assert "rank 0 done: 4" in result.stdout and "rank 1 done: 4" in result.stdout  # 1 -> 2 -> 4 over 2 ranks
+
+    code = (
+        "import sys, numpy as np, mpigpu; x = np.ones(2); mpigpu.allreduce(x, 'sum'); "
+        "sys.stdout.write(f'{sys.argv} {x[0]}\\n')"
+    )
+    result, _ = timed(2, ["-m", "mpigpu.run", "-c", code, "a", "b"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("['-c', 'a', 'b'] 2.0") == 2
+
+    (tmp_path / "usermod.py").write_text(
+        "import sys\n"
+        "if __name__ == '__main__':\n"
+        "    sys.stdout.write(f'module main {sys.argv[1:]}\\n')\n"
+        "    sys.exit(0)\n"
+    )
+    result = run_mpi(2, ["-m", "mpigpu.run", "-m", "usermod", "x"], timeout=LAUNCH_LIMIT_S, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("module main ['x']") == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "no program given"),
+        (["--bogus", "x.py"], "unknown option '--bogus'"),
+        (["does-not-exist.py"], "can't open file 'does-not-exist.py'"),
+        (["--timeout", "soon", "x.py"], "--timeout 'soon'"),
+        (["-m"], "-m needs an argument"),
+    ],
+)
+def test_run_usage_errors(args: list[str], message: str) -> None:
+    alone = subprocess.run(
+        [sys.executable, "-m", "mpigpu.run", *args], capture_output=True, text=True, timeout=LAUNCH_LIMIT_S, cwd=ROOT
+    )
+    assert alone.returncode == 2 and message in alone.stderr and "usage:" in alone.stderr
+
+
+def test_run_usage_error_on_one_rank_ends_job(victim: Path) -> None:
+    result, elapsed = timed(2, _mpmd(["-m", "mpigpu.run", str(victim), "none", "1"], bad_args=["-m", "mpigpu.run"]))
+    ended_with(result, elapsed, "[mpigpu rank 2]", "no program given")
+    assert result.returncode == 2
+
+
+def test_run_help() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "mpigpu.run", "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert result.returncode == 0
+    for text in ("-m MODULE", "-c CODE", "--timeout SECONDS", "MPI_Abort", "exit status"):
+        assert text in result.stdout
+
+
+def test_run_timeout_option_sets_the_watchdog(victim: Path) -> None:
+    result, elapsed = timed(3, ["-m", "mpigpu.run", "--timeout", "2", str(victim), "sleep", "1"])
+    ended_with(result, elapsed, "CollectiveTimeout", "MPIGPU_TIMEOUT=2 s", limit=20)
+
+
+# -- plain `python script.py` ------------------------------------------------------------------------
+def test_plain_script_aborts_once_mpigpu_has_started(victim: Path) -> None:
+    """mpigpu installs the main-thread handler on its first call: a later exception ends the job."""
+    result, elapsed = timed(3, [str(victim), "raise", "1"])
+    ended_with(result, elapsed, "[mpigpu rank 1]", "ValueError: boom on rank 1")
+
+
+def test_plain_script_with_install_abort_handler_covers_failures_before_first_call(victim: Path) -> None:
+    result, elapsed = timed(3, [str(victim), "raise", "0", "--install"])
+    ended_with(result, elapsed, "ValueError: boom on rank 1")
+
+
+@pytest.mark.parametrize("enabled", ["1", "0"])
+def test_default_handler_can_be_turned_off(enabled: str) -> None:
+    code = "import sys, mpigpu; mpigpu.select_device(); print('hooked', sys.excepthook is not sys.__excepthook__)"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_LIMIT_S,
+        cwd=ROOT,
+        env={**os.environ, "MPIGPU_ABORT_ON_EXCEPTION": enabled},
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"hooked {enabled == '1'}" in result.stdout
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_rank_killed_by_signal_ends_job(victim: Path, how: str) -> None:
+    """The launcher's own job: MPICH's hydra ends the other ranks when one dies of a signal."""
+    result, elapsed = timed(3, [str(victim), how, "1"])
+    ended_with(result, elapsed)
+    assert "done" not in result.stdout
+
+
+def test_mismatch_ends_job_with_the_same_message_everywhere(tmp_path: Path) -> None:
+    script = tmp_path / "mismatch.py"
+    script.write_text(
+        textwrap.dedent("""
+        import numpy as np, mpigpu
+        from mpigpu.core._mpi import world
+        rank = world().Get_rank()
+        mpigpu.allreduce(np.ones(10 + (rank == 2), np.float32))
+        """)
+    )
+    result, elapsed = timed(3, [str(script)])
+    ended_with(result, elapsed, "MismatchError", "count: 10 on ranks 0,1; 11 on rank 2")
+    # every rank raises it (tests/test_bad_input_mpi.py checks the text is the same everywhere); the
+    # first rank to abort may end the others before they print
+
+
+# -- MPIGPU_TIMEOUT ----------------------------------------------------------------------------------
+def test_timeout_aborts_a_collective_that_a_rank_never_joins(victim: Path) -> None:
+    result, elapsed = timed(3, [str(victim), "sleep", "1"], env={"MPIGPU_TIMEOUT": "2"})
+    ended_with(result, elapsed, "CollectiveTimeout: allreduce of 8 float32", "MPIGPU_TIMEOUT=2 s", limit=20)
+    assert result.returncode == 124
+    assert "victim.py" in result.stderr, "the message shows where the rank waited"
+
+
+def test_timeout_covers_start_up(victim: Path) -> None:
+    result, elapsed = timed(3, [str(victim), "sleep", "0"], env={"MPIGPU_TIMEOUT": "2"})
+    ended_with(result, elapsed, "CollectiveTimeout: mpigpu start-up", "MPIGPU_TIMEOUT=2 s", limit=20)
+
+
+# -- mpigpu's commands, one rank given bad settings or options (MPMD launch) --------------------------
+def _mpmd(good: list[str], bad_env: dict[str, str] | None = None, bad_args: list[str] | None = None) -> list[str]:
+    """Arguments for run_mpi(3, ...): ranks 0-2 run ``good``; a fourth rank runs the bad variant."""
+    env = [f"{k}={v}" for k, v in (bad_env or {}).items()]
+    return [*good, ":", "-n", "1", "env", *env, sys.executable, *(bad_args or good)]
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"), [("MPIGPU_TIMEOUT", "bad"), ("MPIGPU_CHECK", "maybe"), ("MPIGPU_NODE_SIZE", "0")]
+)
+def test_average_with_bad_setting_on_one_rank_ends_job(variable: str, value: str) -> None:
+    args = _mpmd(["-m", "mpigpu.average", "--size", "1K", "--iters", "2"], bad_env={variable: value})
+    result, elapsed = timed(3, args)
+    ended_with(result, elapsed, f"{variable}={value!r} is not valid", "rank 3 failed")
+
+
+def test_average_with_bad_option_on_one_rank_ends_job() -> None:
+    good = ["-m", "mpigpu.average", "--size", "1K", "--iters", "2"]
+    result, elapsed = timed(3, _mpmd(good, bad_args=["-m", "mpigpu.average", "--size", "lots"]))
+    ended_with(result, elapsed, "[mpigpu rank 3]", "invalid size 'lots'")
+    assert result.returncode == 2
+
+
+def test_average_with_bad_option_everywhere_exits_2() -> None:
+    result, elapsed = timed(2, ["-m", "mpigpu.average", "--dtype", "complex64"])
+    ended_with(result, elapsed, "unsupported dtype 'complex64'")
+    assert result.returncode == 2
+    assert result.stderr.count("unsupported dtype") == 1, "reported once (by rank 0), not once per rank"
+
+
+def test_bench_with_bad_setting_on_one_rank_ends_job() -> None:
+    pytest.importorskip("mpigpu.bench", reason="mpigpu.bench is not in this tree yet")
+    args = _mpmd(["-m", "mpigpu.bench", "--max-bytes", "64"], bad_env={"MPIGPU_TIMEOUT": "bad"})
+    result, elapsed = timed(3, args)
+    ended_with(result, elapsed, "MPIGPU_TIMEOUT='bad' is not valid")
+
+
+def test_unknown_variable_is_reported() -> None:
+    result, _ = timed(2, ["-m", "mpigpu.average", "--size", "16", "--iters", "1"], env={"MPIGPU_TIMOUT": "5"})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("ignoring unknown variable(s) MPIGPU_TIMOUT") == 1
+
+
+# -- settings, unit level ------------------------------------------------------------------------------
+BAD_VALUES = {
+    "MPIGPU_CUDA_AWARE": ["2", "yes please"],
+    "MPIGPU_NODE_SIZE": ["0", "-1", "two"],
+    "MPIGPU_TIMEOUT": ["-1", "nan", "inf", "10s", "2e10", "1000001"],  # 2e10 s overflowed the ipc kernel's ns counter
+    "MPIGPU_CHECK": ["maybe"],
+    "MPIGPU_ABORT_ON_EXCEPTION": ["sometimes"],
+    "MPIGPU_ALLOW_SHARED_GPU": ["2"],
+    "MPIGPU_HOST_POOL_MB": ["0", "-5", "lots"],
+    "MPIGPU_HOST_CHUNK": ["0", "4X"],
+    "MPIGPU_LOG": ["verbose"],
+}
+
+
+@pytest.mark.parametrize(("variable", "value"), [(k, v) for k, vs in BAD_VALUES.items() for v in vs])
+def test_bad_setting_names_variable_value_and_what_is_accepted(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env()
+    message = str(info.value)
+    assert f"{variable}={value!r}" in message and "not valid" in message
+    assert any(word in message for word in ("use", "seconds", "N:", "MiB", "bytes")), message
+
+
+def test_the_largest_timeout_fits_the_ipc_kernels_nanosecond_counter(monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    from mpigpu.core.config import MAX_TIMEOUT_S
+
+    monkeypatch.setenv("MPIGPU_TIMEOUT", f"{MAX_TIMEOUT_S:g}")
+    timeout = Settings.from_env().timeout
+    assert timeout == MAX_TIMEOUT_S
+    assert int(np.uint64(int(timeout * 1e9))) == int(timeout * 1e9)  # what backends/ipc.py passes the kernel
+
+
+def test_every_validated_variable_is_documented() -> None:
+    assert set(BAD_VALUES) <= set(ENV_VARS)
