@@ -10,20 +10,41 @@ import abc
 import contextlib
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from mpigpu.backends.host_layout import PAGE, ChunkPlan
+from mpigpu.backends.host_layout import PAGE, ChunkPlan, SegmentLayout
 from mpigpu.backends.host_reduce import finish, internode, reduce_rows
 
 if TYPE_CHECKING:
     from mpigpu.backends.base import CommContext
-    from mpigpu.backends.host import HostBackend
     from mpigpu.core.arrays import ArrayView
     from mpigpu.core.ops import Op
+    from mpigpu.job.shm import SharedSegment
 
-__all__ = ["DeviceEngine", "Engine", "GpuStaging", "HostEngine"]
+__all__ = ["DeviceEngine", "Engine", "GpuStaging", "HostEngine", "StagingBackend"]
+
+
+class StagingBackend(Protocol):
+    """What an engine reads of the backend that drives it (mpigpu.backends.host.HostBackend): the
+    node's shape, the shared segment and its layout, the GPU's copy streams, scratch and phase times."""
+
+    ctx: CommContext
+    _n: int  # ranks on this node
+    _local: int  # this rank's place on it
+    _nodes: int
+    _inter: Any  # the communicator across nodes (None on one node)
+    _inter_size: int
+    _depth: int  # chunks a GPU copy out runs ahead
+    _block: Any  # a reused float32 block for NumPy reductions
+    _segment: SharedSegment | None
+    _layout: SegmentLayout | None
+    _gpu: GpuStaging | None
+
+    def _add_phase(self, name: str, seconds: float) -> None: ...
+
+    def _scratch(self, name: str, nbytes: int) -> Any: ...
 
 
 # -- the GPU side ---------------------------------------------------------------------------------
@@ -113,7 +134,7 @@ class GpuStaging:
 class Engine(abc.ABC):
     """The steps of the pipeline for one call; subclasses move host or device data."""
 
-    def __init__(self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: ChunkPlan) -> None:
+    def __init__(self, backend: StagingBackend, x: ArrayView, out: ArrayView, op: Op, plan: ChunkPlan) -> None:
         self.backend, self.x, self.out, self.op, self.plan = backend, x, out, op, plan
         self.dtype = x.dtype
         self.segment = backend._segment
@@ -127,7 +148,7 @@ class Engine(abc.ABC):
 
     @staticmethod
     @abc.abstractmethod
-    def ring_for(backend: HostBackend) -> int:
+    def ring_for(backend: StagingBackend) -> int:
         """Ring positions this engine uses (>= 2: see HostBackend._pipeline)."""
 
     def at(self, k: int) -> int:
@@ -188,10 +209,10 @@ class HostEngine(Engine):
     """NumPy arrays: every step is a host copy or a NumPy reduction, complete when it returns."""
 
     @staticmethod
-    def ring_for(backend: HostBackend) -> int:
+    def ring_for(backend: StagingBackend) -> int:
         return 2  # nothing overlaps on one thread: two positions let the schedule run
 
-    def __init__(self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: ChunkPlan) -> None:
+    def __init__(self, backend: StagingBackend, x: ArrayView, out: ArrayView, op: Op, plan: ChunkPlan) -> None:
         super().__init__(backend, x, out, op, plan)
         assert x.host is not None and out.host is not None
         self.src = x.host.reshape(-1)
@@ -245,11 +266,11 @@ class DeviceEngine(Engine):
     ends with an event that the host waits on before the barrier that publishes it."""
 
     @staticmethod
-    def ring_for(backend: HostBackend) -> int:
+    def ring_for(backend: StagingBackend) -> int:
         return backend._depth + 2  # copies out run `depth` chunks ahead; +2 lets copies back drain
 
     def __init__(
-        self, backend: HostBackend, x: ArrayView, out: ArrayView, op: Op, plan: ChunkPlan, stream: int
+        self, backend: StagingBackend, x: ArrayView, out: ArrayView, op: Op, plan: ChunkPlan, stream: int
     ) -> None:
         super().__init__(backend, x, out, op, plan)
         gpu = backend._gpu

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mpigpu.backends import BACKEND_NAMES
 from mpigpu.core.config import size_label
@@ -21,11 +21,16 @@ from mpigpu.core.errors import ConfigError
 from mpigpu.core.privatefs import UntrustedPath, read_file, write_file
 
 if TYPE_CHECKING:
-    from mpigpu.runtime.context import Context
+    from mpigpu.backends import Availability
+    from mpigpu.core._mpi import LibraryInfo
+    from mpigpu.core.config import Settings
+    from mpigpu.job.device import GpuInfo
+    from mpigpu.job.topology import Layout
 
 __all__ = [
     "HYSTERESIS",
     "Sample",
+    "TuningContext",
     "TuningTable",
     "bands_from_samples",
     "best_per_size",
@@ -45,6 +50,20 @@ HYSTERESIS = 0.02
 Bands = dict[str, list[tuple[int, str]]]
 
 
+class TuningContext(Protocol):
+    """What the table reads and sets on the communicator's context (mpigpu.runtime.context.Context)."""
+
+    rank: int
+    comm: Any
+    settings: Settings
+    gpu: GpuInfo | None
+    layout: Layout
+    mpi_lib: LibraryInfo
+    availability: dict[str, Availability]
+    tuning: TuningTable | None
+    plan_cache: dict[tuple[Any, ...], Any]
+
+
 @dataclass(frozen=True)
 class TuningTable:
     """Best backend per size band, for one machine signature: ``bands[placement]`` is a list of
@@ -62,7 +81,7 @@ class TuningTable:
         return bands[-1][1] if bands else None
 
 
-def machine_signature(ctx: Context) -> dict[str, Any]:
+def machine_signature(ctx: TuningContext) -> dict[str, Any]:
     """What a tuning table must match: GPU model and count per node, link, MPI library, ranks per node."""
     gpu = ctx.gpu
     link = "none"
@@ -78,7 +97,7 @@ def machine_signature(ctx: Context) -> dict[str, Any]:
     }
 
 
-def load_tuning(ctx: Context) -> TuningTable | None:
+def load_tuning(ctx: TuningContext) -> TuningTable | None:
     """Rank 0 reads and validates the table file and broadcasts the entry matching this machine, or
     None; every rank then uses the same table. A table that cannot be used (unreadable, malformed,
     or one another user could have written) is ignored, with one warning from rank 0, never an
@@ -268,7 +287,7 @@ def write_entry(path: Path, signature: dict[str, Any], bands: Bands, meta: dict[
     return entry
 
 
-def install(ctx: Context, bands: Bands, meta: dict[str, Any]) -> TuningTable | None:
+def install(ctx: TuningContext, bands: Bands, meta: dict[str, Any]) -> TuningTable | None:
     """Write ``bands`` for this machine (rank 0) and make ``ctx`` use the new table (collective).
 
     A failure to write is raised on every rank."""
