@@ -50,7 +50,7 @@ class Signature(NamedTuple):
     dtype: int  # DType.code
     op: int  # Op.code
     backend: int  # Backend.code
-    placement: int  # 0 host, 1 GPU
+    placement: int  # 0 host, 1 GPU, 2 host in Fortran order (ArrayView.placement)
     error: str | None = None
     shape: tuple[int, ...] = ()
     collective: int = 0  # index in COLLECTIVES
@@ -90,7 +90,7 @@ def _label(field: str, value: Any) -> str:
     if field == "op":
         return next((o.value for o in Op if o.code == value), str(value))
     if field == "placement":
-        return "GPU array" if value else "host array"
+        return {0: "host array", 1: "GPU array", 2: "Fortran-order host array"}.get(value, str(value))
     if field == "shape":
         return "[" + ", ".join(map(str, value)) + "]"
     if field == "collective" and 0 <= value < len(COLLECTIVES):
