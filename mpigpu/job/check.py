@@ -98,6 +98,16 @@ def _label(field: str, value: Any) -> str:
     return str(value)
 
 
+# what each collective's ranks must agree on, as its mismatch message says it (a reduction has no root)
+_MUST_AGREE = {
+    "allreduce": "shape, dtype, op, placement and backend",
+    "broadcast": "shape, dtype, root, placement and backend",
+    "allgather": "dtype, placement, backend and shape after the first dimension",
+    "broadcast_object": "root",
+    "allgather_object": "collective",
+}
+
+
 def _describe(name: str, gathered: list[tuple[list[int], str | None, tuple[int, ...], str]], failure: str) -> str:
     failed = [(r, err) for r, (_, err, _, _) in enumerate(gathered) if err]
     if failed:
@@ -118,7 +128,7 @@ def _describe(name: str, gathered: list[tuple[list[int], str | None, tuple[int, 
         parts.append("arguments differ")
     return (
         f"{name}: ranks passed different arguments ({' | '.join(parts)}). "
-        "Every rank must call it with the same shape, dtype, op, root and backend."
+        f"Every rank must call it with the same {_MUST_AGREE.get(name, _MUST_AGREE['allreduce'])}."
     )
 
 
