@@ -194,6 +194,27 @@ def refuse(module: str, problem: Exception | str, rank: int = 0) -> int:
     return 2
 
 
+def require_gpu(script: str, framework: str = "cupy") -> None:
+    """Exit with status 2 and one line (first launched rank) unless ``framework`` and a CUDA GPU are
+    here: a GPU-only script on a machine without them says so instead of a ModuleNotFoundError."""
+    import importlib.util
+
+    from mpigpu.core._cuda import INSTALL_CUDA_EXTRA, visible_device_count
+
+    missing = [name for name in dict.fromkeys((framework, "cupy")) if importlib.util.find_spec(name) is None]
+    if missing:
+        problem = f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed"
+    elif visible_device_count() == 0:
+        problem = "no CUDA GPU is visible to this process"
+    else:
+        return
+    if launcher_rank() <= 0:
+        sys.stderr.write(
+            f"{script} needs a CUDA GPU and the CUDA extra ({problem}): on a GPU machine, {INSTALL_CUDA_EXTRA}\n"
+        )
+    raise SystemExit(2)
+
+
 def header_lines(ctx: Any) -> list[str]:
     """The ``#`` header (collective; meaningful on rank 0): library, ranks, one line per rank."""
     layout, lib = ctx.layout, ctx.mpi_lib
