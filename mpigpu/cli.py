@@ -48,6 +48,10 @@ __all__ = [
 class Parser(argparse.ArgumentParser):
     """argparse that reports a bad option once per job (rank 0) and, under a launcher, ends the whole job."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_argument("--version", action="version", version=f"mpigpu {__version__}")
+
     def error(self, message: str) -> Any:  # type: ignore[override]
         if launcher_rank() <= 0:
             self.print_usage(sys.stderr)
