@@ -9,7 +9,7 @@ import numpy as np
 
 from mpigpu.backends import backend_code
 from mpigpu.core._cuda import StreamRef, resolve_stream
-from mpigpu.core.arrays import ArrayView, as_view, check_out
+from mpigpu.core.arrays import ArrayView, as_view, check_out, scalar_fix
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op, parse_op
 from mpigpu.job.check import Signature, check_signature
@@ -81,7 +81,9 @@ def validate(ctx: Context, x: Any, op: Any, out: Any, backend: str, stream: Any)
     finish = None
     if out is None:
         if xv.readonly and xv.framework != "jax":
-            raise InvalidArgument("x is read-only, so it cannot be reduced in place: pass out=<writable array>")
+            raise InvalidArgument(
+                scalar_fix(xv) or "x is read-only, so it cannot be reduced in place: pass out=<writable array>"
+            )
         if xv.framework == "jax":
             outv, result, finish = _output_for(xv)
         else:
@@ -95,8 +97,8 @@ def validate(ctx: Context, x: Any, op: Any, out: Any, backend: str, stream: Any)
     # It lives in the plan cache, so whatever forgets the remembered choices (a new tuning table)
     # forgets it too.
     key = (
-        xv.ptr, xv.shape, xv.dtype, xv.device, op_, backend,
-        None if out is None else (outv.ptr, outv.shape, outv.dtype, outv.device, outv.readonly),
+        xv.ptr, xv.shape, xv.dtype, xv.device, xv.order, op_, backend,
+        None if out is None else (outv.ptr, outv.shape, outv.dtype, outv.device, outv.readonly, outv.order),
     )  # fmt: skip
     memo = ctx.plan_cache.get(_LAST_CALL)
     if memo is not None and memo[0] == key:
@@ -119,7 +121,7 @@ def _signature(xv: ArrayView, op: Op, backend: str) -> Signature:
         dtype=xv.dtype.code,
         op=op.code,
         backend=backend_code(backend),
-        placement=int(xv.on_device),
+        placement=xv.placement,
         shape=xv.shape,
     )
 

@@ -123,6 +123,35 @@ def _on_gpu(args: argparse.Namespace, ctx: Any) -> bool:
     return on_gpu
 
 
+def _memory_problem(ctx: Any, per_rank: int, on_gpu: bool) -> str | None:
+    """Why the buffers of ``per_rank`` bytes cannot fit (the same text on every rank), or None (collective).
+
+    Host memory is the node's, shared by its ranks; GPU memory is each rank's GPU. Ranks on other
+    nodes may see other numbers: the first problem found, in rank order, is everyone's answer."""
+    from mpigpu.core.config import size_label
+    from mpigpu.job.memory import gpu_free_bytes, host_available_bytes
+
+    mine = None
+    if on_gpu:
+        free = gpu_free_bytes(ctx.gpu.index)
+        if free is not None and per_rank > free:
+            mine = (
+                f"--size needs {size_label(per_rank)} on each rank's GPU, but GPU {ctx.gpu.index} of rank {ctx.rank} "
+                f"has {size_label(free)} free: give a smaller --size"
+            )
+    else:
+        local = ctx.layout.local_size
+        available = host_available_bytes()
+        if available is not None and per_rank * local > available:
+            mine = (
+                f"--size needs {size_label(per_rank)} of host memory per rank, {size_label(per_rank * local)} for "
+                f"the {local} rank{'s' if local != 1 else ''} on {ctx.layout.hostnames[ctx.rank]}, but it has "
+                f"{size_label(available)} available: give a smaller --size"
+            )
+    problems = ctx.comm.allgather(mine)
+    return next((p for p in problems if p is not None), None)
+
+
 def run(args: argparse.Namespace) -> int:
     from mpigpu.api import prepare
     from mpigpu.api import run as run_prepared
@@ -151,6 +180,9 @@ def run(args: argparse.Namespace) -> int:
         on_gpu = _on_gpu(args, ctx)
     except MpigpuError as exc:
         return refuse("mpigpu.average", exc, rank)
+    problem = _memory_problem(ctx, args.size * dtype.itemsize * (2 if args.out_of_place else 1), on_gpu)
+    if problem is not None:
+        return refuse("mpigpu.average", problem, rank)
     streams = command_stream(ctx) if on_gpu else (None, None)  # the CuPy stream lives as long as its ref
     stream = streams[1]
     work = Workload.allocate(
@@ -213,13 +245,16 @@ def run(args: argparse.Namespace) -> int:
             print("# phases (us, max over ranks): " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
         if on_gpu and not args.quiet:
             print(f"# gradient kernel: {kernel_us:.1f} us")
-        verdict = "PASS" if ok else "FAIL"
-        detail = "not checked (--no-check)" if wrong < 0 else f"{wrong} wrong element{'s' if wrong != 1 else ''}"
-        print(f"# {verdict}: {detail} over {nranks} rank{'s' if nranks != 1 else ''}")
+        over = f"over {nranks} rank{'s' if nranks != 1 else ''}"
+        if wrong < 0:
+            print(f"# NOT VERIFIED (--no-check): the results were not compared with the expected values {over}")
+        else:
+            print(f"# {'PASS' if ok else 'FAIL'}: {wrong} wrong element{'s' if wrong != 1 else ''} {over}")
         sys.stdout.flush()
     if args.json is not None and rank == 0:
         document = {
             "ok": ok,
+            "verified": wrong >= 0,
             "ranks": nranks,
             "backend": choice.backend,
             "backend_requested": args.backend,

@@ -48,6 +48,10 @@ __all__ = [
 class Parser(argparse.ArgumentParser):
     """argparse that reports a bad option once per job (rank 0) and, under a launcher, ends the whole job."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_argument("--version", action="version", version=f"mpigpu {__version__}")
+
     def error(self, message: str) -> Any:  # type: ignore[override]
         if launcher_rank() <= 0:
             self.print_usage(sys.stderr)
@@ -192,6 +196,27 @@ def refuse(module: str, problem: Exception | str, rank: int = 0) -> int:
         sys.stderr.write(f"{prog(module)}: error: {problem}\n")
         sys.stderr.flush()
     return 2
+
+
+def require_gpu(script: str, framework: str = "cupy") -> None:
+    """Exit with status 2 and one line (first launched rank) unless ``framework`` and a CUDA GPU are
+    here: a GPU-only script on a machine without them says so instead of a ModuleNotFoundError."""
+    import importlib.util
+
+    from mpigpu.core._cuda import INSTALL_CUDA_EXTRA, visible_device_count
+
+    missing = [name for name in dict.fromkeys((framework, "cupy")) if importlib.util.find_spec(name) is None]
+    if missing:
+        problem = f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed"
+    elif visible_device_count() == 0:
+        problem = "no CUDA GPU is visible to this process"
+    else:
+        return
+    if launcher_rank() <= 0:
+        sys.stderr.write(
+            f"{script} needs a CUDA GPU and the CUDA extra ({problem}): on a GPU machine, {INSTALL_CUDA_EXTRA}\n"
+        )
+    raise SystemExit(2)
 
 
 def header_lines(ctx: Any) -> list[str]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from mpigpu.backends import backend_code
 from mpigpu.core._cuda import StreamRef, resolve_stream
-from mpigpu.core.arrays import ArrayView, as_view
+from mpigpu.core.arrays import ArrayView, as_view, require_c_order, scalar_fix
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op
 from mpigpu.job.check import COLLECTIVES, Signature, check_rows, check_signature
@@ -55,13 +55,17 @@ def _validate(
     if not isinstance(backend, str):
         raise InvalidArgument(f"backend must be a string such as 'auto' or 'nccl', not {type(backend).__name__}")
     xv = as_view(x, name="x")
-    key = (xv.shape, xv.dtype, xv.device, xv.readonly, xv.framework, backend, root)
+    key = (xv.shape, xv.dtype, xv.device, xv.order, xv.readonly, xv.framework, backend, root)
     memo = ctx.plan_cache.get(_LAST[collective])
     if memo is not None and memo[0] == key:
         return xv, memo[1], memo[2]
     ctx.require_own_gpu(xv)
     if collective == "broadcast" and xv.readonly and xv.framework != "jax":
-        raise InvalidArgument("x is read-only, so it cannot receive the broadcast in place: pass a writable array")
+        raise InvalidArgument(
+            scalar_fix(xv) or "x is read-only, so it cannot receive the broadcast in place: pass a writable array"
+        )
+    if collective == "allgather":
+        require_c_order(xv, "allgather")
     if collective == "allgather" and not xv.shape:
         raise InvalidArgument(
             "allgather concatenates along the first dimension, but x has none (a 0-d array): pass x.reshape(1)"
@@ -70,7 +74,7 @@ def _validate(
     if collective == "broadcast":
         signature = Signature(
             count=xv.size, dtype=xv.dtype.code, op=0, backend=backend_code(choice.backend),
-            placement=int(xv.on_device), shape=xv.shape, collective=_BROADCAST, root=root,
+            placement=xv.placement, shape=xv.shape, collective=_BROADCAST, root=root,
         )  # fmt: skip
     else:  # the first dimension may differ between ranks: it rides in root, which check_rows lets differ
         trailing = xv.shape[1:]

@@ -60,9 +60,7 @@ class Request:
         self._queued = not backend_class(self.backend).enqueues and x.size > 0 and ctx.size > 1
         self._launch = self._bind(prepared)
         self._label = f"allreduce start({self.backend}, {x.dtype.name} x {x.size}, op={prepared.op.value})"
-        self._signature = Signature(
-            x.size, x.dtype.code, prepared.op.code, backend_code(self.backend), int(x.on_device)
-        )
+        self._signature = Signature(x.size, x.dtype.code, prepared.op.code, backend_code(self.backend), x.placement)
         self._result = prepared.result
         self._finish = prepared.finish
         self._state = _IDLE

@@ -38,6 +38,7 @@ import numpy as np
 import mpigpu
 from mpigpu import api
 from mpigpu.backends import backend_code
+from mpigpu.cli import require_gpu
 from mpigpu.core._cuda import resolve_stream
 from mpigpu.core._mpi import MPI, world
 from mpigpu.core.arrays import as_view
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--json", help="also write the results as JSON to this path")
     args = parser.parse_args(argv)
+    if args.framework != "numpy":  # torch on CPU is not what this script measures: it times CUDA tensors
+        require_gpu("scripts/call_cost.py", args.framework)
     comm = world()
     results = [
         profile(args.framework, int(size), args.dtype, args.backend, args.iters, args.warmup)

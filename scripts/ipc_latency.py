@@ -18,13 +18,16 @@ import gc
 import sys
 from pathlib import Path
 
-import cupy as cp
-from cupy.cuda import nccl
+from mpigpu.cli import require_gpu, write_json
 
-import mpigpu
-from mpigpu.cli import write_json
-from mpigpu.core._mpi import MPI, world
-from mpigpu.ipc import ipc_graph
+require_gpu("scripts/ipc_latency.py")  # before CuPy is imported: exit 2 with what to install
+
+import cupy as cp  # noqa: E402
+from cupy.cuda import nccl  # noqa: E402
+
+import mpigpu  # noqa: E402
+from mpigpu.core._mpi import MPI, world  # noqa: E402
+from mpigpu.ipc import ipc_graph  # noqa: E402
 
 
 def main() -> int:

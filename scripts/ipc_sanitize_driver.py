@@ -12,6 +12,9 @@ import sys
 
 
 def main() -> int:
+    from mpigpu.cli import require_gpu
+
+    require_gpu("scripts/ipc_sanitize_driver.py")
     import cupy as cp
 
     import mpigpu

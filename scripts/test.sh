@@ -13,9 +13,13 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
+echo "scripts/test.sh installs into $venv (about 1.7 GB, mostly PyTorch; later runs reuse it):"
+echo "  - mpigpu itself (editable) with its mpi, test, plot and dev extras: numpy, mpi4py, the mpich wheel"
+echo "    (an MPI for machines without one), pytest, pytest-mpi, matplotlib, ruff, import-linter"
+echo "  - PyTorch 2.13 (CPU build) and JAX (CPU): the training samples, the Horovod and JAX layers and"
+echo "    their tests use them"
 pip install -q --upgrade pip >/dev/null
 pip install -q -e ".[mpi,test,plot,dev]"
-# The training samples and their tests use PyTorch (CPU build) and JAX (CPU).
 pip install -q "torch==2.13.0" "jax>=0.4"
 
 rm -f .pytest-rank*.log

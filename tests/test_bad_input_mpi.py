@@ -49,7 +49,6 @@ def _refused_everywhere(comm: Any, bad_rank: int, call: Any, error: type[Excepti
 # -- arrays that cannot be reduced -------------------------------------------------------------------
 NOT_CONTIGUOUS = {
     "strided": lambda: np.arange(20, dtype=np.float32)[::2],
-    "fortran": lambda: np.asfortranarray(np.arange(12, dtype=np.float64).reshape(3, 4)),
     "reversed": lambda: np.arange(8, dtype=np.int32)[::-1],
     "column": lambda: np.arange(12, dtype=np.float32).reshape(3, 4)[:, 1],
 }
@@ -99,7 +98,7 @@ def test_read_only_input_in_place_and_read_only_out(comm) -> None:
 def test_numpy_scalar_is_read_only_not_silently_copied(comm) -> None:
     """np.asarray(np.float32(2)) is a copy: reducing into it would lose the result without a word."""
     scalar = np.float32(2)
-    with pytest.raises(InvalidArgument, match="read-only"):
+    with pytest.raises(InvalidArgument, match=r"NumPy scalar \(float32\).*np\.array\(x\)"):
         mpigpu.allreduce(scalar, "sum")
     out = np.full((), np.nan, np.float32)
     mpigpu.allreduce(scalar, "sum", out=out)

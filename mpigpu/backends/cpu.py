@@ -22,7 +22,12 @@ if TYPE_CHECKING:
     from mpigpu.core._cuda import StreamRef
     from mpigpu.core.arrays import ArrayView
 
-__all__ = ["CpuBackend"]
+__all__ = ["INT_AVG_BLOCK", "CpuBackend"]
+
+# Elements per MPI_Allreduce of an integer average. Its 64-bit parts and their temporaries take about
+# 32 bytes per element (24x an int8 array when done at once), so a block bounds them at ~8 MiB
+# whatever the array's size; each block is 2 MiB or more on the wire, where one more call is cheap.
+INT_AVG_BLOCK = 1 << 18
 
 
 def _same_nan(dst: np.ndarray, probe: np.ndarray) -> None:
@@ -66,9 +71,11 @@ class CpuBackend(Backend):
             from_keys(keys, dst)
             return
         if op is Op.AVG and not dtype.is_float:  # exact: 64-bit parts cannot overflow
-            parts = int_avg_parts(src, nranks)
-            comm.Allreduce(MPI().IN_PLACE, [parts, MPI().UINT64_T], MPI().SUM)
-            int_avg_join(parts, nranks, dst)
+            for b0 in range(0, src.size, INT_AVG_BLOCK):  # every rank the same blocks: they pair
+                b1 = min(src.size, b0 + INT_AVG_BLOCK)
+                parts = int_avg_parts(src[b0:b1], nranks)
+                comm.Allreduce(MPI().IN_PLACE, [parts, MPI().UINT64_T], MPI().SUM)
+                int_avg_join(parts, nranks, dst[b0:b1])
             return
         if dtype.is_half:  # reduce in float32, round once
             acc = self._accumulator(src.size)

@@ -109,9 +109,13 @@ class HostBackend(Backend):
         if self._max_stride < self._min_stride:
             areas = self._n + 1 + (2 if partial else 0)
             need = -(-(4 * self._n * self._small + rings * areas * PAGE) // (self._n << 20))
+            small_mb = -(-4 * self._small // (1 << 20))
+            ring_mb = -(-rings * areas * PAGE // (self._n << 20))
             raise ConfigError(
-                f"MPIGPU_HOST_POOL_MB={self._pool >> 20} is too small for {self._n} ranks per node with "
-                f"MPIGPU_HOST_SMALL={self._small_limit}: give at least {need} (MiB), or lower MPIGPU_HOST_SMALL"
+                f"MPIGPU_HOST_POOL_MB={self._pool >> 20} is too small for the host path's shared segment with "
+                f"{self._n} ranks per node: MPIGPU_HOST_SMALL={self._small_limit} takes {small_mb} MiB per rank "
+                f"and MPIGPU_HOST_DEPTH={self._depth} (a ring of {rings} chunk slots) {ring_mb} MiB per rank. Give "
+                f"MPIGPU_HOST_POOL_MB at least {need}, or lower MPIGPU_HOST_DEPTH or MPIGPU_HOST_SMALL"
             )
         self._segment: SharedSegment | None = None
         self._layout: SegmentLayout | None = None

@@ -14,6 +14,7 @@ from typing import Any
 from mpigpu.core.errors import InvalidArgument, MissingDependency
 
 __all__ = [
+    "INSTALL_CUDA_EXTRA",
     "StreamRef",
     "core_stream",
     "cuda_version",
@@ -26,7 +27,7 @@ __all__ = [
 ]
 
 _current = threading.local()
-_INSTALL = "pip install 'mpigpu[cuda12]' (CUDA 12 driver) or 'mpigpu[cuda13]' (CUDA 13 driver)"
+INSTALL_CUDA_EXTRA = "pip install 'mpigpu[cuda12]' (CUDA 12 driver) or 'mpigpu[cuda13]' (CUDA 13 driver)"
 
 
 @functools.cache
@@ -35,7 +36,7 @@ def require_cuda_core(what: str = "the GPU paths") -> ModuleType:
     try:
         import cuda.core as core
     except ImportError as exc:
-        raise MissingDependency(f"{what} need cuda.core, which is not installed: {_INSTALL}") from exc
+        raise MissingDependency(f"{what} need cuda.core, which is not installed: {INSTALL_CUDA_EXTRA}") from exc
     return core
 
 
@@ -45,7 +46,7 @@ def cupy(what: str = "the GPU paths") -> ModuleType:
     try:
         import cupy as cp
     except ImportError as exc:
-        raise MissingDependency(f"{what} need CuPy, which is not installed: {_INSTALL}") from exc
+        raise MissingDependency(f"{what} need CuPy, which is not installed: {INSTALL_CUDA_EXTRA}") from exc
     return cp
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from mpigpu.core.dtypes import DType, parse_dtype
 from mpigpu.core.errors import InvalidArgument
 
-__all__ = ["ArrayView", "as_view", "check_out", "framework_of", "raw_view"]
+__all__ = ["ArrayView", "as_view", "check_out", "framework_of", "raw_view", "require_c_order", "scalar_fix"]
 
 _KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 1, 2, 3, 13
 
@@ -33,8 +33,9 @@ class ArrayView:
     device: int | None  # CUDA ordinal (this process's numbering), None for host memory
     readonly: bool
     framework: str  # numpy, cupy, torch, jax, numba, cuda-array, dlpack, buffer
-    host: np.ndarray | None = None  # zero-copy NumPy view of host data
+    host: np.ndarray | None = None  # zero-copy NumPy view of host data, C-order (a Fortran array's transpose)
     keepalive: Any = None  # whatever must outlive the view (DLPack capsule owners, ...)
+    order: str = "C"  # "F": a dense Fortran-order host array (elementwise collectives take it as it is)
 
     @property
     def size(self) -> int:
@@ -47,6 +48,12 @@ class ArrayView:
     @property
     def on_device(self) -> bool:
         return self.device is not None
+
+    @property
+    def placement(self) -> int:
+        """What the cross-rank check compares of the memory: 0 host (C order), 1 GPU, 2 host in Fortran
+        order (an elementwise reduction pairs element i of every rank only if all lay them out alike)."""
+        return 1 if self.device is not None else (2 if self.order == "F" else 0)
 
     @property
     def where(self) -> str:
@@ -87,32 +94,61 @@ def _contiguous_c(shape: tuple[int, ...], strides: tuple[int, ...] | None, items
     return True
 
 
-def _not_contiguous(framework: str) -> InvalidArgument:
-    fix = {
-        "numpy": "np.ascontiguousarray(x)",
-        "cupy": "cupy.ascontiguousarray(x)",
-        "torch": "x.contiguous()",
-    }.get(framework, "a contiguous copy")
+_C_ORDER_FIX = {"numpy": "np.ascontiguousarray(x)", "cupy": "cupy.ascontiguousarray(x)", "torch": "x.contiguous()"}
+
+
+def _not_contiguous(framework: str, fortran: bool = False) -> InvalidArgument:
+    fix = _C_ORDER_FIX.get(framework, "a contiguous copy")
+    if fortran:
+        return InvalidArgument(
+            f"the array is in Fortran (column-major) order ({framework}); this path takes dense C-order "
+            f"memory. Pass {fix}, and copy the result back if you need the Fortran layout"
+        )
     return InvalidArgument(
         f"the array is not contiguous ({framework}); mpigpu reduces dense C-order memory. Pass {fix}, "
         "and copy the result back if you need it in the original layout"
     )
 
 
-def _from_numpy(arr: np.ndarray, obj: Any, framework: str) -> ArrayView:
+def require_c_order(view: ArrayView, what: str, name: str = "x") -> None:
+    """Refuse a Fortran-order array where the layout is not elementwise (``what`` names the call)."""
+    if view.order != "C":
+        fix = _C_ORDER_FIX.get(view.framework, "a C-order copy").replace("(x)", f"({name})")
+        raise InvalidArgument(f"{name} is in Fortran (column-major) order, but {what} takes C order: pass {fix}")
+
+
+def _base_ndarray(arr: np.ndarray, name: str) -> np.ndarray:
+    """A subclass of ndarray as the plain ndarray of the same memory, or InvalidArgument where its
+    elements are not what the memory holds (a masked array's masked elements are still in memory)."""
+    if isinstance(arr, np.ma.MaskedArray):
+        raise InvalidArgument(
+            f"{name} is a masked array: mpigpu reduces every element in memory and cannot honour the mask. "
+            f"Pass {name}.filled(value) (a value that leaves the result unchanged, e.g. 0 for a sum), and "
+            "reduce the mask separately if ranks mask different elements"
+        )
+    return arr.view(np.ndarray)  # np.matrix & co. redefine operators; the memory is the same
+
+
+def _from_numpy(arr: np.ndarray, obj: Any, framework: str, name: str = "x") -> ArrayView:
+    if type(arr) is not np.ndarray:
+        arr = _base_ndarray(arr, name)
     dtype = parse_dtype(arr.dtype)
+    order = "C"
     if not arr.flags.c_contiguous:
-        raise _not_contiguous(framework)
+        if not (arr.flags.f_contiguous and framework == "numpy"):
+            raise _not_contiguous(framework, arr.flags.f_contiguous)
+        arr, order = arr.T, "F"  # the same memory, in C order: what the backends read
     ptr = arr.__array_interface__["data"][0]
     return ArrayView(
         obj=obj,
         ptr=ptr,
-        shape=tuple(arr.shape),
+        shape=tuple(arr.shape) if order == "C" else tuple(reversed(arr.shape)),
         dtype=dtype,
         device=None,
         readonly=not arr.flags.writeable,
         framework=framework,
         host=arr,
+        order=order,
     )
 
 
@@ -167,7 +203,7 @@ def _device_view(obj: Any, framework: str) -> ArrayView:
 def _cupy_view(arr: Any) -> ArrayView:
     """CuPy arrays, read directly (the generic DLPack route costs ~10 us per call)."""
     if not arr.flags.c_contiguous:
-        raise _not_contiguous("cupy")
+        raise _not_contiguous("cupy", arr.flags.f_contiguous)
     return ArrayView(arr, int(arr.data.ptr), arr.shape, parse_dtype(arr.dtype), arr.device.id, False, "cupy")
 
 
@@ -238,7 +274,7 @@ def as_view(obj: Any, *, name: str = "x") -> ArrayView:
             return _jax_gpu_view(obj, device)
     framework = framework_of(obj)
     if framework == "numpy":
-        return _from_numpy(obj, obj, "numpy")
+        return _from_numpy(obj, obj, "numpy", name)
     if framework == "torch":
         if getattr(obj, "is_cuda", False):
             return _device_view(obj.detach(), "torch")
@@ -279,6 +315,19 @@ def _replace(view: ArrayView, **changes: Any) -> ArrayView:
     return replace(view, **changes)
 
 
+_ORDER = {"C": "C (row-major)", "F": "Fortran (column-major)"}
+
+
+def scalar_fix(view: ArrayView, name: str = "x") -> str | None:
+    """For a NumPy scalar, which cannot be written, what to pass instead; None for anything else."""
+    if not isinstance(view.obj, np.generic):
+        return None
+    return (
+        f"{name} is a NumPy scalar ({type(view.obj).__name__}), which cannot be changed in place: pass a "
+        f"0-d or 1-element array (np.array({name})) and read the result from it, or pass out=<0-d array>"
+    )
+
+
 def check_out(x: ArrayView, out: ArrayView) -> None:
     """Refuse an ``out`` that cannot receive x's result (shape, dtype, place, aliasing, read-only)."""
     if out.shape != x.shape:
@@ -291,6 +340,11 @@ def check_out(x: ArrayView, out: ArrayView) -> None:
         raise InvalidArgument(f"out is on {out.where} but x is on {x.where}: put both in the same place")
     if out.readonly:
         raise InvalidArgument("out is read-only; pass a writable array")
+    if out.order != x.order:
+        raise InvalidArgument(
+            f"out is in {_ORDER[out.order]} order but x in {_ORDER[x.order]} order: pass an out laid out like x "
+            "(np.empty_like(x))"
+        )
     if out.overlaps(x) and not out.same_memory(x):
         raise InvalidArgument(
             "out overlaps x only partly; pass the same array (in place) or one that does not overlap x"

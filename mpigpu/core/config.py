@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,12 +111,30 @@ def _seconds(name: str) -> float:
     return seconds
 
 
+def _user_path(name: str, value: str) -> Path:
+    """``value`` with ``~`` expanded, or a ConfigError naming ``name`` (pathlib raises a bare RuntimeError)."""
+    try:
+        return Path(value).expanduser()
+    except RuntimeError:
+        raise ConfigError(
+            f"{name}={value!r} is not valid: its '~' names no user with a home directory here; give an absolute path"
+        ) from None
+
+
 def _cache_dir() -> Path:
+    """MPIGPU_CACHE_DIR, else $XDG_CACHE_HOME/mpigpu, else ~/.cache/mpigpu; where this user has no home
+    (no HOME and no password entry: some containers) a directory of this user's in the temporary
+    directory, which privatefs uses only if it is ours and private."""
     value = _raw("MPIGPU_CACHE_DIR")
     if value:
-        return Path(value).expanduser()
-    base = _raw("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mpigpu"
+        return _user_path("MPIGPU_CACHE_DIR", value)
+    base = _raw("XDG_CACHE_HOME")
+    if base:
+        return Path(base) / "mpigpu"
+    try:
+        return Path.home() / ".cache" / "mpigpu"
+    except RuntimeError:
+        return Path(tempfile.gettempdir()) / f"mpigpu-cache-{os.geteuid()}"
 
 
 @dataclass(frozen=True)
@@ -176,7 +195,7 @@ class Settings:
             host_depth=depth,
             host_small=small,
             cache_dir=_cache_dir(),
-            tune_file=Path(tune).expanduser() if tune else None,
+            tune_file=_user_path("MPIGPU_TUNE_FILE", tune) if tune else None,
             log=_bool("MPIGPU_LOG", False),
         )
 

@@ -50,7 +50,7 @@ class Signature(NamedTuple):
     dtype: int  # DType.code
     op: int  # Op.code
     backend: int  # Backend.code
-    placement: int  # 0 host, 1 GPU
+    placement: int  # 0 host, 1 GPU, 2 host in Fortran order (ArrayView.placement)
     error: str | None = None
     shape: tuple[int, ...] = ()
     collective: int = 0  # index in COLLECTIVES
@@ -90,12 +90,22 @@ def _label(field: str, value: Any) -> str:
     if field == "op":
         return next((o.value for o in Op if o.code == value), str(value))
     if field == "placement":
-        return "GPU array" if value else "host array"
+        return {0: "host array", 1: "GPU array", 2: "Fortran-order host array"}.get(value, str(value))
     if field == "shape":
         return "[" + ", ".join(map(str, value)) + "]"
     if field == "collective" and 0 <= value < len(COLLECTIVES):
         return COLLECTIVES[value]
     return str(value)
+
+
+# what each collective's ranks must agree on, as its mismatch message says it (a reduction has no root)
+_MUST_AGREE = {
+    "allreduce": "shape, dtype, op, placement and backend",
+    "broadcast": "shape, dtype, root, placement and backend",
+    "allgather": "dtype, placement, backend and shape after the first dimension",
+    "broadcast_object": "root",
+    "allgather_object": "collective",
+}
 
 
 def _describe(name: str, gathered: list[tuple[list[int], str | None, tuple[int, ...], str]], failure: str) -> str:
@@ -118,7 +128,7 @@ def _describe(name: str, gathered: list[tuple[list[int], str | None, tuple[int, 
         parts.append("arguments differ")
     return (
         f"{name}: ranks passed different arguments ({' | '.join(parts)}). "
-        "Every rank must call it with the same shape, dtype, op, root and backend."
+        f"Every rank must call it with the same {_MUST_AGREE.get(name, _MUST_AGREE['allreduce'])}."
     )
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from mpigpu.core._cuda import StreamRef, resolve_stream
-from mpigpu.core.arrays import as_view, framework_of
+from mpigpu.core.arrays import as_view, framework_of, require_c_order
 from mpigpu.core.config import parse_count
 from mpigpu.core.dtypes import DType, parse_dtype
 from mpigpu.core.errors import InvalidArgument, MismatchError, MpigpuError
@@ -138,6 +138,7 @@ def _spec(obj: Any, name: str) -> Spec:
     if _is_torch(obj):
         return _torch_spec(obj, name)
     view = as_view(obj, name=name)
+    require_c_order(view, "the Averager", name)
     if view.readonly:
         hint = (
             " JAX arrays are immutable: average jax.flatten_util.ravel_pytree(grads)[0] with one "

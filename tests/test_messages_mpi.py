@@ -1,0 +1,40 @@
+"""Error texts that name the right thing (mpiexec -n 1, 2, 4): the host path's pool error names
+MPIGPU_HOST_DEPTH when the depth is what does not fit, and a mismatch message lists what that
+collective's ranks must agree on (a reduction has no root)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import mpigpu
+from mpigpu.core.errors import ConfigError, MismatchError
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_host_depth_that_cannot_fit_is_named(comm, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(os.environ, "MPIGPU_HOST_DEPTH", "1000000")
+    x = np.arange(1, 9, dtype=np.float64)
+    dup = comm.Dup()  # a communicator mpigpu has not seen: its context reads the setting
+    try:
+        with pytest.raises(ConfigError) as info:
+            mpigpu.allreduce(x, "sum", comm=dup, backend="host")
+    finally:
+        dup.Free()
+    message = str(info.value)
+    assert "MPIGPU_HOST_DEPTH=1000000" in message and "lower MPIGPU_HOST_DEPTH" in message, message
+    assert np.array_equal(x, np.arange(1, 9, dtype=np.float64))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_allreduce_mismatch_speaks_of_no_root(comm) -> None:
+    x = np.ones(4 + comm.Get_rank(), np.float32)
+    with pytest.raises(MismatchError) as info:
+        mpigpu.allreduce(x, "sum")
+    message = str(info.value)
+    assert "root" not in message and "same shape, dtype, op, placement and backend" in message, message
+    y = np.ones(4 + comm.Get_rank(), np.float32)
+    with pytest.raises(MismatchError, match="same shape, dtype, root, placement and backend"):
+        mpigpu.broadcast(y)

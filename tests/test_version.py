@@ -1,0 +1,28 @@
+"""The version is kept in one place (mpigpu/_version.py; pyproject reads it) and the commands print it.
+scripts/package-check.sh (run by .ci/run) builds the wheel and sdist and runs the installed command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from mpigpu._version import __version__
+
+
+def test_pyproject_takes_the_version_from_the_package() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "mpigpu._version.__version__"}
+
+
+@pytest.mark.parametrize("command", ["mpigpu.average", "mpigpu.info", "mpigpu.bench"])
+def test_commands_print_the_version(command: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", command, "--version"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"mpigpu {__version__}"
