@@ -69,29 +69,36 @@ def _restrict_to(index: int) -> None:
     jax.config.update("jax_cuda_visible_devices", str(index))
 
 
+def _jax_devices(platform: str) -> list[Any]:
+    """JAX's devices of ``platform`` in this process (starts JAX's backends)."""
+    return jax.local_devices(backend=platform)
+
+
+def _set_default(device: Any) -> None:
+    if jax.local_devices()[0] != device:
+        jax.config.update("jax_default_device", device)
+
+
 def _make_default(gpu: Any) -> Any:
     """After JAX started: the rank's device, made JAX's default. Raises DeviceError if JAX lacks it."""
     if gpu is None:
-        device = jax.local_devices(backend="cpu")[0]
-        if jax.local_devices()[0] != device:
-            jax.config.update("jax_default_device", device)
-        return device
-    try:
-        gpus = jax.local_devices(backend="gpu")
-    except RuntimeError as exc:
-        raise DeviceError(
-            f"this rank is bound to {gpu.describe()}, but JAX has no GPU backend ({exc}). Install JAX with "
-            "CUDA support (the jax[cuda] extra), or run JAX on the CPU with JAX_PLATFORMS=cpu"
-        ) from None
-    device = jax_device_for(gpu.index, gpus)
-    if device is None:
-        seen = ", ".join(str(getattr(d, "local_hardware_id", d.id)) for d in gpus)
-        raise DeviceError(
-            f"this rank is bound to {gpu.describe()}, but JAX started with GPU(s) {seen} only: {FIX}, and do not "
-            "set jax_cuda_visible_devices or JAX's local_device_ids yourself"
-        )
-    if jax.local_devices()[0] != device:
-        jax.config.update("jax_default_device", device)
+        device = _jax_devices("cpu")[0]
+    else:
+        try:
+            gpus = _jax_devices("gpu")
+        except RuntimeError as exc:
+            raise DeviceError(
+                f"this rank is bound to {gpu.describe()}, but JAX has no GPU backend ({exc}). Install JAX with "
+                "CUDA support (the jax[cuda] extra), or run JAX on the CPU with JAX_PLATFORMS=cpu"
+            ) from None
+        device = jax_device_for(gpu.index, gpus)
+        if device is None:
+            seen = ", ".join(str(getattr(d, "local_hardware_id", d.id)) for d in gpus)
+            raise DeviceError(
+                f"this rank is bound to {gpu.describe()}, but JAX started with GPU(s) {seen} only: {FIX}, and do "
+                "not set jax_cuda_visible_devices or JAX's local_device_ids yourself"
+            )
+    _set_default(device)
     return device
 
 
