@@ -276,7 +276,8 @@ def select_device(comm: Any = None) -> GpuInfo | None:
     """Bind this rank to its GPU (node-local rank modulo visible GPUs), make it current, and return it.
 
     Collective over ``comm`` (default: the world). Returns None on a machine with no GPU. Use the
-    returned ``index`` for your framework: ``torch.cuda.set_device(mpigpu.select_device().index)``.
+    returned ``index`` for your framework: ``torch.cuda.set_device(mpigpu.select_device().index)``; for JAX
+    call ``mpigpu.jax.init()`` instead (before JAX starts), which binds JAX's default device to it.
     """
     ctx = Context.get(comm)
     if ctx.gpu is not None:

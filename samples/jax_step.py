@@ -5,9 +5,10 @@
 Each rank takes jax.grad of the loss on its own shard; mpigpu.jax.average_tree averages the gradient
 tree across ranks inside the compiled step (the leaves packed into one buffer, one allreduce, an XLA
 FFI call on the step's own CUDA stream on GPUs), and the step applies the update. Nothing leaves the
-compiled function and the host never waits inside a step. On GPUs each rank computes on its own GPU
-(mpigpu.select_device()); JAX is asked not to preallocate most of every GPU's memory. Without a GPU
-JAX runs on the CPU and the same code applies.
+compiled function and the host never waits inside a step. mpigpu.jax.init(), called before JAX starts,
+makes each rank's own GPU JAX's default device under any launcher (Open MPI shows every rank every GPU);
+JAX is asked not to preallocate most of that GPU's memory. Without a GPU JAX runs on the CPU and the
+same code applies.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     comm = MPI.COMM_WORLD
     rank, nranks = comm.Get_rank(), comm.Get_size()
-    gpu = mpigpu.select_device()  # None without a GPU
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # several ranks share the node's GPUs
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # mpigpu's buffers share the GPU
 
     import jax
     import jax.numpy as jnp
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import mpigpu.jax as mj
 
-    device = jax.devices("gpu")[gpu.index] if gpu is not None else jax.devices("cpu")[0]
+    device = mj.init()  # this rank's GPU (else the CPU), now JAX's default device
     if rank == 0:
         print(f"# {nranks} ranks, JAX {jax.__version__} on {device.platform}; one jitted step with the average inside")
 
@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     x_all = rng.standard_normal((args.batch * nranks, 8)).astype(np.float32)
     y_all = np.tanh(x_all @ rng.standard_normal((8, 2)).astype(np.float32))
     rows = slice(rank * args.batch, (rank + 1) * args.batch)
-    x, y = jax.device_put(x_all[rows], device), jax.device_put(y_all[rows], device)
-    params = jax.device_put({"w": jnp.zeros((8, 2)), "b": jnp.zeros(2)}, device)
+    x, y = jnp.asarray(x_all[rows]), jnp.asarray(y_all[rows])  # on the default device: the rank's
+    params = {"w": jnp.zeros((8, 2)), "b": jnp.zeros(2)}
 
     def loss_fn(p, x, y):
         return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)

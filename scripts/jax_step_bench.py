@@ -9,8 +9,13 @@
   (b)  leave    grad in jit, mpigpu.allreduce on the concrete flattened gradient, update in jit
   (l)  local    as (a) without the average (each rank its own gradient): the step's own cost, JAX's C++
                 dispatch (a program with an ordered effect always takes JAX's Python dispatch); not checked
-  (c)  jax      JAX's own multi-process collectives: jax.distributed.initialize (coordinator address
-                from rank 0 over MPI), a jitted shard_map step with lax.pmean over the global device mesh
+  (s)  shard_map the user's call inside JAX's SPMD step: a jitted shard_map step over the mesh of every
+                process's device, mpigpu.jax.average_tree inside (which there is XLA's own lax.pmean)
+  (c)  jax      JAX's own multi-process collectives: the same shard_map step with lax.pmean written by hand
+
+Both (s) and (c) need JAX's multi-process runtime: mpigpu.jax.init(distributed=True) starts it
+(jax.distributed.initialize, coordinator address from rank 0 over MPI, local_device_ids = the rank's GPU);
+every other row runs on the device init() returns.
 
     mpirun -np 2 python3 scripts/jax_step_bench.py --json jax-step.json
     mpirun -np 2 python3 scripts/jax_step_bench.py --device cpu --width 256     # no GPU: the CPU path
@@ -24,8 +29,9 @@ and CPU time (wall - CPU: waiting, for the GIL or in MPI), calls per step, and h
 their thread's Python state new (all of them in (a1)). Every variant starts from the same parameters
 and data and runs the same number of steps; the script checks that all end with the same parameters
 on every rank (to a float32 tolerance: the reductions add in different orders) and that each is
-identical across ranks. (c) is skipped, with a one-line reason, if jax.distributed cannot start.
-Times are the slowest rank's, per step, after warm-up.
+identical across ranks. (s) and (c) are skipped, with a one-line reason, if jax.distributed cannot start.
+Times are the slowest rank's, per step, after warm-up. The JSON (--json) also holds the machine, the
+versions, and the issue-23 goals: (a) and (s) against (c), and the handler's cost per call.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import itertools
 import json
 import os
 import platform
-import socket
+import subprocess
 import sys
 import time
 from typing import Any
@@ -55,40 +61,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=50, help="timed steps per variant (default 50)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
-    parser.add_argument("--no-jax-distributed", action="store_true", help="skip (c)")
+    parser.add_argument("--no-jax-distributed", action="store_true", help="skip (s) and (c)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return parser.parse_args(argv)
-
-
-def _start_distributed(comm: Any, gpu_index: int | None, single_node: bool) -> str | None:
-    """jax.distributed.initialize on every rank, the coordinator on rank 0; None, or why it failed.
-    Must run before JAX starts a backend."""
-    import jax
-
-    error = None
-    address = None
-    if comm.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        host = "127.0.0.1" if single_node else socket.gethostname()
-        address = f"{host}:{port}"
-    address = comm.bcast(address, root=0)
-    kwargs: dict[str, Any] = {
-        "coordinator_address": address,
-        "num_processes": comm.Get_size(),
-        "process_id": comm.Get_rank(),
-    }
-    if gpu_index is not None:
-        kwargs["local_device_ids"] = [gpu_index]
-    if "initialization_timeout" in inspect.signature(jax.distributed.initialize).parameters:
-        kwargs["initialization_timeout"] = 60
-    try:
-        jax.distributed.initialize(**kwargs)
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-    errors = [e for e in comm.allgather(error) if e]
-    return errors[0] if errors else None
 
 
 def _model(width: int, depth: int, seed: int = 0) -> dict[str, list[np.ndarray]]:
@@ -145,15 +120,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.device == "cpu":
         os.environ["JAX_PLATFORMS"] = "cpu"
-    single_node = Context.get(comm).layout.num_nodes == 1
-
-    skipped_c = "--no-jax-distributed" if args.no_jax_distributed else None
-    if skipped_c is None:
-        if args.device == "cpu" or gpu is None:
-            os.environ.setdefault("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo")
-        problem = _start_distributed(comm, gpu.index if gpu is not None else None, single_node)
-        if problem:
-            skipped_c = f"jax.distributed could not start: {problem}"
 
     import jax
     import jax.numpy as jnp
@@ -163,11 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     from mpigpu.jax._ffi import fresh_thread_states, record_times
     from mpigpu.jax._tokens import jax_host_wait
 
-    local = jax.local_devices()
-    if gpu is not None:
-        device = next((d for d in local if getattr(d, "local_hardware_id", d.id) == gpu.index), local[0])
-    else:
-        device = jax.local_devices(backend="cpu")[0]
+    skipped_c = "--no-jax-distributed" if args.no_jax_distributed else None
+    device = None
+    if skipped_c is None:
+        try:
+            device = mj.init(distributed=True)  # the rank's device, and JAX's runtime for (s) and (c)
+        except Exception as exc:
+            skipped_c = f"jax.distributed could not start: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+    if device is None:
+        device = mj.init()
     params0 = _model(args.width, args.depth)
     nparams = sum(int(a.size) for a in jax.tree_util.tree_leaves(params0))
     rng = np.random.default_rng(1 + rank)
@@ -269,14 +239,16 @@ def main(argv: list[str] | None = None) -> int:
     in_jit("local_only", None)
 
     if skipped_c is None:
-        try:
-            collectives = "XLA's NCCL" if device.platform == "gpu" else "XLA's CPU collectives"
-            run_variant("jax_distributed", *_jax_variant(jax, loss_fn, update, params0, x_np, y_np),
-                        lambda: (collectives, nparams * 4))  # fmt: skip
-        except Exception as exc:
-            skipped_c = f"the jax.distributed step failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
-            if rank == 0:
-                print(f"# (c) failed: {exc}", file=sys.stderr)
+        collectives = "XLA's NCCL" if device.platform == "gpu" else "XLA's CPU collectives"
+        for name, reduce in (("in_shard_map", mj.average_tree), ("jax_distributed", _pmean(jax))):
+            try:
+                run_variant(name, *_jax_variant(jax, loss_fn, update, params0, x_np, y_np, reduce),
+                            lambda: (collectives, nparams * 4))  # fmt: skip
+            except Exception as exc:
+                skipped_c = f"the {name} step failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+                if rank == 0:
+                    print(f"# {name} failed: {exc}", file=sys.stderr)
+                break
 
     # checks: every variant identical across ranks, and the variants agree with each other
     ok = True
@@ -295,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                   "in_jit_fresh_thread_state": "(a1) in-jit, new thread state/call",
                   "local_only": "(l) no average (local gradient)",
                   "in_jit_nccl": "(an) in-jit, backend='nccl'", "leave_jit": "(b) leave jit, mpigpu.allreduce",
+                  "in_shard_map": "(s) shard_map + mj.average_tree",
                   "jax_distributed": "(c) jax.distributed + pmean"}  # fmt: skip
         print(f"# {'variant':<34} {'ms/step':>8} {'host ms':>8} {'main cpu':>8} {'vs (a)':>6}  {'backend':<22} "
               f"{'MB/step':>8}  identical  max |diff| vs (a)")  # fmt: skip
@@ -316,8 +289,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"#   {labels[name]:<78} {h['us_per_call']:8.1f} {h['cpu_us_per_call']:8.1f} "
                       f"{h['calls_per_step']:10.2f} {h['new_thread_state_calls']:16d} {h['threads']:7d}")  # fmt: skip
         if skipped_c:
-            print(f"# (c) skipped: {skipped_c}")
+            print(f"# (s), (c) skipped: {skipped_c}")
+        for goal, value in _goals(results).items():
+            print(f"# goal {goal}: {value}")
         print("# PASS" if ok else "# FAIL")
+    machine = _machine(comm)  # collective: every rank
     if args.json and rank == 0:
         document = {
             "ok": bool(ok),
@@ -327,10 +303,13 @@ def main(argv: list[str] | None = None) -> int:
             "jax": jax.__version__,
             "mpi_library": Context.get(comm).mpi_lib.version.splitlines()[0],
             "host": platform.node(),
+            "machine": machine,
+            "versions": _versions(jax),
+            "goals": _goals(results),
             "model": {"depth": args.depth, "width": args.width, "parameters": nparams, "batch_per_rank": args.batch},
             "steps": {"warmup": args.warmup, "timed": args.steps, "total": steps_total},
             "results": results,
-            "skipped": {"jax_distributed": skipped_c} if skipped_c else {},
+            "skipped": {"in_shard_map and jax_distributed": skipped_c} if skipped_c else {},
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
         with open(args.json, "w") as out:
@@ -338,11 +317,58 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
+def _pmean(jax: Any) -> Any:
+    return lambda g: jax.lax.pmean(g, "data")
+
+
+def _goals(results: dict[str, Any]) -> dict[str, Any]:
+    """Issue 23's targets: the in-jit steps at most 1.05x (c), the FFI handler at most 10 us per call."""
+    goals: dict[str, Any] = {}
+    c = results.get("jax_distributed", {}).get("ms_per_step")
+    for name in ("in_jit", "in_shard_map"):
+        if c and name in results:
+            ratio = results[name]["ms_per_step"] / c
+            goals[f"{name}_vs_pmean"] = {"ratio": round(ratio, 3), "target": 1.05, "met": ratio <= 1.05}
+    handler = results.get("in_jit", {}).get("handler")
+    if handler:
+        us = handler["cpu_us_per_call"]  # its own work; wall time adds the wait for the other ranks
+        goals["handler_cpu_us_per_call"] = {"us": round(us, 1), "target": 10.0, "met": us <= 10.0}
+    return goals
+
+
+def _machine(comm: Any) -> dict[str, Any]:
+    """Where it ran: host, CPUs, and the GPUs nvidia-smi lists (none on a CPU-only machine)."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        listed = ""
+    return {"host": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform(),
+            "gpus": [line.split(" (UUID")[0] for line in listed.splitlines() if line.startswith("GPU")],
+            "nodes": len(set(comm.allgather(platform.node())))}  # fmt: skip
+
+
+def _versions(jax: Any) -> dict[str, str]:
+    import jaxlib
+    import mpi4py
+
+    import mpigpu
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                timeout=10, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "numpy": np.__version__, "mpi4py": mpi4py.__version__, "mpigpu": mpigpu.__version__,
+            "mpigpu_commit": commit}  # fmt: skip
+
+
 def _jax_variant(
-    jax: Any, loss_fn: Any, update: Any, params0: Any, x_np: np.ndarray, y_np: np.ndarray
+    jax: Any, loss_fn: Any, update: Any, params0: Any, x_np: np.ndarray, y_np: np.ndarray, reduce: Any
 ) -> tuple[Any, Any]:
-    """(init, one_step) for JAX's own collectives: one device per process in a global mesh, a jitted
-    shard_map step with lax.pmean over it."""
+    """(init, one_step) for a step in JAX's SPMD form: one device per process in a global mesh, a jitted
+    shard_map step that averages the gradient with ``reduce`` (lax.pmean, or mpigpu.jax.average_tree,
+    which becomes lax.pmean there)."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -356,7 +382,7 @@ def _jax_variant(
 
     def local_step(p, xb, yb):
         g = jax.grad(loss_fn)(p, xb, yb)  # this device's gradient (replication checks off: no implicit psum)
-        return update(p, jax.lax.pmean(g, "data"))
+        return update(p, reduce(g))
 
     options = inspect.signature(shard_map).parameters
     unchecked = {"check_vma": False} if "check_vma" in options else {"check_rep": False}

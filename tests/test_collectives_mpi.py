@@ -71,6 +71,7 @@ def test_broadcast_torch_cpu(comm) -> None:
 
 def test_broadcast_jax_returns_a_new_array(comm) -> None:
     jnp = pytest.importorskip("jax.numpy")
+    pytest.importorskip("mpigpu.jax").init()  # JAX's default device: the rank's (under Open MPI: GPU 0 on all)
     rank = comm.Get_rank()
     x = jnp.full((4,), float(rank + 1), jnp.float32)
     y = mpigpu.broadcast(x, comm=comm)

@@ -2,6 +2,8 @@
 
     import mpigpu.jax as mj
 
+    mj.init()                                      # JAX on this rank's GPU, before JAX starts
+
     @jax.jit
     def step(params, batch):
         grads = jax.grad(loss)(params, batch)
@@ -12,7 +14,9 @@ CPU arrays take the cpu path (MPI_Allreduce); GPU arrays run on the CUDA stream 
 (nccl, ipc: enqueued, no host synchronisation; host, cuda-aware: the call waits for the stream), as
 ``backend="auto"`` decides. Calls are ordered (every rank runs them in program order), checked across
 ranks when the program is compiled (MismatchError on every rank), differentiable (sum and avg) and
-``vmap``-able. ``import mpigpu`` does not import JAX; ``import mpigpu.jax`` does. See docs/jax.md.
+``vmap``-able. Inside ``jax.shard_map`` over a mesh of every process (``init(distributed=True)``) they are
+XLA's own collectives (``lax.psum``). ``import mpigpu`` does not import JAX; ``import mpigpu.jax`` does,
+and starts nothing (no MPI, no JAX backend). See docs/jax.md.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from mpigpu.backends import backend_class
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op, parse_op
 from mpigpu.jax._comms import comm_key
+from mpigpu.jax._device import init
 from mpigpu.jax._primitive import CompiledCall, allreduce_p, compiled_calls
+from mpigpu.jax._spmd import mesh_reduction
 
-__all__ = ["CompiledCall", "allreduce", "average_tree", "compiled_calls"]
+__all__ = ["CompiledCall", "allreduce", "average_tree", "compiled_calls", "init"]
 
 _DIFFERENTIABLE = (Op.SUM.value, Op.AVG.value)
 
@@ -46,6 +52,9 @@ def allreduce(x: Any, op: str | Op = "avg", *, comm: Any = None, backend: str = 
         raise InvalidArgument(f"backend must be a string such as 'auto' or 'nccl', not {type(backend).__name__}")
     if backend != "auto":
         backend_class(backend)  # an unknown name fails here, on the caller's line
+    in_mesh = mesh_reduction(op_, comm, backend)
+    if in_mesh is not None:
+        return in_mesh(x)
     return _allreduce(_as_jax(x, comm), op_.value, comm_key(comm), backend)
 
 
@@ -89,7 +98,11 @@ def average_tree(tree: Any, *, comm: Any = None, backend: str = "auto") -> Any:
     """Average every leaf of a pytree across ranks with one allreduce per dtype (usually one in all).
 
     The leaves of a dtype are ravelled and concatenated into one buffer inside the compiled program,
-    reduced once, and split back into leaves of the original shapes."""
+    reduced once, and split back into leaves of the original shapes. Inside ``jax.shard_map`` over every
+    process: one ``lax.pmean`` of the tree (XLA combines the leaves' all-reduces itself)."""
+    in_mesh = mesh_reduction(Op.AVG, comm, backend)
+    if in_mesh is not None:
+        return in_mesh(tree)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     arrays = [jnp.asarray(leaf) for leaf in leaves]
     groups: dict[Any, list[int]] = {}

@@ -64,7 +64,8 @@ def _allreduce(ctx: Context, x: Buffer, out: Buffer, op: Op, backend: str, strea
         if x.ptr and _pointer_device(x.ptr, device) != device:
             raise HandlerError(
                 f"the array is on GPU {_pointer_device(x.ptr, device)}, but rank {ctx.rank} is bound to "
-                f"{ctx.gpu.describe()}: put the rank's data on jax.devices('gpu')[mpigpu.select_device().index]"
+                f"{ctx.gpu.describe()}: call mpigpu.jax.init() before JAX starts (JAX's default device is then "
+                "the rank's GPU), or place the arrays with jax.device_put(x, mpigpu.jax.init())"
             )
     xv = raw_view(x.ptr, x.shape, x.dtype, device, readonly=True)
     ov = raw_view(out.ptr, out.shape, out.dtype, device, readonly=False)

@@ -48,12 +48,14 @@ from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError
 from mpigpu.core.ops import Op
 from mpigpu.jax import _ffi
 from mpigpu.jax._comms import Channel, channel
+from mpigpu.jax._device import FIX
 from mpigpu.jax._handler import ATTRIBUTE, encode, execute
 from mpigpu.jax._tokens import install as install_token_passing
 from mpigpu.job.check import Signature, check_signature
+from mpigpu.job.device import GpuInfo
 from mpigpu.runtime.plan import Choice, choose_cached
 
-__all__ = ["EFFECT", "TARGET", "CompiledCall", "allreduce_p", "compiled_calls"]
+__all__ = ["EFFECT", "TARGET", "CompiledCall", "allreduce_p", "check_program_device", "compiled_calls"]
 
 TARGET = "mpigpu_allreduce"
 
@@ -75,6 +77,7 @@ TOKENS_PASSED = install_token_passing(EFFECT)  # no host wait between programs (
 
 allreduce_p = Primitive(TARGET)
 allreduce_p.def_impl(functools.partial(dispatch.apply_primitive, allreduce_p))
+dispatch.prim_requires_devices_during_lowering.add(allreduce_p)  # the lowering checks the program's device
 
 
 @allreduce_p.def_effectful_abstract_eval
@@ -138,7 +141,28 @@ def compiled_calls() -> list[CompiledCall]:
     return list(_compiled)
 
 
-def _choose_and_check(ch: Channel, aval: Any, op: Op, backend: str, platform: str) -> Choice:
+def check_program_device(axis_context: Any, gpu: GpuInfo | None, rank: int) -> None:
+    """Refuse a program that does not run on one device, or that runs on a GPU other than the rank's
+    (``axis_context``: the lowering's; its device is known because the primitive asks JAX for it)."""
+    devices = getattr(axis_context, "device_assignment", None)
+    if getattr(axis_context, "num_devices", None) != 1:
+        raise InvalidArgument(
+            "mpigpu.jax runs in programs on one device per process; this one spans "
+            f"{len(devices) if devices else 'several'} devices. Inside jax.shard_map over a mesh of every "
+            "process (mpigpu.jax.init(distributed=True)) it becomes lax.psum; several devices per process "
+            "are not supported"
+        )
+    if not devices or gpu is None or devices[0].platform != "gpu":
+        return
+    index = getattr(devices[0], "local_hardware_id", None)
+    if index != gpu.index:
+        raise DeviceError(
+            f"the program runs on JAX's {devices[0]} (GPU {index}), but rank {rank} is bound to {gpu.describe()}: "
+            f"{FIX}, or place the arrays with jax.device_put(x, mpigpu.jax.init())"
+        )
+
+
+def _choose_and_check(ch: Channel, aval: Any, op: Op, backend: str, platform: str, axis_context: Any) -> Choice:
     """Choose the backend for this call and check, across ranks, that all agree (collective on the check
     communicator). A rank that cannot make the call raises its own error; the others MismatchError."""
     ctx = ch.ctx
@@ -149,6 +173,7 @@ def _choose_and_check(ch: Channel, aval: Any, op: Op, backend: str, platform: st
             raise InvalidArgument(f"mpigpu.jax runs on CPU and CUDA devices, not on {platform!r}")
         if on_gpu and ctx.gpu is None:
             raise DeviceError("a JAX GPU array reached mpigpu.jax on a rank that has no GPU bound")
+        check_program_device(axis_context, ctx.gpu if on_gpu else None, ctx.rank)
         if not all(isinstance(d, (int, np.integer)) for d in aval.shape):
             raise InvalidArgument(f"mpigpu.jax needs static shapes, got {aval.shape}")
         dtype = parse_dtype(np.dtype(aval.dtype))
@@ -201,7 +226,7 @@ def _lowering(ctx: Any, x: Any, *, op: str, comm: int, backend: str) -> list[Any
         raise InvalidArgument(f"mpigpu.jax compiles for one platform at a time, got {platforms}")
     platform = platforms[0]
     op_ = Op(op)
-    choice = _choose_and_check(channel(comm), aval, op_, backend, platform)
+    choice = _choose_and_check(channel(comm), aval, op_, backend, platform, ctx.module_context.axis_context)
     _register(platform)
     layout = tuple(range(len(aval.shape) - 1, -1, -1))  # row-major, minor-to-major
     build = jax.ffi.build_ffi_lowering_function(

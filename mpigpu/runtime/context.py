@@ -233,8 +233,9 @@ class Context:
         if view.device != self.gpu.index:
             raise DeviceError(
                 f"x is on GPU {view.device}, but rank {self.rank} is bound to {self.gpu.describe()}. Allocate on "
-                "the rank's GPU: `torch.cuda.set_device(mpigpu.select_device().index)` or "
-                "`cupy.cuda.Device(mpigpu.select_device().index).use()`."
+                "the rank's GPU: `torch.cuda.set_device(mpigpu.select_device().index)`, "
+                "`cupy.cuda.Device(mpigpu.select_device().index).use()`, or for JAX `mpigpu.jax.init()` before "
+                "JAX starts (it makes the rank's GPU JAX's default device)."
             )
 
     # -- ordering -------------------------------------------------------------------------------

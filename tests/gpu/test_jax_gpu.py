@@ -1,8 +1,11 @@
 """mpigpu.jax on JAX GPU arrays under mpirun (scripts/gpu-check.sh: 2 and 4 ranks, Open MPI and Intel MPI):
-inside jax.jit on the stream XLA hands the FFI call, every backend (auto, nccl, ipc, host, cuda-aware where
-the MPI allows it) against the exact pattern's float64 reference, bitwise identical on every rank; stream
-order against a long producer and consumer in the same program; grad, lax.scan with several collectives,
-vmap, average_tree, outside jit; a mismatch raising on every rank while compiling.
+mpigpu.jax.init() makes JAX's default device the rank's GPU (Open MPI: every rank sees every GPU; the jax
+stage runs this file alone, once with init before JAX starts and once, MPIGPU_TEST_JAX_STARTED=1, after
+JAX opened every GPU); inside jax.jit
+on the stream XLA hands the FFI call, every backend (auto, nccl, ipc, host, cuda-aware where the MPI allows
+it) against the exact pattern's float64 reference, bitwise identical on every rank; stream order against a
+long producer and consumer in the same program; grad, lax.scan with several collectives, vmap,
+average_tree, outside jit; a mismatch or an array on another GPU raising on every rank while compiling.
 
 A backend the current MPI cannot run is skipped with the reason (gpu-check.sh runs both MPIs).
 """
@@ -31,20 +34,57 @@ BACKENDS = ["auto", "nccl", "ipc", "host"]  # cuda-aware is refused on XLA's buf
 
 @pytest.fixture(scope="module")
 def jx(ctx):
-    """(jax, mpigpu.jax, this rank's JAX GPU device)."""
+    """(jax, mpigpu.jax, this rank's JAX GPU device: mpigpu.jax.init()'s)."""
     jax = pytest.importorskip("jax", reason="jax is not installed")
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError as exc:
-        pytest.skip(f"JAX has no GPU backend here: {exc}")
-    matching = [d for d in gpus if getattr(d, "local_hardware_id", d.id) == ctx.gpu.index]
-    device = matching[0] if matching else gpus[0]
     import mpigpu.jax as mj
+
+    if os.environ.get("MPIGPU_TEST_JAX_STARTED"):  # gpu-check's jax stage: JAX opened every GPU before init()
+        jax.devices()
+    device = mj.init()
+    if device.platform != "gpu":
+        pytest.skip(f"JAX has no GPU backend here (init() returned {device})")
 
     before = jax.config.jax_enable_x64
     jax.config.update("jax_enable_x64", True)  # float64 stays 64-bit, in this module only
     yield jax, mj, device
     jax.config.update("jax_enable_x64", before)
+
+
+def test_init_binds_jax_to_the_ranks_gpu(ctx, jx, comm) -> None:
+    """Issue 23: under Open MPI every rank sees every GPU, and JAX put every rank's arrays on GPU 0; mpigpu's
+    calls then failed on rank 1 (broadcast) or hung (average_tree). After init(), JAX's default device is the
+    rank's GPU: new arrays, device_put and jit of NumPy inputs land there, and those calls are exact."""
+    jax, mj, device = jx
+    jnp = jax.numpy
+    rank, size = comm.Get_rank(), comm.Get_size()
+    assert device.local_hardware_id == ctx.gpu.index, (device, ctx.gpu.describe())
+    assert mj.init() is device
+    assert jnp.zeros(3).devices() == {device}
+    assert jax.device_put(np.ones(3)).devices() == {device}
+    assert jax.jit(lambda v: v + 1)(np.ones(3)).devices() == {device}
+    gpus = jax.local_devices(backend="gpu")
+    assert gpus == [device] or jax.config.jax_default_device == device, gpus  # before JAX started: only its GPU
+    x = jnp.full(4, float(rank + 1), jnp.float32)
+    assert np.array_equal(np.asarray(mpigpu.broadcast(x, comm=comm)), np.full(4, 1.0, np.float32))
+    tree = {"w": np.arange(12, dtype=np.float32) * (rank + 1), "s": np.array([2 * rank], np.int32)}
+    out = jax.jit(mj.average_tree)(tree)  # NumPy inputs: the program runs on JAX's default device
+    assert out["w"].devices() == {device}
+    np.testing.assert_array_equal(out["w"], np.arange(12) * sum(r + 1 for r in range(size)) / size)
+    np.testing.assert_array_equal(out["s"], [sum(range(size))])
+
+
+def test_an_array_on_another_gpu_is_refused_while_compiling(ctx, jx, comm) -> None:
+    """Every rank passes an array on the next GPU: each raises DeviceError naming mpigpu.jax.init() when the
+    program is compiled (before, the handler refused it at run time on one rank while the others waited)."""
+    jax, mj, device = jx
+    others = [d for d in jax.local_devices(backend="gpu") if d != device]
+    if not others:
+        pytest.skip("JAX sees only this rank's GPU (init() ran before JAX started)")
+    x = jax.device_put(np.ones(1000, np.float32), others[comm.Get_rank() % len(others)])
+    with pytest.raises(mpigpu.DeviceError, match=r"mpigpu\.jax\.init\(\)"):
+        jax.jit(lambda v: mj.allreduce(v, "sum"))(x)
+    out = jax.jit(lambda v: mj.allreduce(v, "sum"))(jax.device_put(np.ones(5, np.float32), device))
+    assert np.array_equal(np.asarray(out), np.full(5, comm.Get_size(), np.float32))
 
 
 def _need(ctx, backend: str) -> None:

@@ -38,8 +38,11 @@ def _x64():
 
 
 def _mj():
+    """mpigpu.jax, with JAX bound to this rank's device (init: collective on the first call, every rank
+    makes it in the first test; where every rank sees every GPU, JAX's default would be GPU 0 on all)."""
     import mpigpu.jax as mj
 
+    mj.init()
     return mj
 
 

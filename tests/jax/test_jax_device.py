@@ -1,0 +1,185 @@
+"""mpigpu.jax.init() and the device checks, on JAX's CPU (issue 23): import starts nothing; init makes the
+rank's device JAX's default, is idempotent and fails on every rank alike; the GPU it picks among JAX's
+devices; a program on another GPU or over several devices is refused while compiling; inside
+jax.shard_map over every process (init(distributed=True)) the calls are XLA's own collectives, and over
+several devices of one process they are refused. The GPU half is tests/gpu/test_jax_gpu.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from conftest import ROOT, run_mpi
+
+jax = pytest.importorskip("jax", reason="jax is not installed (the CI test script installs it)")
+
+from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError  # noqa: E402
+from mpigpu.job.device import GpuInfo  # noqa: E402
+
+mpi = pytest.mark.mpi(min_size=1)
+
+
+@dataclass(frozen=True)
+class FakeDevice:
+    platform: str
+    local_hardware_id: int
+    id: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.platform}:{self.local_hardware_id}"
+
+
+def _gpu(index: int) -> GpuInfo:
+    return GpuInfo(index, "Fake GPU", f"0000:0{index}:00.0", "", (9, 0), 2, None)
+
+
+def _run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300, env=full)
+
+
+# -- serial -------------------------------------------------------------------------------------------------------
+
+
+def test_import_starts_nothing() -> None:
+    """``import mpigpu.jax`` starts no JAX backend and no MPI: init() can still choose the GPU JAX opens."""
+    result = _run(
+        "import sys, mpigpu.jax\n"
+        "from jax._src import xla_bridge\n"
+        "assert not xla_bridge.backends_are_initialized(), 'a JAX backend started'\n"
+        "assert 'mpi4py.MPI' not in sys.modules, 'MPI was imported'\n"
+        "print('ok')"
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
+
+
+def test_the_gpu_is_found_by_its_cuda_index() -> None:
+    """JAX's device ids are not CUDA ordinals once JAX opens one GPU of several; the hardware id is."""
+    from mpigpu.jax._device import jax_device_for
+
+    gpus = [FakeDevice("gpu", 2, id=0), FakeDevice("gpu", 3, id=1)]
+    assert jax_device_for(3, gpus) is gpus[1]
+    assert jax_device_for(0, gpus) is None
+    assert jax_device_for(0, [FakeDevice("cpu", 0)]) is None
+
+
+def test_a_program_on_another_gpu_or_several_devices_is_refused() -> None:
+    """The lowering's check (run on every rank inside the cross-rank check, so every rank raises)."""
+    from jax._src.sharding_impls import ShardingContext
+
+    from mpigpu.jax._primitive import check_program_device
+
+    on = [FakeDevice("gpu", 0)]
+    check_program_device(ShardingContext(1, (FakeDevice("gpu", 1),)), _gpu(1), rank=1)  # its own GPU: fine
+    check_program_device(ShardingContext(1, (FakeDevice("cpu", 0),)), None, rank=1)
+    with pytest.raises(DeviceError, match=r"GPU 0\), but rank 1 is bound to GPU 1.*mpigpu.jax.init\(\)"):
+        check_program_device(ShardingContext(1, tuple(on)), _gpu(1), rank=1)
+    with pytest.raises(InvalidArgument, match=r"spans 2 devices.*several devices per process are not supported"):
+        check_program_device(ShardingContext(2, (FakeDevice("cpu", 0), FakeDevice("cpu", 1))), None, rank=0)
+
+
+def test_lowering_is_given_the_programs_device(monkeypatch) -> None:
+    """JAX tells the lowering which device the program runs on (else the GPU check could not run)."""
+    from mpigpu.jax import _primitive
+
+    seen = []
+    monkeypatch.setattr(_primitive, "check_program_device", lambda axis, gpu, rank: seen.append(axis))
+    import mpigpu.jax as mj
+
+    device = jax.devices("cpu")[0]
+    jax.jit(lambda v: mj.allreduce(v, "sum")).lower(jax.device_put(np.ones(5, np.float32), device))
+    assert [a.device_assignment for a in seen] == [(device,)]
+
+
+def test_shard_map_over_several_devices_of_one_process_is_refused() -> None:
+    result = _run(
+        "import numpy as np, jax\n"
+        "from jax.sharding import Mesh, PartitionSpec as P\n"
+        "import mpigpu.jax as mj\n"
+        "from mpigpu.core.errors import InvalidArgument\n"
+        "mesh = Mesh(np.array(jax.devices()), ('d',))\n"
+        "f = jax.jit(jax.shard_map(lambda v: mj.average_tree(v), mesh=mesh, in_specs=P('d'), out_specs=P('d')))\n"
+        "try:\n"
+        "    f(np.ones(4, np.float32))\n"
+        "except InvalidArgument as exc:\n"
+        "    print('refused', exc)\n",
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"},
+    )
+    assert "refused" in result.stdout and "several devices per process are not supported" in result.stdout, (
+        result.stdout + result.stderr
+    )
+
+
+def test_shard_map_over_every_process_runs_xlas_collectives() -> None:
+    """init(distributed=True) under mpiexec -n 2 on JAX's CPU (gloo): exact results, XLA's all-reduce."""
+    start = time.monotonic()
+    result = run_mpi(2, [str(ROOT / "tests" / "jax" / "spmd_job.py")], timeout=180, env={"JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ok 0" in result.stdout and "ok 1" in result.stdout, result.stdout + result.stderr
+    assert time.monotonic() - start < 180
+
+
+# -- under mpiexec ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_init(monkeypatch):
+    """mpigpu.jax.init() as if never called (restored afterwards)."""
+    from mpigpu.jax import _device
+
+    monkeypatch.setattr(_device, "_bound", [])
+    return _device
+
+
+@mpi
+def test_init_makes_the_ranks_device_the_default_and_is_idempotent(comm, fresh_init, monkeypatch) -> None:
+    import jax.numpy as jnp
+
+    import mpigpu.jax as mj
+
+    device = mj.init(comm)
+    assert device == jax.devices("cpu")[0] and jnp.zeros(2).devices() == {device}
+    from mpigpu.job import check
+
+    monkeypatch.setattr(check, "fail_together", lambda *a: pytest.fail("a second init() communicated"))
+    assert mj.init(comm) is device
+    with pytest.raises(InvalidArgument, match="distributed=True to the first call"):
+        mj.init(comm, distributed=True)
+
+
+@mpi
+def test_distributed_after_jax_started_fails_on_every_rank(comm, fresh_init) -> None:
+    import mpigpu.jax as mj
+
+    jax.devices()  # JAX has started (as it has in this test session)
+    with pytest.raises(DeviceError, match=r"JAX has already started.*mpigpu.jax.init\(\)"):
+        mj.init(comm, distributed=True)
+    assert fresh_init._bound == []
+
+
+@pytest.mark.mpi(min_size=2)
+def test_jax_without_the_ranks_gpu_fails_on_every_rank(comm, fresh_init, monkeypatch) -> None:
+    """JAX started with GPU 0 only (every rank's), and rank 1 is bound to GPU 1: rank 1 raises DeviceError
+    naming the fix, every other rank MismatchError naming rank 1; nothing is bound; the next collective pairs."""
+    import mpigpu.api
+    import mpigpu.jax as mj
+
+    rank = comm.Get_rank()
+    defaults = []
+    monkeypatch.setattr(mpigpu.api, "select_device", lambda comm=None: _gpu(1 if rank == 1 else 0))
+    monkeypatch.setattr(fresh_init, "_backends_started", lambda: True)
+    monkeypatch.setattr(fresh_init, "_jax_devices", lambda platform: [FakeDevice("gpu", 0)])
+    monkeypatch.setattr(fresh_init, "_set_default", defaults.append)
+    if rank == 1:
+        with pytest.raises(DeviceError, match=r"bound to GPU 1 .*GPU\(s\) 0 only: call `mpigpu.jax.init\(\)` before"):
+            mj.init(comm)
+    else:
+        with pytest.raises(MismatchError, match="rank 1"):
+            mj.init(comm)
+    assert fresh_init._bound == [] and defaults == ([FakeDevice("gpu", 0)] if rank == 0 else [])
+    assert comm.allreduce(1) == comm.Get_size()

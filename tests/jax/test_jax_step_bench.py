@@ -1,0 +1,31 @@
+"""scripts/jax_step_bench.py on JAX's CPU under mpiexec -n 2 (issue 23): every row runs and agrees, the
+in-jit rows through mpigpu's FFI call, (s) mpigpu.jax.average_tree inside shard_map and (c) lax.pmean
+through XLA's collectives, and the JSON carries the machine, the versions and the goals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import ROOT, run_mpi
+
+pytest.importorskip("jax", reason="jax is not installed (the CI test script installs it)")
+
+
+def test_step_bench_on_the_cpu(tmp_path) -> None:
+    out = tmp_path / "jax-step.json"
+    args = [str(ROOT / "scripts" / "jax_step_bench.py"), "--device", "cpu", "--width", "32", "--depth", "2",
+            "--steps", "3", "--warmup", "1", "--json", str(out)]  # fmt: skip
+    result = run_mpi(2, args, timeout=240, env={"JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0 and "# PASS" in result.stdout, result.stdout + result.stderr
+    document = json.loads(out.read_text())
+    rows = document["results"]
+    assert {"in_jit", "leave_jit", "local_only", "in_shard_map", "jax_distributed"} <= set(rows), rows
+    assert rows["in_jit"]["backend"] == "cpu" and rows["in_jit"]["handler"]["calls_per_step"] == 1
+    assert rows["in_shard_map"]["backend"] == rows["jax_distributed"]["backend"] == "XLA's CPU collectives"
+    assert "handler" not in rows["in_shard_map"]  # no FFI call: XLA's own all-reduce
+    for name in ("in_jit", "in_shard_map", "jax_distributed", "leave_jit"):
+        assert rows[name]["identical_on_every_rank"] is True, name
+    assert set(document["goals"]) == {"in_jit_vs_pmean", "in_shard_map_vs_pmean", "handler_cpu_us_per_call"}
+    assert document["machine"]["nodes"] == 1 and document["versions"]["jaxlib"]
+    assert document["skipped"] == {}
