@@ -22,6 +22,7 @@ from mpigpu.core.errors import (
 )
 from mpigpu.core.ops import Op
 from mpigpu.core.timing import Result
+from mpigpu.exchange import alltoall, alltoall_async, reduce_scatter, reduce_scatter_async
 from mpigpu.handles import Handle, allreduce_async
 from mpigpu.ipc import IpcGraph, ipc_buffer, ipc_graph
 from mpigpu.job.device import GpuInfo
@@ -60,6 +61,8 @@ __all__ = [
     "allreduce",
     "allreduce_async",
     "allreduce_init",
+    "alltoall",
+    "alltoall_async",
     "broadcast",
     "broadcast_object",
     "broadcast_optimizer_state",
@@ -69,5 +72,7 @@ __all__ = [
     "install_abort_handler",
     "ipc_buffer",
     "ipc_graph",
+    "reduce_scatter",
+    "reduce_scatter_async",
     "select_device",
 ]

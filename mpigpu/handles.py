@@ -43,7 +43,7 @@ from mpigpu.core.ops import Op
 from mpigpu.job.failsafe import report_background_failure
 from mpigpu.runtime.context import Context, announce_rejection
 
-__all__ = ["Handle", "Worker", "allreduce_async", "reject"]
+__all__ = ["Handle", "Worker", "allreduce_async", "reject", "start"]
 
 
 class Worker:
@@ -195,20 +195,49 @@ def _failed(ctx: Context, exc: BaseException) -> None:
 
 
 def _on_worker(worker: Worker, prepared: Prepared, ready: Any) -> Any:
-    """The worker's task: the cross-rank check, then the reduction. GPU data is reduced on the
-    worker's own non-blocking stream, after ``ready`` (the caller's stream at the call), and
-    synchronised before the task ends, so the result is complete when the handle says so."""
+    """The worker's task: the cross-rank check, then the reduction (see ``_on_worker_stream``)."""
     check_call(prepared)
     if ready is None:
         return run(prepared)
-    device = prepared.ctx.activate_gpu()
+    result = _on_worker_stream(worker, prepared.ctx, ready, lambda ref: run(replace(prepared, stream=ref, finish=None)))
+    return prepared.finish(result) if prepared.finish is not None else result
+
+
+def _on_worker_stream(worker: Worker, ctx: Context, ready: Any, task: Callable[[StreamRef], Any]) -> Any:
+    """``task(stream)`` for GPU data on the worker's own non-blocking stream, after ``ready`` (the
+    caller's stream at the call), synchronised before it returns, so the result is complete when
+    the handle says so."""
+    device = ctx.activate_gpu()
     stream = worker.state.get("stream")
     if stream is None:
         stream = worker.state["stream"] = device.create_stream()  # non-blocking: never waits on stream 0
     stream.wait(ready)
-    result = run(replace(prepared, stream=StreamRef(int(stream.handle)), finish=None))
+    result = task(StreamRef(int(stream.handle)))
     stream.sync()
-    return prepared.finish(result) if prepared.finish is not None else result
+    return result
+
+
+def start(ctx: Context, backend: str, stream: StreamRef | None, task: Callable[[StreamRef | None], Any]) -> Handle:
+    """Start a validated collective as ``allreduce_async`` starts its call and return its Handle
+    (call inside ``ctx.enter``). ``task(stream)`` runs the cross-rank check and the data movement
+    and returns the result; ``stream`` is the caller's (None for host data).
+
+    A backend that enqueues runs it now, on the caller's thread, with an event after it; any other
+    backend queues it on the communicator's worker (GPU data on the worker's stream, after the
+    caller's stream's work so far); below MPI_THREAD_MULTIPLE it runs now."""
+    worker = _worker(ctx)
+    if worker is None:
+        return Handle(backend, result=task(stream))
+    if backend_class(backend).enqueues:
+        ctx.wait_async()  # a queued call on another backend goes first
+        result = task(stream)
+        event = None if stream is None else core_stream(stream.handle).record()
+        return Handle(backend, result=result, event=event)
+    if stream is None:
+        return Handle(backend, future=worker.submit(partial(task, None)))
+    ctx.activate_gpu()
+    ready = core_stream(stream.handle).record()
+    return Handle(backend, future=worker.submit(partial(_on_worker_stream, worker, ctx, ready, task)))
 
 
 def reject(ctx: Context, exc: Exception) -> None:

@@ -19,8 +19,17 @@ request; where ``graphs`` is set, ``graph_C(...)`` captures it in a CUDA graph t
 - ``allgather(x, out, rows, stream)``: every rank's ``x`` (``rows[r]`` rows of the same trailing shape
   on rank r) concatenated along the first dimension into ``out``, in rank order.
 
+- ``alltoall(x, out, send_rows, recv_rows, stream)``: ``send_rows[j]`` rows of ``x`` (in rank order)
+  to rank j; ``recv_rows[j]`` rows from rank j into ``out``, in rank order.
+
 They move bytes: any dtype, no ``supports`` check. The API calls them only with more than one rank
-and with data to move (``x.size`` for broadcast, ``sum(rows)`` for allgather).
+and with data to move (``x.size`` for broadcast, ``sum(rows)`` for allgather; alltoall on every call,
+since no rank knows whether the others move rows). One reduction besides allreduce:
+
+- ``reduce_scatter(x, out, op, rows, stream)``: ``x`` (the same shape on every rank) reduced with
+  ``op`` as ``allreduce`` reduces it (the same bits), rank r's ``out`` receiving rows
+  ``sum(rows[:r])`` to ``sum(rows[:r+1])`` of the result. Called with more than one rank and
+  ``x.size`` > 0 (``out`` may be empty on some ranks); ``supports_on`` applies as for allreduce.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from mpigpu.backends.base import Availability, Backend, CommContext
 from mpigpu.backends.device_scratch import DeviceScratch, by_keys_or_parts
-from mpigpu.backends.mpi_moves import allgather_bytes, broadcast_bytes
+from mpigpu.backends.mpi_moves import allgather_bytes, alltoall_bytes, broadcast_bytes, byte_counts, row_bytes
 from mpigpu.core._mpi import MPI
 from mpigpu.core.dtypes import DTYPES
 from mpigpu.core.ops import Op
@@ -36,7 +36,9 @@ class CudaAwareBackend(Backend):
     host_arrays: ClassVar[bool] = False
     device_arrays: ClassVar[bool] = True
     anchors: ClassVar[Mapping[str, str]] = {"device": "mpi-device"}
-    collectives: ClassVar[frozenset[str]] = frozenset({"allreduce", "broadcast", "allgather"})
+    collectives: ClassVar[frozenset[str]] = frozenset(
+        {"allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall"}
+    )
 
     @classmethod
     def probe(cls, ctx: CommContext) -> Availability:
@@ -56,6 +58,7 @@ class CudaAwareBackend(Backend):
         self._wide: Any = None  # reused float32 device buffer for the half types
         self._wide_free: Any = None  # event: the last call's narrowing finished reading _wide
         self._scratch = DeviceScratch()  # keys of the half types, parts of integer averages
+        self._rows = DeviceScratch()  # reduce_scatter's whole result
 
     def _kernels(self) -> Any:
         from mpigpu.kernels.compile import load_module
@@ -136,6 +139,33 @@ class CudaAwareBackend(Backend):
         recv = mpi.buffer.fromaddress(out.ptr, out.nbytes)
         allgather_bytes(self.ctx.comm, send, recv, rows, out.nbytes // sum(rows))
 
+    def reduce_scatter(self, x: ArrayView, out: ArrayView, op: Op, rows: list[int], stream: StreamRef | None) -> None:
+        """This backend's allreduce into a scratch buffer, then this rank's rows, on the stream: not
+        MPI_Reduce_scatter, whose operand order is its own per rank (see the cpu backend)."""
+        from mpigpu.core._cuda import StreamRef, cupy
+        from mpigpu.core.arrays import ArrayView
+
+        stream = stream or StreamRef(0)
+        rt, me = cupy().cuda.runtime, self.ctx.rank
+        full = self._rows.take(x.nbytes, stream.handle)
+        self.allreduce(x, ArrayView(None, full, x.shape, x.dtype, x.device, False, "cupy"), op, stream)
+        counts, displs = byte_counts(rows, row_bytes(x.shape, x.dtype.itemsize))
+        if counts[me]:
+            rt.memcpyAsync(out.ptr, full + displs[me], counts[me], rt.memcpyDeviceToDevice, stream.handle)
+        self._rows.give_back(stream.handle)
+
+    def alltoall(
+        self, x: ArrayView, out: ArrayView, send_rows: list[int], recv_rows: list[int], stream: StreamRef | None
+    ) -> None:
+        """MPI_Alltoallv on device pointers, after the caller's stream; ``out`` is written when it returns."""
+        from mpigpu.core._cuda import cupy
+
+        cupy().cuda.runtime.streamSynchronize(0 if stream is None else stream.handle)
+        mpi = MPI()
+        send = mpi.buffer.fromaddress(x.ptr, x.nbytes, readonly=True) if x.nbytes else bytearray(0)
+        recv = mpi.buffer.fromaddress(out.ptr, out.nbytes) if out.nbytes else bytearray(0)
+        alltoall_bytes(self.ctx.comm, send, recv, send_rows, recv_rows, row_bytes(x.shape, x.dtype.itemsize))
+
     def close(self) -> None:
         if self._wide_free is not None:
             from mpigpu.core._cuda import cupy
@@ -144,6 +174,7 @@ class CudaAwareBackend(Backend):
             self._wide_free = None
         self._wide = None
         self._scratch.close()
+        self._rows.close()
 
     def describe(self) -> dict[str, Any]:
         return {"mpi": self.ctx.mpi_lib.version, "rule": self.ctx.cuda_aware.rule}

@@ -36,7 +36,7 @@ from mpigpu.backends.base import Availability, Backend, CommContext
 from mpigpu.backends.host_engine import DeviceEngine, Engine, GpuStaging, HostEngine
 from mpigpu.backends.host_layout import ALIGN, PAGE, ChunkPlan, SegmentLayout, round_up, split_even
 from mpigpu.backends.host_reduce import CPU_BLOCK, INT_AVG_NODES, finish, internode, reduce_stacked
-from mpigpu.backends.mpi_moves import allgather_bytes, broadcast_bytes, byte_counts
+from mpigpu.backends.mpi_moves import allgather_bytes, alltoall_bytes, broadcast_bytes, byte_counts, row_bytes
 from mpigpu.core.errors import BackendUnavailable, ConfigError, InvalidArgument, MpigpuError
 from mpigpu.core.ops import Op
 
@@ -79,7 +79,9 @@ class HostBackend(Backend):
     host_arrays: ClassVar[bool] = True
     device_arrays: ClassVar[bool] = True
     anchors: ClassVar[Mapping[str, str]] = {"device": "seed-staging", "host": "mpi-host"}
-    collectives: ClassVar[frozenset[str]] = frozenset({"allreduce", "broadcast", "allgather"})
+    collectives: ClassVar[frozenset[str]] = frozenset(
+        {"allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall"}
+    )
 
     @classmethod
     def auto_declines(cls, on_device: bool, nbytes: int) -> str | None:
@@ -155,6 +157,17 @@ class HostBackend(Backend):
         return cls.supports(dtype, op)
 
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
+        self._reduce(x, out, op, stream, (0, x.size))
+
+    def reduce_scatter(self, x: ArrayView, out: ArrayView, op: Op, rows: list[int], stream: StreamRef | None) -> None:
+        """The node-shared reduction of allreduce (the same bits), each rank copying back only its
+        own rows; on one node, the latency route also reduces only those rows."""
+        counts, displs = byte_counts(rows, row_bytes(x.shape, x.dtype.itemsize))
+        mine, item = self.ctx.rank, x.dtype.itemsize
+        self._reduce(x, out, op, stream, (displs[mine] // item, (displs[mine] + counts[mine]) // item))
+
+    def _reduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None, window: tuple[int, int]) -> None:
+        """Reduce x across ranks; elements ``window`` (lo, hi) of the result into ``out``."""
         problem = self.supports_on(self.ctx, x.dtype, op)  # the same verdict on every rank: no collective
         if problem:
             raise InvalidArgument(problem)
@@ -171,7 +184,7 @@ class HostBackend(Backend):
             self._ensure_gpu()
         if nbytes <= self._small_limit:
             self._ensure_segment(0, x.on_device)
-            self._latency(x, out, op, stream)
+            self._latency(x, out, op, stream, window)
             return
         ring = (DeviceEngine if x.on_device else HostEngine).ring_for(self)
         chunk = self._chunk_bytes(nbytes, x.on_device, ring)
@@ -179,9 +192,9 @@ class HostBackend(Backend):
         plan = ChunkPlan(count=x.size, chunk=chunk // x.dtype.itemsize, ranks=self._n, align=ALIGN // x.dtype.itemsize)
         if x.on_device:
             assert stream is not None
-            engine: Engine = DeviceEngine(self, x, out, op, plan, stream.handle)
+            engine: Engine = DeviceEngine(self, x, out, op, plan, window, stream.handle)
         else:
-            engine = HostEngine(self, x, out, op, plan)
+            engine = HostEngine(self, x, out, op, plan, window)
         self._pipeline(engine)
         engine.finish_call()
 
@@ -253,6 +266,29 @@ class HostBackend(Backend):
         byte = MPI().BYTE
         comm.Allgatherv(MPI().IN_PLACE, [stage, (counts, displs), byte])
         self._copy_in(out.ptr, stage, out.nbytes, handle)
+
+    def alltoall(
+        self, x: ArrayView, out: ArrayView, send_rows: list[int], recv_rows: list[int], stream: StreamRef | None
+    ) -> None:
+        """MPI_Alltoallv (GPU arrays: x copied into a pinned buffer, exchanged into another part of
+        it, then copied to ``out`` on the stream). Sizes differ between ranks, so the pinned
+        buffer's size is agreed first (one MPI_Allreduce): it grows on every rank or on none."""
+        self._refuse_closed()
+        comm, size = self.ctx.comm, row_bytes(x.shape, x.dtype.itemsize)
+        if x.host is not None and out.host is not None:
+            send, recv = x.host.reshape(-1).view(np.uint8), out.host.reshape(-1).view(np.uint8)
+            alltoall_bytes(comm, send, recv, send_rows, recv_rows, size)
+            return
+        from mpigpu.core._mpi import MPI
+
+        split = round_up(x.nbytes, PAGE)
+        stage = self._pinned_buffer(comm.allreduce(split + out.nbytes, op=MPI().MAX))
+        runtime, handle = self._runtime(), 0 if stream is None else stream.handle
+        if x.nbytes:
+            runtime.memcpyAsync(stage.ctypes.data, x.ptr, x.nbytes, runtime.memcpyDeviceToHost, handle)
+        runtime.streamSynchronize(handle)
+        alltoall_bytes(comm, stage[: x.nbytes], stage[split : split + out.nbytes], send_rows, recv_rows, size)
+        self._copy_in(out.ptr, stage[split:], out.nbytes, handle)
 
     def _refuse_closed(self) -> None:
         if self._closed:
@@ -454,15 +490,17 @@ class HostBackend(Backend):
             )
         return views
 
-    def _latency(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
-        """Copy in, one barrier, every rank reduces the whole message, copy out. Every step here
-        costs microseconds that the 8-byte time is made of: keep it lean."""
+    def _latency(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None, window: tuple[int, int]) -> None:
+        """Copy in, one barrier, every rank reduces the whole message (on one node: its ``window``
+        of it), copy out its window. Every step here costs microseconds that the 8-byte time is
+        made of: keep it lean."""
         parity = self._parity
         self._parity ^= 1
         gpu, phases, segment = self._gpu, self._phases, self._segment
         assert segment is not None
         dtype, me = x.dtype, self._local
-        nbytes = x.nbytes
+        nbytes, (lo, hi) = x.nbytes, window
+        whole = lo == 0 and hi == x.size
         views = self._small_views(parity, dtype, nbytes // dtype.itemsize)
         t0 = time.perf_counter()
         if gpu is not None and x.on_device:
@@ -474,15 +512,21 @@ class HostBackend(Backend):
         else:
             assert x.host is not None and out.host is not None
             np.copyto(views.mine, x.host.reshape(-1))
-            result = out.host.reshape(-1)
+            result = (
+                out.host.reshape(-1)
+                if whole or self._nodes == 1
+                else self._scratch("window", nbytes)[:nbytes].view(dtype.np)
+            )
         t1 = time.perf_counter()
         segment.barrier()
         t2 = time.perf_counter()
         phases["copy_out"] += t1 - t0
         phases["barrier"] += t2 - t1
-        if self._nodes == 1:
-            reduce_stacked(views.rows, op, dtype, self.ctx.size, result, final=True, scratch=self._block)
+        if self._nodes == 1:  # this rank's window only: each element is reduced alike, in rank order
+            rows = views.rows if whole else views.rows[:, lo:hi]
+            reduce_stacked(rows, op, dtype, self.ctx.size, result[: hi - lo], final=True, scratch=self._block)
             phases["reduce"] += time.perf_counter() - t2
+            lo, hi = 0, hi - lo  # the window sits at the start of result
         elif self._equal:  # every rank exchanges the node's partial with its peers on the other nodes
             self._latency_internode(views.rows, op, dtype, result, t2)
         else:  # node leaders exchange; the others take the leader's result from its shared slot
@@ -496,9 +540,13 @@ class HostBackend(Backend):
         t3 = time.perf_counter()
         if gpu is not None and x.on_device:
             assert stream is not None
-            gpu.rt.memcpyAsync(out.ptr, result_ptr, nbytes, gpu.memcpy_h2d, stream.handle)
+            size = dtype.itemsize
+            gpu.rt.memcpyAsync(out.ptr, result_ptr + lo * size, (hi - lo) * size, gpu.memcpy_h2d, stream.handle)
             gpu.rt.eventRecord(gpu.small_done[parity], stream.handle)
             gpu.small_pending[parity] = True
+        elif not whole and self._nodes > 1:
+            assert out.host is not None
+            np.copyto(out.host.reshape(-1), result[lo:hi])
         phases["copy_in"] += time.perf_counter() - t3
 
     def _latency_internode(self, rows: np.ndarray, op: Op, dtype: DType, dst: np.ndarray, t0: float) -> None:

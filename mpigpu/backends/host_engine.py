@@ -132,10 +132,14 @@ class GpuStaging:
 
 
 class Engine(abc.ABC):
-    """The steps of the pipeline for one call; subclasses move host or device data."""
+    """The steps of the pipeline for one call; subclasses move host or device data. ``out`` receives
+    elements ``window`` (lo, hi) of the result (all of them for allreduce, this rank's rows for
+    reduce_scatter)."""
 
-    def __init__(self, backend: StagingBackend, x: ArrayView, out: ArrayView, op: Op, plan: ChunkPlan) -> None:
-        self.backend, self.x, self.out, self.op, self.plan = backend, x, out, op, plan
+    def __init__(
+        self, backend: StagingBackend, x: ArrayView, out: ArrayView, op: Op, plan: ChunkPlan, window: tuple[int, int]
+    ) -> None:
+        self.backend, self.x, self.out, self.op, self.plan, self.window = backend, x, out, op, plan, window
         self.dtype = x.dtype
         self.segment = backend._segment
         self.layout = backend._layout
@@ -154,6 +158,11 @@ class Engine(abc.ABC):
     def at(self, k: int) -> int:
         """Byte offset of chunk k's ring position in a slot."""
         return k % self.ring * self.position_bytes
+
+    def wanted(self, k: int) -> tuple[int, int]:
+        """The part of chunk k that ``out`` receives, relative to the chunk (empty: lo >= hi)."""
+        e0, e1 = self.plan.span(k)
+        return max(e0, self.window[0]) - e0, min(e1, self.window[1]) - e0
 
     def my_slice(self, k: int) -> tuple[int, int]:
         return self.plan.slices(k)[self.backend._local]
@@ -212,8 +221,10 @@ class HostEngine(Engine):
     def ring_for(backend: StagingBackend) -> int:
         return 2  # nothing overlaps on one thread: two positions let the schedule run
 
-    def __init__(self, backend: StagingBackend, x: ArrayView, out: ArrayView, op: Op, plan: ChunkPlan) -> None:
-        super().__init__(backend, x, out, op, plan)
+    def __init__(
+        self, backend: StagingBackend, x: ArrayView, out: ArrayView, op: Op, plan: ChunkPlan, window: tuple[int, int]
+    ) -> None:
+        super().__init__(backend, x, out, op, plan, window)
         assert x.host is not None and out.host is not None
         self.src = x.host.reshape(-1)
         self.dst = out.host.reshape(-1)
@@ -246,9 +257,12 @@ class HostEngine(Engine):
         self.backend._add_phase("reduce", time.perf_counter() - t0)
 
     def get(self, k: int) -> None:
+        lo, hi = self.wanted(k)
+        if hi <= lo:
+            return
         t0 = time.perf_counter()
-        e0, e1 = self.plan.span(k)
-        np.copyto(self.dst[e0:e1], self.result_view(k, 0, e1 - e0))
+        at = self.plan.span(k)[0] + lo - self.window[0]
+        np.copyto(self.dst[at : at + hi - lo], self.result_view(k, lo, hi))
         self.backend._add_phase("copy_in", time.perf_counter() - t0)
 
     def wait_put(self, k: int) -> None:
@@ -270,9 +284,16 @@ class DeviceEngine(Engine):
         return backend._depth + 2  # copies out run `depth` chunks ahead; +2 lets copies back drain
 
     def __init__(
-        self, backend: StagingBackend, x: ArrayView, out: ArrayView, op: Op, plan: ChunkPlan, stream: int
+        self,
+        backend: StagingBackend,
+        x: ArrayView,
+        out: ArrayView,
+        op: Op,
+        plan: ChunkPlan,
+        window: tuple[int, int],
+        stream: int,
     ) -> None:
-        super().__init__(backend, x, out, op, plan)
+        super().__init__(backend, x, out, op, plan, window)
         gpu = backend._gpu
         assert gpu is not None and self.segment.registered
         self.gpu, self.rt = gpu, gpu.rt
@@ -321,13 +342,15 @@ class DeviceEngine(Engine):
         self.done["reduce", k] = self.gpu.timed("reduce", self.gpu.reduce, enqueue)
 
     def get(self, k: int) -> None:
-        e0, e1 = self.plan.span(k)
+        lo, hi = self.wanted(k)
+        if hi <= lo:
+            return
         size = self.dtype.itemsize
-        src = self.segment.ptr + self.layout.result(self.at(k))
-        dst = self.out.ptr + e0 * size
+        src = self.segment.ptr + self.layout.result(self.at(k)) + lo * size
+        dst = self.out.ptr + (self.plan.span(k)[0] + lo - self.window[0]) * size
 
         def enqueue() -> None:
-            self.rt.memcpyAsync(dst, src, (e1 - e0) * size, self.gpu.memcpy_h2d, self.gpu.get)
+            self.rt.memcpyAsync(dst, src, (hi - lo) * size, self.gpu.memcpy_h2d, self.gpu.get)
 
         self.done["get", k] = self.gpu.timed("copy_in", self.gpu.get, enqueue)
 

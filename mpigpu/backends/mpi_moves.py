@@ -1,4 +1,4 @@
-"""Broadcast and allgather as plain MPI byte moves, shared by the backends that hand memory to MPI
+"""Broadcast, allgather and alltoall as plain MPI byte moves, shared by the backends that hand memory to MPI
 (cpu: NumPy arrays; cuda-aware: device pointers; host: pinned staging buffers). Data movement needs
 no reduction semantics, so every dtype travels as MPI_BYTE."""
 
@@ -9,13 +9,21 @@ from typing import Any
 
 from mpigpu.core._mpi import MPI
 
-__all__ = ["allgather_bytes", "broadcast_bytes", "byte_counts"]
+__all__ = ["allgather_bytes", "alltoall_bytes", "broadcast_bytes", "byte_counts", "row_bytes"]
 
 
 def byte_counts(rows: list[int], row_bytes: int) -> tuple[list[int], list[int]]:
     """Per-rank byte counts and displacements of an allgather of ``rows[r]`` rows of ``row_bytes``."""
     counts = [r * row_bytes for r in rows]
     return counts, [0, *accumulate(counts)][:-1]
+
+
+def row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    """Bytes of one row (first-dimension index) of a C-order array of ``shape``."""
+    count = itemsize
+    for extent in shape[1:]:
+        count *= extent
+    return count
 
 
 def broadcast_bytes(comm: Any, buf: Any, nbytes: int, root: int) -> None:
@@ -28,3 +36,10 @@ def allgather_bytes(comm: Any, send: Any, recv: Any, rows: list[int], row_bytes:
     counts, displs = byte_counts(rows, row_bytes)
     byte = MPI().BYTE
     comm.Allgatherv([send, counts[comm.Get_rank()], byte], [recv, (counts, displs), byte])
+
+
+def alltoall_bytes(comm: Any, send: Any, recv: Any, send_rows: list[int], recv_rows: list[int], row_bytes: int) -> None:
+    """MPI_Alltoallv: ``send_rows[j]`` rows of ``send`` go to rank j, in rank order; ``recv_rows[j]``
+    rows from rank j land in ``recv``, in rank order."""
+    byte = MPI().BYTE
+    comm.Alltoallv([send, byte_counts(send_rows, row_bytes), byte], [recv, byte_counts(recv_rows, row_bytes), byte])

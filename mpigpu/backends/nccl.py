@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from mpigpu.backends.base import Availability, Backend, CommContext
 from mpigpu.backends.device_scratch import DeviceScratch, by_keys_or_parts, needs_keys_or_parts
+from mpigpu.backends.mpi_moves import byte_counts, row_bytes
 from mpigpu.core.errors import BackendUnavailable, InvalidArgument
 from mpigpu.job.check import fail_together
 
@@ -38,7 +39,7 @@ def distinct_gpus(ctx: CommContext) -> str | None:
 
 _NCCL_UINT = {"uint32": 3, "uint64": 5}  # ncclDataType_t
 _NCCL_UINT8 = 1  # ncclUint8: broadcast and allgather move bytes, whatever the dtype
-_BROADCAST_PIECE = 1 << 30
+_BROADCAST_PIECE = 1 << 30  # bytes per NCCL call where CuPy takes the count as a C int
 
 
 def _unavailable(ctx: CommContext, doing: str, exc: BaseException) -> BackendUnavailable:
@@ -56,7 +57,9 @@ class NcclBackend(Backend):
     enqueues: ClassVar[bool] = True
     graphs: ClassVar[bool] = True
     anchors: ClassVar[Mapping[str, str]] = {"device": "nccl-raw"}
-    collectives: ClassVar[frozenset[str]] = frozenset({"allreduce", "broadcast", "allgather"})
+    collectives: ClassVar[frozenset[str]] = frozenset(
+        {"allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall"}
+    )
 
     @classmethod
     def probe(cls, ctx: CommContext) -> Availability:
@@ -95,6 +98,7 @@ class NcclBackend(Backend):
         fail_together(ctx.comm, error, "nccl backend: preparing the NCCL communicator")
         uid = ctx.comm.bcast(uid, root=0)
         self._scratch = DeviceScratch()  # keys of the half types, parts of integer averages
+        self._rows = DeviceScratch()  # reduce_scatter: its padded input and output, or its whole result
         try:
             self._comm = nccl.NcclCommunicator(ctx.size, uid, ctx.rank)
         except Exception as exc:
@@ -171,6 +175,73 @@ class NcclBackend(Backend):
         finally:
             nccl.groupEnd()
 
+    def reduce_scatter(self, x: ArrayView, out: ArrayView, op: Op, rows: list[int], stream: StreamRef | None) -> None:
+        """ncclReduceScatter on the caller's stream. It needs equal counts: when the rows do not
+        divide evenly, the ranks with one row fewer get an uninitialised pad row, in a padded copy
+        of x (two copies on the stream), and receive into a scratch block first. Float min/max and
+        integer avg (keys and parts around NCCL) take this backend's allreduce into a scratch
+        buffer, then this rank's rows: the same bits, at an allreduce's cost."""
+        from mpigpu.core._cuda import StreamRef, cupy
+        from mpigpu.core.arrays import ArrayView
+
+        assert x.dtype.nccl is not None
+        stream = stream or StreamRef(0)
+        handle, rt = stream.handle, cupy().cuda.runtime
+        d2d, me = rt.memcpyDeviceToDevice, self.ctx.rank
+        counts, displs = byte_counts(rows, row_bytes(x.shape, x.dtype.itemsize))
+        if needs_keys_or_parts(x.dtype, op):
+            full = self._rows.take(x.nbytes, handle)
+            self.allreduce(x, ArrayView(None, full, x.shape, x.dtype, x.device, False, "cupy"), op, stream)
+            if out.nbytes:
+                rt.memcpyAsync(out.ptr, full + displs[me], out.nbytes, d2d, handle)
+            self._rows.give_back(handle)
+            return
+        per_row = x.size // sum(rows)
+        if len(set(rows)) == 1:
+            self._comm.reduceScatter(x.ptr, out.ptr, out.size, x.dtype.nccl, op.nccl, handle)
+            return
+        block, short = counts[0], counts[-1]  # bytes of the longer and of the shorter share
+        longer = rows.count(rows[0])  # the first ranks hold the longer shares
+        base = self._rows.take(block * (len(rows) + 1), handle)  # padded input, then one block of output
+        rt.memcpyAsync(base, x.ptr, block * longer, d2d, handle)  # the longer shares are in place already
+        if short:
+            rt.memcpy2DAsync(base + block * longer, block, x.ptr + block * longer, short, short, len(rows) - longer,
+                             d2d, handle)  # fmt: skip
+        recv = out.ptr if counts[me] == block else base + block * len(rows)
+        self._comm.reduceScatter(base, recv, rows[0] * per_row, x.dtype.nccl, op.nccl, handle)
+        if recv != out.ptr and out.nbytes:
+            rt.memcpyAsync(out.ptr, recv, out.nbytes, d2d, handle)
+        self._rows.give_back(handle)
+
+    def alltoall(
+        self, x: ArrayView, out: ArrayView, send_rows: list[int], recv_rows: list[int], stream: StreamRef | None
+    ) -> None:
+        """ncclSend/ncclRecv to and from every other rank in one NCCL group, this rank's own rows by a
+        device copy, all on the caller's stream."""
+        from cupy.cuda import nccl
+
+        from mpigpu.core._cuda import cupy
+
+        handle, me = 0 if stream is None else stream.handle, self.ctx.rank
+        size = row_bytes(x.shape, x.dtype.itemsize)
+        (send_counts, send_at), (recv_counts, recv_at) = byte_counts(send_rows, size), byte_counts(recv_rows, size)
+        if send_counts[me]:
+            rt = cupy().cuda.runtime
+            rt.memcpyAsync(out.ptr + recv_at[me], x.ptr + send_at[me], send_counts[me], rt.memcpyDeviceToDevice, handle)
+        nccl.groupStart()
+        try:
+            for peer in range(len(send_rows)):
+                if peer == me:
+                    continue
+                for offset in range(0, send_counts[peer], _BROADCAST_PIECE):  # C int counts: 1 GiB pieces
+                    piece = min(_BROADCAST_PIECE, send_counts[peer] - offset)
+                    self._comm.send(x.ptr + send_at[peer] + offset, piece, _NCCL_UINT8, peer, handle)
+                for offset in range(0, recv_counts[peer], _BROADCAST_PIECE):
+                    piece = min(_BROADCAST_PIECE, recv_counts[peer] - offset)
+                    self._comm.recv(out.ptr + recv_at[peer] + offset, piece, _NCCL_UINT8, peer, handle)
+        finally:
+            nccl.groupEnd()
+
     # -- CUDA graphs (mpigpu.persistent.Graph) --------------------------------------------------------
     def graph_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Any:
         """A cuda.core Graph of this call (local): the NCCL launch captured on a private stream."""
@@ -207,9 +278,10 @@ class NcclBackend(Backend):
         comm, self._comm = getattr(self, "_comm", None), None
         if comm is not None:
             comm.destroy()
-        scratch = getattr(self, "_scratch", None)
-        if scratch is not None:
-            scratch.close()
+        for name in ("_scratch", "_rows"):
+            scratch = getattr(self, name, None)
+            if scratch is not None:
+                scratch.close()
 
     def describe(self) -> dict[str, Any]:
         return {"nccl": self.ctx.nccl.version}

@@ -37,7 +37,9 @@ _FIELDS = ("failed", "count", "dtype", "op", "backend", "placement", "shape", "c
 assert len(_FIELDS) == FIELDS, "the check board's slots hold one value per field"
 # A collective's code in the signature is its index here: one collective per call, and two ranks in
 # different collectives fail the check like any other difference.
-COLLECTIVES: tuple[str, ...] = ("allreduce", "broadcast", "allgather", "broadcast_object", "allgather_object")
+COLLECTIVES: tuple[str, ...] = (
+    "allreduce", "broadcast", "allgather", "broadcast_object", "allgather_object", "reduce_scatter", "alltoall",
+)  # fmt: skip
 _ZEROS = bytes(16 * len(_FIELDS))  # [v, -v] as int64 (array.array: cheaper per call than NumPy here)
 
 

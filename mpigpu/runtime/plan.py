@@ -36,7 +36,7 @@ class Choice:
     reason: str
 
 
-_REDUCTIONS = frozenset({"allreduce"})  # the collectives whose dtype/op support a backend states
+_REDUCTIONS = frozenset({"allreduce", "reduce_scatter"})  # the collectives whose dtype/op support a backend states
 
 
 def _usable(ctx: Context, name: str, view: ArrayView, op: Op, collective: str = "allreduce") -> str | None:

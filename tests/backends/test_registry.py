@@ -24,7 +24,9 @@ def test_auto_preference_is_the_registry_order() -> None:
     assert preference(False) == ("host", "cpu")
     assert preference(True, "broadcast") == ("nccl", "cuda-aware", "host")  # ipc implements allreduce only
     assert preference(False, "allgather") == ("host", "cpu")
-    assert preference(True, "reduce_scatter") == ()  # no backend implements it
+    assert preference(True, "reduce_scatter") == ("nccl", "cuda-aware", "host")  # ipc does not
+    assert preference(False, "alltoall") == ("host", "cpu")
+    assert preference(True, "reduce") == ()  # no backend implements it
 
 
 # what each backend is reported beside in the benchmark
@@ -41,7 +43,7 @@ PAIRS = {
 def test_self_description() -> None:
     assert {n for n in BACKEND_NAMES if backend_class(n).enqueues} == {"nccl", "ipc"}
     assert {n for n in BACKEND_NAMES if backend_class(n).graphs} == {"nccl", "ipc"}
-    moves = frozenset({"allreduce", "broadcast", "allgather"})
+    moves = frozenset({"allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall"})
     assert {n: backend_class(n).collectives for n in BACKEND_NAMES} == {
         "ipc": frozenset({"allreduce"}), "nccl": moves, "cuda-aware": moves, "host": moves, "cpu": moves,
     }  # fmt: skip
