@@ -202,7 +202,8 @@ def _no_crash(result: Any) -> None:
 
 @pytest.mark.gpu
 def test_more_ranks_than_gpus_needs_opt_in() -> None:
-    env = _launcher_env({"CUDA_VISIBLE_DEVICES": "0"})
+    # the default refuses (even where the caller's environment opts in, as gpu-check's one-GPU serial stage does)
+    env = _launcher_env({"CUDA_VISIBLE_DEVICES": "0", "MPIGPU_ALLOW_SHARED_GPU": "0"})
     start = time.monotonic()
     refused = run_mpi(2, ["-m", "mpigpu.average", "--size", "1K", "--iters", "2"], env=env, timeout=60)
     elapsed = time.monotonic() - start
