@@ -20,7 +20,7 @@ import jax
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op
 
-__all__ = ["manual_axes", "mesh_reduction"]
+__all__ = ["manual_axes", "mesh_reduction", "refuse_in_mesh"]
 
 _REDUCTIONS: dict[Op, Callable[[Any, Any], Any]] = {
     Op.SUM: jax.lax.psum, Op.AVG: jax.lax.pmean, Op.MIN: jax.lax.pmin, Op.MAX: jax.lax.pmax,
@@ -62,3 +62,9 @@ def mesh_reduction(op: Op, comm: Any, backend: str) -> Callable[[Any], Any] | No
             "process are not supported"
         )
     return lambda x: reduce(x, axes)
+
+
+def refuse_in_mesh(name: str, instead: str) -> None:
+    """InvalidArgument inside ``shard_map`` for a call that has no XLA form here."""
+    if manual_axes():
+        raise InvalidArgument(f"mpigpu.jax.{name} is not supported inside jax.shard_map: use {instead} there")

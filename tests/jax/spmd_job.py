@@ -53,12 +53,13 @@ def main() -> None:
 
     refused = []
     for bad in (lambda v: mj.allreduce(v, "prod"), lambda v: mj.allreduce(v, backend="cpu"),
-                lambda v: mj.allreduce(v, comm=comm.Split(rank % 2, rank))):  # fmt: skip
+                lambda v: mj.allreduce(v, comm=comm.Split(rank % 2, rank)), lambda v: mj.broadcast(v, 0),
+                mj.allgather):  # fmt: skip
         try:
             jax.jit(jax.shard_map(bad, mesh=mesh, in_specs=P("p"), out_specs=P("p")))(x)
         except InvalidArgument as exc:
             refused.append(str(exc).split(":")[0])
-    assert len(refused) == 3, refused
+    assert len(refused) == 5, refused
     print(f"ok {rank}", flush=True)
 
 
