@@ -122,6 +122,35 @@ def test_inside_jit_exact(ctx, jx, comm, backend: str, dtype: str, op: Op, count
     _same_everywhere(comm, host)
 
 
+@pytest.mark.parametrize("backend", ["auto", "nccl", "host"])  # ipc does not broadcast or allgather
+def test_broadcast_and_allgather_inside_jit(ctx, jx, comm, backend: str) -> None:
+    """Issue 23: broadcast and allgather as FFI calls on XLA's stream, after a long producer in the same
+    program, exact and bitwise identical on every rank; their gradients through the allreduce."""
+    jax, mj, device = jx
+    _need(ctx, backend)
+    jnp = jax.numpy
+    rank, size = comm.Get_rank(), comm.Get_size()
+    root = size - 1
+    rows = [np.arange(3 * 1000, dtype=np.float32).reshape(1000, 3) % 251 + 1000 * r for r in range(size)]
+    big = jax.device_put(np.full((2048, 2048), 1e-4, np.float32), device)
+
+    @jax.jit
+    def f(v, m):
+        for _ in range(4):
+            m = jnp.tanh(m @ m)
+        v = v + 0 * jnp.sum(m)  # written after the long chain
+        return mj.broadcast(v, root, backend=backend), mj.allgather(v, backend=backend)
+
+    sent, gathered = f(jax.device_put(rows[rank], device), big)
+    assert sent.devices() == {device} and gathered.devices() == {device}
+    np.testing.assert_array_equal(np.asarray(sent), rows[root])
+    np.testing.assert_array_equal(np.asarray(gathered), np.concatenate(rows))
+    _same_everywhere(comm, gathered)
+    w = jax.device_put(np.ones(4, np.float32), device)
+    g = jax.jit(jax.grad(lambda u: jnp.sum(mj.allgather(u, backend=backend) * (rank + 1))))(w)
+    np.testing.assert_array_equal(np.asarray(g), np.full(4, size * (size + 1) / 2, np.float32))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stream_order_with_a_long_producer_and_consumer(ctx, jx, comm, backend: str) -> None:
     """The reduced array is written by a long matmul chain just before the call and read just after, in
