@@ -60,7 +60,7 @@ def _backends_started() -> bool:
 
 def _restrict_to(index: int) -> None:
     """Before JAX starts: let it open GPU ``index`` only (a setting the user chose is respected if it agrees)."""
-    chosen = jax.config.jax_cuda_visible_devices
+    chosen = jax.config.values["jax_cuda_visible_devices"]
     if chosen not in ("all", str(index)):
         raise DeviceError(
             f"jax_cuda_visible_devices is {chosen!r}, but this rank's GPU is {index} (mpigpu.select_device()): "
