@@ -171,12 +171,13 @@ def test_distributed_after_jax_started_fails_on_every_rank(comm, fresh_init) -> 
 @mpi
 def test_before_jax_starts_only_the_ranks_gpu_is_opened(comm, fresh_init, monkeypatch) -> None:
     """Each rank bound to its own (fake) GPU, JAX not started yet: init() sets jax_cuda_visible_devices to
-    that GPU's index, and a value set beforehand that names another GPU fails on every rank."""
+    that GPU's index, and a value set beforehand that names another GPU fails on every rank; with JAX
+    told to run on the CPU (JAX_PLATFORMS=cpu), the CPU is the rank's device and nothing is restricted."""
     import mpigpu.api
     import mpigpu.jax as mj
 
     rank = comm.Get_rank()
-    before = jax.config.values["jax_cuda_visible_devices"]
+    before, platforms = jax.config.values["jax_cuda_visible_devices"], jax.config.values["jax_platforms"]
     defaults = []
     monkeypatch.setattr(mpigpu.api, "select_device", lambda comm=None: _gpu(rank))
     monkeypatch.setattr(fresh_init, "_backends_started", lambda: False)
@@ -189,9 +190,16 @@ def test_before_jax_starts_only_the_ranks_gpu_is_opened(comm, fresh_init, monkey
         jax.config.update("jax_cuda_visible_devices", str(rank + 1))
         with pytest.raises(DeviceError, match=f"jax_cuda_visible_devices is '{rank + 1}'"):
             mj.init(comm)
+        jax.config.update("jax_cuda_visible_devices", before)
+        jax.config.update("jax_platforms", "cpu")
+        monkeypatch.setattr(fresh_init, "_jax_devices", lambda platform: [FakeDevice(platform, 0)])
+        assert mj.init(comm) == FakeDevice("cpu", 0)
+        unrestricted = jax.config.values["jax_cuda_visible_devices"]
     finally:
         jax.config.update("jax_cuda_visible_devices", before)
-    assert seen == str(rank) and defaults == [FakeDevice("gpu", rank)]
+        jax.config.update("jax_platforms", platforms)
+    assert seen == str(rank) and unrestricted == before
+    assert defaults == [FakeDevice("gpu", rank), FakeDevice("cpu", 0)]
 
 
 @pytest.mark.mpi(min_size=2)
