@@ -15,7 +15,7 @@ import threading
 
 from mpigpu.backends import BACKEND_NAMES
 from mpigpu.core._cuda import StreamRef
-from mpigpu.core.arrays import ArrayView, _pointer_device, raw_view
+from mpigpu.core.arrays import ArrayView, raw_view
 from mpigpu.core.ops import Op
 from mpigpu.jax._comms import ready_channel
 from mpigpu.jax._ffi import Buffer, Call, HandlerError
@@ -65,12 +65,7 @@ def _run(ctx: Context, collective: str, x: Buffer, out: Buffer, op: Op, root: in
             raise HandlerError("a GPU array reached mpigpu.jax on a rank with no GPU bound")
         device = ctx.gpu.index
         ctx.activate_gpu()  # this XLA thread may not have used the GPU through CuPy or cuda.core yet
-        if x.ptr and _pointer_device(x.ptr, device) != device:
-            raise HandlerError(
-                f"the array is on GPU {_pointer_device(x.ptr, device)}, but rank {ctx.rank} is bound to "
-                f"{ctx.gpu.describe()}: call mpigpu.jax.init() before JAX starts (JAX's default device is then "
-                "the rank's GPU), or place the arrays with jax.device_put(x, mpigpu.jax.init())"
-            )
+        # XLA's buffers are on it: the lowering refused a program placed on another GPU (check_program_device)
     xv = raw_view(x.ptr, x.shape, x.dtype, device, readonly=True)
     ov = raw_view(out.ptr, out.shape, out.dtype, device, readonly=False)
     if xv.size == 0:
