@@ -14,7 +14,8 @@ CPU arrays take the cpu path (MPI_Allreduce); GPU arrays run on the CUDA stream 
 (nccl, ipc: enqueued, no host synchronisation; host, cuda-aware: the call waits for the stream), as
 ``backend="auto"`` decides. Calls are ordered (every rank runs them in program order), checked across
 ranks when the program is compiled (MismatchError on every rank), differentiable (sum and avg) and
-``vmap``-able. Inside ``jax.shard_map`` over a mesh of every process (``init(distributed=True)``) they are
+``vmap``-able. ``broadcast`` and ``allgather`` work the same way (differentiable too). Inside
+``jax.shard_map`` over a mesh of every process (``init(distributed=True)``) they are
 XLA's own collectives (``lax.psum``). ``import mpigpu`` does not import JAX; ``import mpigpu.jax`` does,
 and starts nothing (no MPI, no JAX backend). See docs/jax.md.
 """
