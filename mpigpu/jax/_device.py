@@ -75,8 +75,8 @@ def _jax_devices(platform: str) -> list[Any]:
 
 
 def _set_default(device: Any) -> None:
-    if jax.local_devices()[0] != device:
-        jax.config.update("jax_default_device", device)
+    """JAX's default device, set even where it already is the first (``jax_default_device`` then says so)."""
+    jax.config.update("jax_default_device", device)
 
 
 def _gpus_excluded() -> bool:

@@ -30,6 +30,7 @@ from mpigpu.core.verify import count_wrong_host
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1)]
 
 BACKENDS = ["auto", "nccl", "ipc", "host"]  # cuda-aware is refused on XLA's buffers: see below
+STARTED_BEFORE_INIT: list[bool] = []  # whether JAX had started when the jx fixture called mpigpu.jax.init()
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,9 @@ def jx(ctx):
 
     if os.environ.get("MPIGPU_TEST_JAX_STARTED"):  # gpu-check's jax stage: JAX opened every GPU before init()
         jax.devices()
+    from jax._src import xla_bridge
+
+    STARTED_BEFORE_INIT.append(xla_bridge.backends_are_initialized())
     device = mj.init()
     if device.platform != "gpu":
         pytest.skip(f"JAX has no GPU backend here (init() returned {device})")
@@ -63,7 +67,8 @@ def test_init_binds_jax_to_the_ranks_gpu(ctx, jx, comm) -> None:
     assert jax.device_put(np.ones(3)).devices() == {device}
     assert jax.jit(lambda v: v + 1)(np.ones(3)).devices() == {device}
     gpus = jax.local_devices(backend="gpu")
-    assert gpus == [device] or jax.config.jax_default_device == device, gpus  # before JAX started: only its GPU
+    assert jax.config.jax_default_device == device
+    assert gpus == [device] or STARTED_BEFORE_INIT[-1], gpus  # init before JAX started: JAX opened its GPU only
     x = jnp.full(4, float(rank + 1), jnp.float32)
     assert np.array_equal(np.asarray(mpigpu.broadcast(x, comm=comm)), np.full(4, 1.0, np.float32))
     tree = {"w": np.arange(12, dtype=np.float32) * (rank + 1), "s": np.array([2 * rank], np.int32)}
