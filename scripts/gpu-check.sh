@@ -27,7 +27,7 @@
 #   train      scripts/training-figures.sh: bench_training for the MLP (+ fusion), ResNet-50, GPT-2 beside DDP
 #   jax        issue 23 (not in the default list: name it): mpigpu.jax.init() binds JAX to each rank's GPU under
 #              Open MPI (tests/gpu/test_jax_gpu.py alone, so init runs before JAX starts), samples/jax_step.py
-#              under both MPIs, scripts/jax_step_bench.py (JSON with machine, versions and goals in $OUT) (~5 min)
+#              under both MPIs, scripts/jax_step_bench.py (JSON with machine, versions and goals in $OUT) (~4 min, at most 9)
 # Logs go to $OUT (or ./gpu-results): summary.txt, and logs.tgz with one log per step.
 # Exit status: non-zero if any step failed. The summary is printed last.
 set -u
@@ -193,12 +193,12 @@ stage_train() {
 stage_jax() {  # issue 23: JAX bound to each rank's GPU under Open MPI (every rank sees every GPU), the sample
   # under both MPIs, then the step bench: in-jit (FFI), shard_map + mj.average_tree (XLA's), pmean, leave jit
   local k="init_binds or another_gpu or average_tree or step_sample or mismatch"
-  step "jax-bind-ompi" 120 0 "export MPIGPU_TIMEOUT=60; $OMPI -n $NGPU $PY -m pytest -q --with-mpi --only-mpi tests/gpu/test_jax_gpu.py -k '$k' -p no:cacheprovider"
-  step "jax-bind-started-ompi" 120 0 "export MPIGPU_TIMEOUT=60 MPIGPU_TEST_JAX_STARTED=1; $OMPI -n $NGPU $PY -m pytest -q --with-mpi --only-mpi tests/gpu/test_jax_gpu.py -k '$k' -p no:cacheprovider"
+  step "jax-bind-ompi" 100 0 "export MPIGPU_TIMEOUT=60; $OMPI -n $NGPU $PY -m pytest -q --with-mpi --only-mpi tests/gpu/test_jax_gpu.py -k '$k' -p no:cacheprovider"
+  step "jax-bind-started-ompi" 100 0 "export MPIGPU_TIMEOUT=60 MPIGPU_TEST_JAX_STARTED=1; $OMPI -n $NGPU $PY -m pytest -q --with-mpi --only-mpi tests/gpu/test_jax_gpu.py -k '$k' -p no:cacheprovider"
   for mpi in ompi impi; do
-    step "jax-sample-$mpi" 90 0 "${LAUNCH[$mpi]} -n $NGPU $PY samples/jax_step.py"
+    step "jax-sample-$mpi" 75 0 "${LAUNCH[$mpi]} -n $NGPU $PY samples/jax_step.py"
   done
-  step "jax-step-ompi" 180 0 "$OMPI -n $NGPU $PY scripts/jax_step_bench.py --json $OUT/jax-step-h200x$NGPU-$(date -u +%F).json"
+  step "jax-step-ompi" 170 0 "$OMPI -n $NGPU $PY scripts/jax_step_bench.py --json $OUT/jax-step-h200x$NGPU-$(date -u +%F).json"
 }
 
 stage_retest() {  # RETEST="pytest paths" under Open MPI with all GPUs and Intel MPI with 2

@@ -14,7 +14,8 @@ CPU arrays take the cpu path (MPI_Allreduce); GPU arrays run on the CUDA stream 
 (nccl, ipc: enqueued, no host synchronisation; host, cuda-aware: the call waits for the stream), as
 ``backend="auto"`` decides. Calls are ordered (every rank runs them in program order), checked across
 ranks when the program is compiled (MismatchError on every rank), differentiable (sum and avg) and
-``vmap``-able. Inside ``jax.shard_map`` over a mesh of every process (``init(distributed=True)``) they are
+``vmap``-able. ``broadcast`` and ``allgather`` work the same way (differentiable too). Inside
+``jax.shard_map`` over a mesh of every process (``init(distributed=True)``) they are
 XLA's own collectives (``lax.psum``). ``import mpigpu`` does not import JAX; ``import mpigpu.jax`` does,
 and starts nothing (no MPI, no JAX backend). See docs/jax.md.
 """
@@ -32,10 +33,10 @@ from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op, parse_op
 from mpigpu.jax._comms import comm_key
 from mpigpu.jax._device import init
-from mpigpu.jax._primitive import CompiledCall, allreduce_p, compiled_calls
-from mpigpu.jax._spmd import mesh_reduction
+from mpigpu.jax._primitive import CompiledCall, allgather_p, allreduce_p, broadcast_p, compiled_calls
+from mpigpu.jax._spmd import mesh_reduction, refuse_in_mesh
 
-__all__ = ["CompiledCall", "allreduce", "average_tree", "compiled_calls", "init"]
+__all__ = ["CompiledCall", "allgather", "allreduce", "average_tree", "broadcast", "compiled_calls", "init"]
 
 _DIFFERENTIABLE = (Op.SUM.value, Op.AVG.value)
 
@@ -48,14 +49,52 @@ def allreduce(x: Any, op: str | Op = "avg", *, comm: Any = None, backend: str = 
     the same calls in the same order with the same shape, dtype, op and backend; a mismatch raises
     MismatchError on every rank when the program is compiled."""
     op_ = parse_op(op)
-    if not isinstance(backend, str):
-        raise InvalidArgument(f"backend must be a string such as 'auto' or 'nccl', not {type(backend).__name__}")
-    if backend != "auto":
-        backend_class(backend)  # an unknown name fails here, on the caller's line
+    backend = _checked_backend(backend)
     in_mesh = mesh_reduction(op_, comm, backend)
     if in_mesh is not None:
         return in_mesh(x)
     return _allreduce(_as_jax(x, comm), op_.value, comm_key(comm), backend)
+
+
+def _checked_backend(backend: Any) -> str:
+    if not isinstance(backend, str):
+        raise InvalidArgument(f"backend must be a string such as 'auto' or 'nccl', not {type(backend).__name__}")
+    if backend != "auto":
+        backend_class(backend)  # an unknown name fails here, on the caller's line
+    return backend
+
+
+def _rank_and_size(comm: Any) -> tuple[int, int]:
+    from mpigpu.core._mpi import world
+
+    comm = world() if comm is None else comm
+    return comm.Get_rank(), comm.Get_size()
+
+
+def broadcast(x: Any, root: int = 0, *, comm: Any = None, backend: str = "auto") -> jax.Array:
+    """Rank ``root``'s ``x`` on every rank of ``comm`` (default: the world): a new array, like ``x``.
+
+    Inside ``jax.jit`` (and ``grad``, ``vmap``, ``lax.scan``) and outside it, ordered and checked across
+    ranks like ``allreduce`` (shape, dtype, root and backend must match). Differentiable: the gradient
+    reaching root's ``x`` is the sum of every rank's cotangent, the other ranks' is zero."""
+    from mpigpu.collectives import check_root
+
+    rank, size = _rank_and_size(comm)
+    root = check_root(root, size)
+    backend = _checked_backend(backend)
+    refuse_in_mesh("broadcast", "jax.lax.all_gather(x, axis)[root]")
+    return _broadcast(_as_jax(x, comm), root, rank, comm_key(comm), backend)
+
+
+def allgather(x: Any, *, comm: Any = None, backend: str = "auto") -> jax.Array:
+    """Every rank's ``x`` concatenated along the first dimension, in rank order: a new array of
+    ``size * x.shape[0]`` rows. Inside jit every rank passes the same shape (static shapes); outside jit
+    too (``mpigpu.allgather`` takes rows that differ). Ordered, checked and differentiable like
+    ``allreduce``: a rank's gradient is its own rows of the sum of every rank's cotangent."""
+    rank, size = _rank_and_size(comm)
+    backend = _checked_backend(backend)
+    refuse_in_mesh("allgather", "jax.lax.all_gather(x, axis, tiled=True)")
+    return _allgather(_as_jax(x, comm), rank, size, comm_key(comm), backend)
 
 
 def _as_jax(x: Any, comm: Any) -> Any:
@@ -92,6 +131,43 @@ def _allreduce_bwd(op: str, key: int, backend: str, _: None, cotangent: jax.Arra
 
 
 _allreduce.defvjp(_allreduce_fwd, _allreduce_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _broadcast(x: jax.Array, root: int, rank: int, key: int, backend: str) -> jax.Array:
+    return broadcast_p.bind(x, root=root, comm=key, backend=backend)
+
+
+def _broadcast_fwd(x: jax.Array, root: int, rank: int, key: int, backend: str) -> tuple[jax.Array, None]:
+    return _broadcast(x, root, rank, key, backend), None
+
+
+def _broadcast_bwd(root: int, rank: int, key: int, backend: str, _: None, cotangent: jax.Array) -> tuple[jax.Array]:
+    """Every rank's y is root's x: dL/dx_root = sum_s dL_s/dy_s; the other ranks' x reach no output."""
+    total = _allreduce(cotangent, Op.SUM.value, key, backend)  # on every rank: a collective
+    return (total if rank == root else jnp.zeros_like(cotangent),)
+
+
+_broadcast.defvjp(_broadcast_fwd, _broadcast_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _allgather(x: jax.Array, rank: int, size: int, key: int, backend: str) -> jax.Array:
+    return allgather_p.bind(x, size=size, comm=key, backend=backend)
+
+
+def _allgather_fwd(x: jax.Array, rank: int, size: int, key: int, backend: str) -> tuple[jax.Array, None]:
+    return _allgather(x, rank, size, key, backend), None
+
+
+def _allgather_bwd(rank: int, size: int, key: int, backend: str, _: None, cotangent: jax.Array) -> tuple[jax.Array]:
+    """Rank r's rows appear in every rank's y: dL/dx_r = rows r of sum_s dL_s/dy_s."""
+    rows = cotangent.shape[0] // size
+    total = _allreduce(cotangent, Op.SUM.value, key, backend)
+    return (total[rank * rows : (rank + 1) * rows],)
+
+
+_allgather.defvjp(_allgather_fwd, _allgather_bwd)
 
 
 def average_tree(tree: Any, *, comm: Any = None, backend: str = "auto") -> Any:

@@ -60,7 +60,7 @@ def _backends_started() -> bool:
 
 def _restrict_to(index: int) -> None:
     """Before JAX starts: let it open GPU ``index`` only (a setting the user chose is respected if it agrees)."""
-    chosen = jax.config.jax_cuda_visible_devices
+    chosen = jax.config.values["jax_cuda_visible_devices"]
     if chosen not in ("all", str(index)):
         raise DeviceError(
             f"jax_cuda_visible_devices is {chosen!r}, but this rank's GPU is {index} (mpigpu.select_device()): "
@@ -75,13 +75,19 @@ def _jax_devices(platform: str) -> list[Any]:
 
 
 def _set_default(device: Any) -> None:
-    if jax.local_devices()[0] != device:
-        jax.config.update("jax_default_device", device)
+    """JAX's default device, set even where it already is the first (``jax_default_device`` then says so)."""
+    jax.config.update("jax_default_device", device)
+
+
+def _gpus_excluded() -> bool:
+    """True if JAX was told to run without GPUs (JAX_PLATFORMS / jax_platforms naming neither cuda nor gpu)."""
+    chosen = jax.config.values.get("jax_platforms")
+    return bool(chosen) and not {"cuda", "gpu"} & set(chosen.split(","))
 
 
 def _make_default(gpu: Any) -> Any:
     """After JAX started: the rank's device, made JAX's default. Raises DeviceError if JAX lacks it."""
-    if gpu is None:
+    if gpu is None or _gpus_excluded():
         device = _jax_devices("cpu")[0]
     else:
         try:
@@ -129,7 +135,8 @@ def init(comm: Any = None, *, distributed: bool = False) -> Any:
 
     Call it once, on every rank, before anything starts JAX (the first JAX array, ``jax.devices()``):
     JAX then opens only the rank's GPU. Called after JAX started, it makes the rank's GPU the default if
-    JAX has it, and otherwise raises DeviceError on every rank. ``distributed=True`` also starts JAX's
+    JAX has it, and otherwise raises DeviceError on every rank. Where JAX was told to run on the CPU
+    (``JAX_PLATFORMS=cpu``), the CPU is the rank's device. ``distributed=True`` also starts JAX's
     multi-process runtime over the world (needed for XLA's own collectives: ``jax.shard_map`` over a mesh
     of every process's device, where mpigpu.jax's calls become ``lax.psum``). Collective over ``comm``
     (default: the world); a later call returns the same device at once."""
@@ -155,14 +162,14 @@ def init(comm: Any = None, *, distributed: bool = False) -> Any:
             started = _backends_started()
             if distributed and started:
                 raise DeviceError(f"JAX's distributed runtime cannot start: JAX has already started; {FIX}")
-            if gpu is not None and not started:
+            if gpu is not None and not started and not _gpus_excluded():
                 _restrict_to(gpu.index)
         except Exception as exc:  # every rank must hear of it: the others are about to collect
             error = exc
         fail_together(comm, error, "mpigpu.jax.init")
         if distributed:
             try:
-                _start_distributed(comm, gpu)
+                _start_distributed(comm, None if _gpus_excluded() else gpu)
             except Exception as exc:
                 error = exc
             fail_together(comm, error, "mpigpu.jax.init (jax.distributed.initialize)")

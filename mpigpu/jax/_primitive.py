@@ -1,7 +1,8 @@
-"""The JAX primitive ``mpigpu_allreduce``: an ordered side effect, lowered to an XLA FFI custom call.
+"""The JAX primitives ``mpigpu_allreduce``, ``mpigpu_broadcast`` and ``mpigpu_allgather``: ordered side
+effects, each lowered to an XLA FFI custom call (one handler serves the three targets).
 
 Ordering. The primitive carries an *ordered* effect, so JAX threads one token through every
-``mpigpu_allreduce`` of a program (through ``lax.scan``/``while_loop`` bodies and ``cond`` branches
+mpigpu call of a program (through ``lax.scan``/``while_loop`` bodies and ``cond`` branches
 too) and between successive compiled programs (JAX's runtime tokens, handed from one program to the
 next without a host wait: mpigpu.jax._tokens). The custom call takes the token
 and returns the next one: a data dependency XLA can neither drop, duplicate nor reorder, also on the
@@ -49,15 +50,17 @@ from mpigpu.core.ops import Op
 from mpigpu.jax import _ffi
 from mpigpu.jax._comms import Channel, channel
 from mpigpu.jax._device import FIX
-from mpigpu.jax._handler import ATTRIBUTE, encode, execute
+from mpigpu.jax._handler import ATTRIBUTE, COLLECTIVES, encode, execute
 from mpigpu.jax._tokens import install as install_token_passing
+from mpigpu.job.check import COLLECTIVES as CHECKED
 from mpigpu.job.check import Signature, check_signature
 from mpigpu.job.device import GpuInfo
 from mpigpu.runtime.plan import Choice, choose_cached
 
-__all__ = ["EFFECT", "TARGET", "CompiledCall", "allreduce_p", "check_program_device", "compiled_calls"]
+__all__ = ["EFFECT", "TARGETS", "CompiledCall", "allgather_p", "allreduce_p", "broadcast_p", "check_program_device",
+           "compiled_calls"]  # fmt: skip
 
-TARGET = "mpigpu_allreduce"
+TARGETS = {name: f"mpigpu_{name}" for name in COLLECTIVES}  # collective -> FFI target (one handler for all)
 
 
 class CollectiveEffect(effects.Effect):
@@ -75,24 +78,51 @@ for _allowed in ("control_flow_allowed_effects", "custom_derivatives_allowed_eff
         getattr(effects, _allowed).add_type(CollectiveEffect)
 TOKENS_PASSED = install_token_passing(EFFECT)  # no host wait between programs (mpigpu.jax._tokens)
 
-allreduce_p = Primitive(TARGET)
-allreduce_p.def_impl(functools.partial(dispatch.apply_primitive, allreduce_p))
-dispatch.prim_requires_devices_during_lowering.add(allreduce_p)  # the lowering checks the program's device
+
+def _primitive(collective: str) -> Primitive:
+    p = Primitive(TARGETS[collective])
+    p.def_impl(functools.partial(dispatch.apply_primitive, p))
+    dispatch.prim_requires_devices_during_lowering.add(p)  # the lowering checks the program's device
+    return p
+
+
+allreduce_p, broadcast_p, allgather_p = (_primitive(c) for c in COLLECTIVES)
 
 
 @allreduce_p.def_effectful_abstract_eval
-def _abstract_eval(x: Any, **_: Any) -> tuple[Any, set[Any]]:
+def _same_shape(x: Any, **_: Any) -> tuple[Any, set[Any]]:
     return x, {EFFECT}
 
 
-def _batch(args: Any, dims: Any, **params: Any) -> tuple[Any, Any]:
-    """vmap: the reduction is elementwise, so a batched x is just a larger x (its batch axis stays put);
-    the lowering checks the batched element count across ranks."""
+broadcast_p.def_effectful_abstract_eval(_same_shape)
+
+
+@allgather_p.def_effectful_abstract_eval
+def _gathered(x: Any, *, size: int, **_: Any) -> tuple[Any, set[Any]]:
+    if not x.shape:
+        raise InvalidArgument("allgather concatenates along the first dimension, but x has none: pass x.reshape(1)")
+    return x.update(shape=(size * x.shape[0], *x.shape[1:])), {EFFECT}
+
+
+def _elementwise_batch(p: Primitive) -> Any:
+    def batch(args: Any, dims: Any, **params: Any) -> tuple[Any, Any]:
+        """vmap: an elementwise collective (allreduce, broadcast) of a batched x is that of a larger x (its
+        batch axis stays put); the lowering checks the batched element count across ranks."""
+        (x,), (dim,) = args, dims
+        return p.bind(x, **params), dim
+
+    return batch
+
+
+def _gather_batch(args: Any, dims: Any, **params: Any) -> tuple[Any, Any]:
+    """vmap: the batch axis goes second, so the ranks' rows still stack along the first axis."""
     (x,), (dim,) = args, dims
-    return allreduce_p.bind(x, **params), dim
+    return allgather_p.bind(jax.numpy.moveaxis(x, dim, 1), **params), 1
 
 
-batching.primitive_batchers[allreduce_p] = _batch
+batching.primitive_batchers[allreduce_p] = _elementwise_batch(allreduce_p)
+batching.primitive_batchers[broadcast_p] = _elementwise_batch(broadcast_p)
+batching.primitive_batchers[allgather_p] = _gather_batch
 
 
 # -- registration of the FFI handler -------------------------------------------------------------------------------
@@ -111,7 +141,8 @@ def _register(platform: str) -> None:
         if platform in _registered:
             return
         address = ctypes.cast(_HANDLER, ctypes.c_void_p).value
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(address), platform=XLA_PLATFORMS[platform])
+        for target in TARGETS.values():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(address), platform=XLA_PLATFORMS[platform])
         _registered.add(platform)
 
 
@@ -126,10 +157,11 @@ class CompiledCall:
     dtype: str
     count: int
     nbytes: int
-    op: str
+    op: str  # the reduction ("-" for broadcast and allgather)
     requested: str  # the backend argument: "auto" or a name
     backend: str
     reason: str
+    collective: str = "allreduce"  # or "broadcast", "allgather"
 
 
 _compiled: deque[CompiledCall] = deque(maxlen=256)
@@ -162,11 +194,13 @@ def check_program_device(axis_context: Any, gpu: GpuInfo | None, rank: int) -> N
         )
 
 
-def _choose_and_check(ch: Channel, aval: Any, op: Op, backend: str, platform: str, axis_context: Any) -> Choice:
+def _choose_and_check(
+    ch: Channel, aval: Any, op: Op, backend: str, platform: str, axis_context: Any, collective: str, root: int
+) -> Choice:
     """Choose the backend for this call and check, across ranks, that all agree (collective on the check
     communicator). A rank that cannot make the call raises its own error; the others MismatchError."""
     ctx = ch.ctx
-    name = "mpigpu.jax.allreduce"
+    name = f"mpigpu.jax.{collective}"
     try:
         on_gpu = platform != "cpu"
         if on_gpu and platform != "cuda":
@@ -179,7 +213,7 @@ def _choose_and_check(ch: Channel, aval: Any, op: Op, backend: str, platform: st
         dtype = parse_dtype(np.dtype(aval.dtype))
         spec = ArrayView(None, 0, tuple(int(d) for d in aval.shape), dtype, ctx.gpu.index if on_gpu else None,
                          True, "xla")  # fmt: skip
-        choice = choose_cached(ctx, spec, op, backend)
+        choice = choose_cached(ctx, spec, op, backend, collective)
         if on_gpu and choice.backend == "cuda-aware":
             if backend != "auto":
                 raise InvalidArgument(
@@ -187,20 +221,21 @@ def _choose_and_check(ch: Channel, aval: Any, op: Op, backend: str, platform: st
                     "open them for its IPC path (MPIDI_GPU_ipc_allgather_open) from 1 M elements up. Use "
                     "backend='auto', 'nccl', 'ipc' or 'host'."
                 )
-            host = choose_cached(ctx, spec, op, "host")  # raises if host staging cannot take it either
+            host = choose_cached(ctx, spec, op, "host", collective)  # raises if host staging cannot take it either
             choice = Choice(host.backend, "a CUDA-aware MPI is not used on XLA's buffers; host staging instead")
         signature = Signature(
-            spec.size, dtype.code, op.code, backend_code(choice.backend), int(on_gpu), shape=spec.shape
-        )
+            spec.size, dtype.code, op.code if collective == "allreduce" else 0, backend_code(choice.backend),
+            int(on_gpu), shape=spec.shape, collective=CHECKED.index(collective), root=root,
+        )  # fmt: skip
     except Exception as exc:  # any failure here must reach the other ranks, which are in the check
         with contextlib.suppress(MismatchError), _watched(ch, f"{name} (reporting an invalid call)"):
             check_signature(ch.check, Signature(0, 0, 0, 0, 0, error=f"{type(exc).__name__}: {exc}"), name)
         raise
     with _watched(ch, f"{name} of {spec.size} {dtype.name} (cross-rank check while compiling)"):
         check_signature(ch.check, signature, name, backend_name=choice.backend)
-    _compiled.append(
-        CompiledCall(platform, dtype.name, spec.size, spec.nbytes, op.value, backend, choice.backend, choice.reason)
-    )
+    reduction = op.value if collective == "allreduce" else "-"
+    _compiled.append(CompiledCall(platform, dtype.name, spec.size, spec.nbytes, reduction, backend, choice.backend,
+                                  choice.reason, collective))  # fmt: skip
     if ctx.settings.log and ctx.rank == 0:
         sys.stderr.write(f"mpigpu.jax: {spec.nbytes} B {dtype.name} on {spec.where} -> {choice.backend} "
                          f"({choice.reason})\n")  # fmt: skip
@@ -219,33 +254,37 @@ def _ir_type(ctx: Any, aval: Any) -> Any:
     return mlir.aval_to_ir_type(aval)
 
 
-def _lowering(ctx: Any, x: Any, *, op: str, comm: int, backend: str) -> list[Any]:
-    (aval,) = ctx.avals_in
-    platforms = tuple(ctx.module_context.platforms)
-    if len(platforms) != 1:
-        raise InvalidArgument(f"mpigpu.jax compiles for one platform at a time, got {platforms}")
-    platform = platforms[0]
-    op_ = Op(op)
-    choice = _choose_and_check(channel(comm), aval, op_, backend, platform, ctx.module_context.axis_context)
-    _register(platform)
-    layout = tuple(range(len(aval.shape) - 1, -1, -1))  # row-major, minor-to-major
-    build = jax.ffi.build_ffi_lowering_function(
-        TARGET,
-        skip_ffi_layout_processing=True,
-        has_side_effect=True,
-        result_types=[mlir.token_type(), _ir_type(ctx, aval)],
-        operand_layouts=[(), layout],
-        result_layouts=[(), layout],
-    )
-    call = build(
-        ctx,
-        ctx.tokens_in.get(EFFECT),
-        x,
-        **{ATTRIBUTE: np.int64(encode(op_, choice.backend, platform != "cpu", comm))},
-    )
-    token, out = call.results
-    ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({EFFECT: token})))
-    return [out]
+def _lowering(collective: str) -> Any:
+    def lower(ctx: Any, x: Any, *, comm: int, backend: str, op: str = "sum", root: int = 0, size: int = 0) -> list[Any]:
+        (aval,), (out_aval,) = ctx.avals_in, ctx.avals_out
+        platforms = tuple(ctx.module_context.platforms)
+        if len(platforms) != 1:
+            raise InvalidArgument(f"mpigpu.jax compiles for one platform at a time, got {platforms}")
+        platform = platforms[0]
+        op_ = Op(op)
+        choice = _choose_and_check(channel(comm), aval, op_, backend, platform, ctx.module_context.axis_context,
+                                   collective, root)  # fmt: skip
+        _register(platform)
+        build = jax.ffi.build_ffi_lowering_function(
+            TARGETS[collective],
+            skip_ffi_layout_processing=True,
+            has_side_effect=True,
+            result_types=[mlir.token_type(), _ir_type(ctx, out_aval)],
+            operand_layouts=[(), _row_major(aval)],
+            result_layouts=[(), _row_major(out_aval)],
+        )
+        attribute = encode(op_, choice.backend, platform != "cpu", comm, collective, root)
+        call = build(ctx, ctx.tokens_in.get(EFFECT), x, **{ATTRIBUTE: np.int64(attribute)})
+        token, out = call.results
+        ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({EFFECT: token})))
+        return [out]
+
+    return lower
 
 
-mlir.register_lowering(allreduce_p, _lowering)
+def _row_major(aval: Any) -> tuple[int, ...]:
+    return tuple(range(len(aval.shape) - 1, -1, -1))  # minor-to-major
+
+
+for _collective, _p in zip(COLLECTIVES, (allreduce_p, broadcast_p, allgather_p), strict=True):
+    mlir.register_lowering(_p, _lowering(_collective))

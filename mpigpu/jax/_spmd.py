@@ -2,11 +2,12 @@
 
 Inside a ``shard_map`` over a mesh with one device per process and every process in it (what
 ``mpigpu.jax.init(distributed=True)`` sets up), a reduction over the world is a reduction over the
-mesh's manual axes: ``lax.psum``/``pmean``/``pmin``/``pmax``, which XLA compiles into its own
-collectives (NCCL on GPUs), scheduled with the rest of the program and dispatched on JAX's C++ path.
-mpigpu's FFI call cannot run there (one device per program), so anything else inside a ``shard_map``
-(several devices of one process, a mesh over part of the processes, a communicator other than the
-world, an op XLA has no collective for) is refused while tracing, on every rank alike.
+mesh's manual axes: ``lax.psum``/``pmin``/``pmax`` with mpigpu's semantics (avg: the sum divided once;
+float16 and bfloat16 summed in float32), which XLA compiles into its own collectives (NCCL on GPUs),
+scheduled with the rest of the program and dispatched on JAX's C++ path. mpigpu's FFI call cannot run
+there (one device per program), so anything else inside a ``shard_map`` (several devices of one
+process, a mesh over part of the processes, a communicator other than the world, an op XLA has no
+collective for) is refused while tracing, on every rank alike.
 """
 
 from __future__ import annotations
@@ -20,11 +21,38 @@ import jax
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op
 
-__all__ = ["manual_axes", "mesh_reduction"]
+__all__ = ["manual_axes", "mesh_reduction", "refuse_in_mesh"]
 
-_REDUCTIONS: dict[Op, Callable[[Any, Any], Any]] = {
-    Op.SUM: jax.lax.psum, Op.AVG: jax.lax.pmean, Op.MIN: jax.lax.pmin, Op.MAX: jax.lax.pmax,
-}  # fmt: skip
+_XLA_OPS = (Op.SUM, Op.AVG, Op.MIN, Op.MAX)
+
+
+def _reduce_leaf(x: Any, op: Op, axes: tuple[str, ...], n: int) -> Any:
+    """One array reduced with mpigpu's semantics (mpigpu.core.ops), from XLA's collectives: float16 and
+    bfloat16 summed in float32 and rounded once; avg the sum divided once (integers: the exact mean,
+    truncated toward zero, summed in a type that cannot overflow)."""
+    import jax.numpy as jnp
+
+    x = jnp.asarray(x)
+    if op is Op.MIN:
+        return jax.lax.pmin(x, axes)
+    if op is Op.MAX:
+        return jax.lax.pmax(x, axes)
+    dtype = x.dtype
+    if dtype in (jnp.float16, jnp.bfloat16):
+        total = jax.lax.psum(x.astype(jnp.float32), axes)
+        return (total / n if op is Op.AVG else total).astype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        total = jax.lax.psum(x, axes)
+        return total / jnp.asarray(n, dtype) if op is Op.AVG else total
+    if op is Op.SUM:  # integers wrap, as in C and MPI
+        return jax.lax.psum(x, axes)
+    wide = jnp.int64 if jax.config.values["jax_enable_x64"] else jnp.int32
+    if dtype.itemsize >= jnp.dtype(wide).itemsize:
+        raise InvalidArgument(
+            f"mpigpu.jax inside jax.shard_map: avg of {dtype} needs a wider integer to sum in "
+            f"({'none exists' if wide == jnp.int64 else 'enable jax_enable_x64'}); use 'sum' and divide"
+        )
+    return jax.lax.div(jax.lax.psum(x.astype(wide), axes), jnp.asarray(n, wide)).astype(dtype)
 
 
 def manual_axes() -> tuple[str, ...]:
@@ -34,8 +62,8 @@ def manual_axes() -> tuple[str, ...]:
 
 
 def mesh_reduction(op: Op, comm: Any, backend: str) -> Callable[[Any], Any] | None:
-    """Inside ``shard_map``: the XLA collective that reduces across every process (a function of one
-    array or pytree). Outside: None (mpigpu's FFI call). Raises InvalidArgument where neither can."""
+    """Inside ``shard_map``: the XLA collectives that reduce across every process with mpigpu's semantics
+    (a function of one array or pytree). Outside: None (mpigpu's FFI call). Raises InvalidArgument where neither can."""
     axes = manual_axes()
     if not axes:
         return None
@@ -48,8 +76,7 @@ def mesh_reduction(op: Op, comm: Any, backend: str) -> Callable[[Any], Any] | No
             raise InvalidArgument(f"{where} reduces over the world only (the mesh's processes), not over {comm}")
     if backend != "auto":
         raise InvalidArgument(f"{where} runs XLA's own collective; backend must be 'auto', not {backend!r}")
-    reduce = _REDUCTIONS.get(op)
-    if reduce is None:
+    if op not in _XLA_OPS:
         raise InvalidArgument(f"{where}: XLA has no {op.value!r} collective; use 'sum', 'avg', 'min' or 'max'")
     shape = jax.sharding.get_abstract_mesh().shape
     mapped = math.prod(shape[a] for a in axes)
@@ -61,4 +88,10 @@ def mesh_reduction(op: Op, comm: Any, backend: str) -> Callable[[Any], Any] | No
             "mpigpu.jax.init(distributed=True) and map over Mesh(jax.devices(), ...); several devices per "
             "process are not supported"
         )
-    return lambda x: reduce(x, axes)
+    return lambda tree: jax.tree_util.tree_map(lambda x: _reduce_leaf(x, op, axes, mapped), tree)
+
+
+def refuse_in_mesh(name: str, instead: str) -> None:
+    """InvalidArgument inside ``shard_map`` for a call that has no XLA form here."""
+    if manual_axes():
+        raise InvalidArgument(f"mpigpu.jax.{name} is not supported inside jax.shard_map: use {instead} there")

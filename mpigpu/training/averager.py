@@ -293,8 +293,7 @@ class Averager:
             if spec.device is not None and (gpu is None or gpu.index != spec.device):
                 raise InvalidArgument(
                     f"arrays[{i}] is on GPU {spec.device}, but this rank is bound to "
-                    f"{gpu.describe() if gpu else 'no GPU'}: allocate on mpigpu.select_device().index "
-                    "(JAX: mpigpu.jax.init() before JAX starts)"
+                    f"{gpu.describe() if gpu else 'no GPU'}: allocate on mpigpu.select_device().index"
                 )
 
     def _check_layout(self, problem: MpigpuError | None) -> None:

@@ -30,6 +30,7 @@ from mpigpu.core.verify import count_wrong_host
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1)]
 
 BACKENDS = ["auto", "nccl", "ipc", "host"]  # cuda-aware is refused on XLA's buffers: see below
+STARTED_BEFORE_INIT: list[bool] = []  # whether JAX had started when the jx fixture called mpigpu.jax.init()
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,9 @@ def jx(ctx):
 
     if os.environ.get("MPIGPU_TEST_JAX_STARTED"):  # gpu-check's jax stage: JAX opened every GPU before init()
         jax.devices()
+    from jax._src import xla_bridge
+
+    STARTED_BEFORE_INIT.append(xla_bridge.backends_are_initialized())
     device = mj.init()
     if device.platform != "gpu":
         pytest.skip(f"JAX has no GPU backend here (init() returned {device})")
@@ -63,7 +67,8 @@ def test_init_binds_jax_to_the_ranks_gpu(ctx, jx, comm) -> None:
     assert jax.device_put(np.ones(3)).devices() == {device}
     assert jax.jit(lambda v: v + 1)(np.ones(3)).devices() == {device}
     gpus = jax.local_devices(backend="gpu")
-    assert gpus == [device] or jax.config.jax_default_device == device, gpus  # before JAX started: only its GPU
+    assert jax.config.jax_default_device == device
+    assert gpus == [device] or STARTED_BEFORE_INIT[-1], gpus  # init before JAX started: JAX opened its GPU only
     x = jnp.full(4, float(rank + 1), jnp.float32)
     assert np.array_equal(np.asarray(mpigpu.broadcast(x, comm=comm)), np.full(4, 1.0, np.float32))
     tree = {"w": np.arange(12, dtype=np.float32) * (rank + 1), "s": np.array([2 * rank], np.int32)}
@@ -120,6 +125,35 @@ def test_inside_jit_exact(ctx, jx, comm, backend: str, dtype: str, op: Op, count
     host = np.asarray(out)
     assert count_wrong_host(host, "exact", op, DTYPES[dtype], size) == 0
     _same_everywhere(comm, host)
+
+
+@pytest.mark.parametrize("backend", ["auto", "nccl", "host"])  # ipc does not broadcast or allgather
+def test_broadcast_and_allgather_inside_jit(ctx, jx, comm, backend: str) -> None:
+    """Issue 23: broadcast and allgather as FFI calls on XLA's stream, after a long producer in the same
+    program, exact and bitwise identical on every rank; their gradients through the allreduce."""
+    jax, mj, device = jx
+    _need(ctx, backend)
+    jnp = jax.numpy
+    rank, size = comm.Get_rank(), comm.Get_size()
+    root = size - 1
+    rows = [np.arange(3 * 1000, dtype=np.float32).reshape(1000, 3) % 251 + 1000 * r for r in range(size)]
+    big = jax.device_put(np.full((2048, 2048), 1e-4, np.float32), device)
+
+    @jax.jit
+    def f(v, m):
+        for _ in range(4):
+            m = jnp.tanh(m @ m)
+        v = v + 0 * jnp.sum(m)  # written after the long chain
+        return mj.broadcast(v, root, backend=backend), mj.allgather(v, backend=backend)
+
+    sent, gathered = f(jax.device_put(rows[rank], device), big)
+    assert sent.devices() == {device} and gathered.devices() == {device}
+    np.testing.assert_array_equal(np.asarray(sent), rows[root])
+    np.testing.assert_array_equal(np.asarray(gathered), np.concatenate(rows))
+    _same_everywhere(comm, gathered)
+    w = jax.device_put(np.ones(4, np.float32), device)
+    g = jax.jit(jax.grad(lambda u: jnp.sum(mj.allgather(u, backend=backend) * (rank + 1))))(w)
+    np.testing.assert_array_equal(np.asarray(g), np.full(4, size * (size + 1) / 2, np.float32))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -78,10 +78,11 @@ def test_numba_device_array(ctx, comm) -> None:
 
 def test_jax_gpu_array_returns_jax(ctx, comm) -> None:
     jax = pytest.importorskip("jax", reason="jax is not installed")
-    try:
-        device = jax.devices("gpu")[ctx.gpu.index]
-    except RuntimeError as exc:
-        pytest.skip(f"JAX has no GPU backend here: {exc}")
+    import mpigpu.jax as mj
+
+    device = mj.init()  # the rank's GPU (indexing jax.devices() by CUDA ordinal fails once init() ran first)
+    if device.platform != "gpu":
+        pytest.skip(f"JAX has no GPU backend here (init() returned {device})")
     host = _exact(5000, "float32", Op.AVG, comm)
     x = jax.device_put(host, device) * 1  # computed asynchronously by JAX
     result = mpigpu.allreduce(x)

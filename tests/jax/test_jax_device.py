@@ -140,10 +140,16 @@ def fresh_init(monkeypatch):
 def test_init_makes_the_ranks_device_the_default_and_is_idempotent(comm, fresh_init, monkeypatch) -> None:
     import jax.numpy as jnp
 
+    import mpigpu
     import mpigpu.jax as mj
 
+    gpu = mpigpu.select_device(comm)  # None here; on a GPU node (gpu-check's tests stage) the rank's GPU
     device = mj.init(comm)
-    assert device == jax.devices("cpu")[0] and jnp.zeros(2).devices() == {device}
+    if gpu is None:
+        assert device == jax.devices("cpu")[0]
+    else:
+        assert (device.platform, device.local_hardware_id) == ("gpu", gpu.index)
+    assert jnp.zeros(2).devices() == {device}
     from mpigpu.job import check
 
     monkeypatch.setattr(check, "fail_together", lambda *a: pytest.fail("a second init() communicated"))
@@ -160,6 +166,40 @@ def test_distributed_after_jax_started_fails_on_every_rank(comm, fresh_init) -> 
     with pytest.raises(DeviceError, match=r"JAX has already started.*mpigpu.jax.init\(\)"):
         mj.init(comm, distributed=True)
     assert fresh_init._bound == []
+
+
+@mpi
+def test_before_jax_starts_only_the_ranks_gpu_is_opened(comm, fresh_init, monkeypatch) -> None:
+    """Each rank bound to its own (fake) GPU, JAX not started yet: init() sets jax_cuda_visible_devices to
+    that GPU's index, and a value set beforehand that names another GPU fails on every rank; with JAX
+    told to run on the CPU (JAX_PLATFORMS=cpu), the CPU is the rank's device and nothing is restricted."""
+    import mpigpu.api
+    import mpigpu.jax as mj
+
+    rank = comm.Get_rank()
+    before, platforms = jax.config.values["jax_cuda_visible_devices"], jax.config.values["jax_platforms"]
+    defaults = []
+    monkeypatch.setattr(mpigpu.api, "select_device", lambda comm=None: _gpu(rank))
+    monkeypatch.setattr(fresh_init, "_backends_started", lambda: False)
+    monkeypatch.setattr(fresh_init, "_jax_devices", lambda platform: [FakeDevice("gpu", rank)])
+    monkeypatch.setattr(fresh_init, "_set_default", defaults.append)
+    try:
+        assert mj.init(comm) == FakeDevice("gpu", rank)
+        seen = jax.config.values["jax_cuda_visible_devices"]
+        monkeypatch.setattr(fresh_init, "_bound", [])
+        jax.config.update("jax_cuda_visible_devices", str(rank + 1))
+        with pytest.raises(DeviceError, match=f"jax_cuda_visible_devices is '{rank + 1}'"):
+            mj.init(comm)
+        jax.config.update("jax_cuda_visible_devices", before)
+        jax.config.update("jax_platforms", "cpu")
+        monkeypatch.setattr(fresh_init, "_jax_devices", lambda platform: [FakeDevice(platform, 0)])
+        assert mj.init(comm) == FakeDevice("cpu", 0)
+        unrestricted = jax.config.values["jax_cuda_visible_devices"]
+    finally:
+        jax.config.update("jax_cuda_visible_devices", before)
+        jax.config.update("jax_platforms", platforms)
+    assert seen == str(rank) and unrestricted == before
+    assert defaults == [FakeDevice("gpu", rank), FakeDevice("cpu", 0)]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -181,5 +221,5 @@ def test_jax_without_the_ranks_gpu_fails_on_every_rank(comm, fresh_init, monkeyp
     else:
         with pytest.raises(MismatchError, match="rank 1"):
             mj.init(comm)
-    assert fresh_init._bound == [] and defaults == ([FakeDevice("gpu", 0)] if rank == 0 else [])
-    assert comm.allreduce(1) == comm.Get_size()
+    assert comm.allreduce(1) == comm.Get_size()  # before the local checks: a rank that fails them cannot hang this
+    assert fresh_init._bound == [] and defaults == ([] if rank == 1 else [FakeDevice("gpu", 0)])

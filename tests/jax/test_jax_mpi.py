@@ -501,7 +501,7 @@ import mpigpu.jax as mj
 from mpigpu.jax import _handler
 def boom(*args):
     raise ValueError("boom from the handler")
-_handler._allreduce = boom
+_handler._run = boom
 try:
     np.asarray(jax.jit(lambda v: mj.allreduce(v, "sum"))(np.ones(3, np.float32)))
 except Exception as exc:
@@ -523,17 +523,19 @@ def test_handler_is_registered_under_xla_platform_names(monkeypatch) -> None:
     _primitive._register("cuda")
     _primitive._register("cpu")
     _primitive._register("cuda")  # once per platform
-    assert seen == [("mpigpu_allreduce", "CUDA"), ("mpigpu_allreduce", "cpu")]
+    targets = ["mpigpu_allreduce", "mpigpu_broadcast", "mpigpu_allgather"]
+    assert seen == [(t, "CUDA") for t in targets] + [(t, "cpu") for t in targets]
 
 
 def test_call_attribute_round_trips() -> None:
-    """The lowering packs op, backend, placement and communicator into one integer attribute (one read per
-    call in the handler instead of four); every combination decodes to what was packed."""
-    from mpigpu.backends import BACKEND_NAMES
-    from mpigpu.jax._handler import _decode, encode
+    """The lowering packs collective, op, root, backend, placement and communicator into one integer
+    attribute (one read per call in the handler instead of six); every combination decodes to what was packed."""
+    import itertools
 
-    for op in Op:
-        for backend in BACKEND_NAMES:
-            for gpu in (False, True):
-                for comm in (0, 1, 7, 1000, 2**40):
-                    assert _decode(encode(op, backend, gpu, comm)) == (op, backend, gpu, comm)
+    from mpigpu.backends import BACKEND_NAMES
+    from mpigpu.jax._handler import COLLECTIVES, _decode, encode
+
+    for op, backend, gpu, comm, collective, root in itertools.product(
+        Op, BACKEND_NAMES, (False, True), (0, 1, 7, 1000, 2**20), COLLECTIVES, (0, 1, 4095, 2**24 - 1)
+    ):
+        assert _decode(encode(op, backend, gpu, comm, collective, root)) == (op, backend, gpu, comm, collective, root)
