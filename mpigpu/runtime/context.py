@@ -30,7 +30,7 @@ from mpigpu.backends import BACKEND_NAMES, Availability, Backend, backend_class
 from mpigpu.core._mpi import MPI, LibraryInfo, library_info, world
 from mpigpu.core.config import ENV_VARS, Settings, disagreement
 from mpigpu.core.errors import BackendUnavailable, ConfigError, DeviceError, InvalidArgument, MismatchError, MpigpuError
-from mpigpu.job.check import Signature, check_signature, fail_together
+from mpigpu.job.check import Signature, check_signature, fail_together, mark_raised_everywhere
 from mpigpu.job.check_board import CheckBoard, open_board
 from mpigpu.job.detect import CudaAwareness, NcclInfo, detect_cuda_awareness, detect_nccl
 from mpigpu.job.device import GpuInfo, map_device
@@ -304,6 +304,7 @@ def announce_rejection(ctx: Context, exc: Exception) -> None:
         # watched: a rank that never arrives would leave this one waiting in the check
         with contextlib.suppress(MismatchError), ctx.watchdog.watch("allreduce (reporting an invalid call)"):
             check_signature(ctx.comm, Signature(0, 0, 0, 0, 0, error=f"{type(exc).__name__}: {exc}"))
+        mark_raised_everywhere(ctx.comm, exc)  # every other rank raises MismatchError for this call
 
 
 def _local_settings() -> tuple[Settings | None, ConfigError | None]:
