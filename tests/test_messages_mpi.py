@@ -13,7 +13,7 @@ import mpigpu
 from mpigpu.core.errors import ConfigError, MismatchError
 
 
-@pytest.mark.mpi(min_size=2)  # one rank copies without creating a backend
+@pytest.mark.mpi(min_size=2)  # one rank calls no backend: the host path is never made
 def test_a_host_depth_that_cannot_fit_is_named(comm, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(os.environ, "MPIGPU_HOST_DEPTH", "1000000")
     x = np.arange(1, 9, dtype=np.float64)

@@ -37,6 +37,7 @@ from mpigpu.backends.host_engine import DeviceEngine, Engine, GpuStaging, HostEn
 from mpigpu.backends.host_layout import ALIGN, PAGE, ChunkPlan, SegmentLayout, round_up, split_even
 from mpigpu.backends.host_reduce import CPU_BLOCK, INT_AVG_NODES, finish, internode, reduce_stacked
 from mpigpu.backends.mpi_moves import allgather_bytes, alltoall_bytes, broadcast_bytes, byte_counts, row_bytes
+from mpigpu.core.config import size_label
 from mpigpu.core.errors import BackendUnavailable, ConfigError, InvalidArgument, MpigpuError
 from mpigpu.core.ops import Op
 
@@ -68,8 +69,9 @@ class _SmallViews:
 
 
 # -- the backend ----------------------------------------------------------------------------------
-# auto's limit for host arrays: the measured crossover with MPICH's MPI_Allreduce, 2 and 4 ranks (docs/host.md)
-AUTO_HOST_MIN_BYTES = 32 << 20
+# auto's limit for host arrays: the measured crossover with the cpu backend (MPICH's MPI_Allreduce) on the
+# 2-core machine with no GPU, user calls (docs/host.md, bench/results/cpu-crossover-2026-11-25.txt)
+AUTO_HOST_MIN_BYTES = 256 << 10
 
 
 class HostBackend(Backend):
@@ -86,7 +88,7 @@ class HostBackend(Backend):
     @classmethod
     def auto_declines(cls, on_device: bool, nbytes: int) -> str | None:
         if not on_device and nbytes < AUTO_HOST_MIN_BYTES:
-            return f"message below {AUTO_HOST_MIN_BYTES >> 20} MiB (MPI_Allreduce is faster there)"
+            return f"message below {size_label(AUTO_HOST_MIN_BYTES)} (MPI_Allreduce is faster there)"
         return None
 
     def __init__(self, ctx: CommContext) -> None:

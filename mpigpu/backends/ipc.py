@@ -33,6 +33,7 @@ from mpigpu.backends.ipc_plan import (
 )
 from mpigpu.core._cuda import core_stream, cupy, require_cuda_core
 from mpigpu.core.errors import BackendUnavailable, CollectiveTimeout, DeviceError, MismatchError
+from mpigpu.core.exchange import allgather_text
 
 if TYPE_CHECKING:
     from mpigpu.core._cuda import StreamRef
@@ -139,10 +140,10 @@ class IpcBackend(Backend):
             return Availability(False, f"{ctx.size} ranks; the ipc kernel combines at most {MAX_RANKS} GPUs")
         comm = layout.node_comm
         assert ctx.gpu is not None
-        buses = comm.allgather(ctx.gpu.pci_bus_id)
+        buses = allgather_text(comm, ctx.gpu.pci_bus_id)
         if len(set(buses)) < len(buses):
             return Availability(False, "ranks share GPUs (MPIGPU_ALLOW_SHARED_GPU=1); ipc needs one GPU per rank")
-        problems = comm.allgather(_peer_problem(ctx, buses))
+        problems = allgather_text(comm, _peer_problem(ctx, buses) or "")  # "": none
         for rank, problem in enumerate(problems):
             if problem:
                 return Availability(False, f"node rank {rank}: {problem}")

@@ -15,6 +15,7 @@ from mpigpu.backends.base import Availability, Backend, CommContext
 from mpigpu.backends.device_scratch import DeviceScratch, by_keys_or_parts, needs_keys_or_parts
 from mpigpu.backends.mpi_moves import byte_counts, row_bytes
 from mpigpu.core.errors import BackendUnavailable, InvalidArgument
+from mpigpu.core.exchange import allgather_text
 from mpigpu.job.check import fail_together
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ def distinct_gpus(ctx: CommContext) -> str | None:
     if not ctx.all_have_gpus:
         return "not every rank has a GPU"
     assert ctx.gpu is not None
-    owners = ctx.comm.allgather((ctx.layout.hostnames[ctx.rank], ctx.gpu.pci_bus_id))
+    owners = allgather_text(ctx.comm, f"{ctx.layout.hostnames[ctx.rank]} {ctx.gpu.pci_bus_id}")
     if len(set(owners)) != len(owners):
         return "several ranks share a GPU (MPIGPU_ALLOW_SHARED_GPU=1); NCCL needs one GPU per rank"
     return None

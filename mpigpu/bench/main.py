@@ -46,7 +46,7 @@ from mpigpu.bench.report import (
     side_by_side,
     summary_lines,
 )
-from mpigpu.bench.sweep import MAX_ITERS, TARGET_REP_S, Sweep, auto_paths, plan_paths
+from mpigpu.bench.sweep import MAX_ITERS, TARGET_REP_S, Interrupted, Sweep, auto_paths, plan_paths
 from mpigpu.cli import (
     Parser,
     choice_arg,
@@ -72,6 +72,11 @@ from mpigpu.runtime.tuning import size_label
 __all__ = ["build_parser", "main", "run", "size_list"]
 
 PATH_NAMES = ("auto", *BACKEND_NAMES, *ANCHORS)
+# The default sweep where only host arrays are timed (no GPU): about a minute and under 2 GB on a
+# 2-core machine (docs/bench.md), instead of 1 GiB in steps of 2 (minutes, ~10 GB).
+QUICK_MAX_BYTES = 64 << 20
+QUICK_STEP = 4
+INTERRUPTED_STATUS = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 # environment variables that change results, recorded in the JSON
 _ENV_PREFIXES = ("MPIGPU_", "NCCL_", "I_MPI_", "MPIR_CVAR_", "MPICH_", "OMPI_", "UCX_", "CUDA_VISIBLE_DEVICES")
 
@@ -100,9 +105,13 @@ def build_parser() -> Parser:
     sizes = parser.add_argument_group("sizes")
     sizes.add_argument("--min-bytes", "-b", type=count_arg, default=8, metavar="SIZE", help="smallest (default 8)")
     sizes.add_argument(
-        "--max-bytes", "-e", type=count_arg, default=1 << 30, metavar="SIZE", help="largest (default 1G)"
-    )
-    sizes.add_argument("--step-factor", "-f", type=positive_int, default=2, metavar="F", help="size step (default 2)")
+        "--max-bytes", "-e", type=count_arg, default=None, metavar="SIZE",
+        help=f"largest (default 1G with GPUs; {size_label(QUICK_MAX_BYTES)} where only host arrays are timed)",
+    )  # fmt: skip
+    sizes.add_argument(
+        "--step-factor", "-f", type=positive_int, default=None, metavar="F",
+        help=f"size step (default 2 with GPUs; {QUICK_STEP} where only host arrays are timed)",
+    )  # fmt: skip
     sizes.add_argument(
         "--sizes", type=comma_list(count_arg, "sizes"), default=None, metavar="LIST",
         help="comma-separated sizes to time instead of -b/-e/-f (8,64K,1M,...)",
@@ -186,9 +195,9 @@ def build_parser() -> Parser:
 def _check_args(parser: Parser, args: argparse.Namespace) -> None:
     if args.sizes is not None and any(size < 1 for size in args.sizes):
         parser.error("--sizes: every size must be at least 1 byte")
-    if args.min_bytes > args.max_bytes:
+    if args.max_bytes is not None and args.min_bytes > args.max_bytes:
         parser.error(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
-    if args.step_factor < 2:
+    if args.step_factor is not None and args.step_factor < 2:
         parser.error("--step-factor must be >= 2")
     if args.replot is not None and args.plot is None:
         parser.error("--replot needs --plot PATH.png")
@@ -384,6 +393,11 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     ctx = Context.get(world())
     rank = ctx.rank
     args.given_sizes = args.sizes
+    host_only = args.placement == "host" or (args.placement == "auto" and not ctx.all_have_gpus)
+    if args.max_bytes is None:
+        args.max_bytes = max(args.min_bytes, QUICK_MAX_BYTES if host_only else 1 << 30)
+    if args.step_factor is None:
+        args.step_factor = QUICK_STEP if host_only else 2
     if args.sizes is None:
         args.sizes = size_list(args.min_bytes, args.max_bytes, args.step_factor)
     else:
@@ -425,12 +439,16 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
                         print("\n".join(render_tables(found, sweep.measurements)))
                         sys.stdout.flush()
 
+    interrupted = False
     try:
-        sweep_all(paths)
-        if args.tune:
-            tuning = _tune(ctx, sweep, args, command)
-            if tuning is not None:
-                sweep_all([p for placement in placements for p in auto_paths(placement, args.calls)])
+        with sweep.stop_on_sigint():
+            sweep_all(paths)
+            if args.tune:
+                tuning = _tune(ctx, sweep, args, command)
+                if tuning is not None:
+                    sweep_all([p for placement in placements for p in auto_paths(placement, args.calls)])
+    except Interrupted:
+        interrupted = True
     finally:
         sweep.close()
 
@@ -442,6 +460,8 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     auto = auto_summary(measurements)
     ok = not failed
     if rank == 0:
+        if interrupted:
+            print(f"#\n# INTERRUPTED (Ctrl-C) after {len(measurements)} measurements: the results so far")
         print("\n".join(side_by_side(measurements, args.timing)))
         print("\n".join(summary_lines(checked, auto, sweep.unsupported, sweep.stopped, ctx.size)))
         sys.stdout.flush()
@@ -449,6 +469,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             "format": "mpigpu-bench/1",
             "collective": args.collective,
             "ok": ok,
+            "interrupted": interrupted,
             "date": now(),
             "command": command,
             "ranks": ctx.size,
@@ -472,7 +493,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             write_json(args.json, doc)
         if args.plot is not None:
             plot(doc, args.plot)
-    return 0 if ok else 1
+    return 1 if not ok else (INTERRUPTED_STATUS if interrupted else 0)
 
 
 def main(argv: list[str] | None = None) -> int:

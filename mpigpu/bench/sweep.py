@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from mpigpu.backends import BACKEND_NAMES
@@ -29,7 +31,7 @@ from mpigpu.core.ops import Op
 from mpigpu.core.timing import Result
 from mpigpu.runtime.tuning import size_label
 
-__all__ = ["MAX_ITERS", "TARGET_REP_S", "Sweep", "plan_paths"]
+__all__ = ["MAX_ITERS", "TARGET_REP_S", "Interrupted", "Sweep", "plan_paths"]
 
 TARGET_REP_S = 0.05  # adaptive iteration count: about this long per repetition
 MAX_ITERS = 1000
@@ -107,6 +109,10 @@ def _unsupported(ctx: Any, path: PathSpec, dtype: DType, op: Op, collective: str
 
 
 # -- measuring ----------------------------------------------------------------------------------
+class Interrupted(Exception):
+    """Ctrl-C (SIGINT) reached a rank: every rank stops the sweep at the same point."""
+
+
 class Sweep:
     """Runs the measurements of one benchmark (collective: every rank runs the same sequence)."""
 
@@ -119,6 +125,7 @@ class Sweep:
         self.measurements: list[Measurement] = []
         self.rechecks: list[Measurement] = []  # fastest backends re-timed beside auto
         self._anchors: dict[str, Any] = {}
+        self._sigint = False  # this rank got Ctrl-C (stop_on_sigint)
         self.cp_stream: Any = None
         self.stream: Any = None  # StreamRef of cp_stream
         self._torch_stream: Any = None
@@ -150,6 +157,30 @@ class Sweep:
             if torch is not None and torch.cuda.is_initialized():
                 torch.cuda.set_stream(torch.cuda.default_stream(self.ctx.gpu.index))
             self._torch_stream = None
+
+    @contextlib.contextmanager
+    def stop_on_sigint(self) -> Iterator[None]:
+        """Ctrl-C asks the sweep to stop after the measurement under way (Interrupted, on every rank at the
+        same size: the ranks agree before each one), so the command can print what it measured; a second
+        Ctrl-C interrupts at once."""
+
+        def handler(signum: int, frame: Any) -> None:
+            self._sigint = True
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            self.progress("Ctrl-C: stopping after this measurement to print the results so far (again: abort now)")
+
+        previous = signal.signal(signal.SIGINT, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _check_interrupt(self) -> None:
+        """Raise Interrupted on every rank if any rank got Ctrl-C (collective: one MPI_Allreduce)."""
+        from mpigpu.core._mpi import MPI
+
+        if self.comm.allreduce(int(self._sigint), op=MPI().MAX):
+            raise Interrupted
 
     def _anchor(self, name: str) -> Any:
         anchor = self._anchors.get(name)
@@ -209,6 +240,7 @@ class Sweep:
         what = f"{path.column} {PLACE_LABEL[path.placement]} {work.dtype.name} {opname} {mode}"
         limit = self.args.time_limit
         for i, count in enumerate(counts):
+            self._check_interrupt()
             sized = work.sized(count, op=op, inplace=inplace)
             m = self.measure(path, sized, op, inplace)
             if m is None:

@@ -31,7 +31,7 @@ from mpigpu.core.errors import MismatchError
 from mpigpu.core.ops import Op
 from mpigpu.job.check_board import FIELDS, board_for
 
-__all__ = ["COLLECTIVES", "Signature", "check_rows", "check_signature", "fail_together"]
+__all__ = ["COLLECTIVES", "Signature", "check_rows", "check_signature", "fail_together", "mark_raised_everywhere"]
 
 _FIELDS = ("failed", "count", "dtype", "op", "backend", "placement", "shape", "collective", "root")
 assert len(_FIELDS) == FIELDS, "the check board's slots hold one value per field"
@@ -197,7 +197,15 @@ def check_rows(comm: Any, sig: Signature, name: str = "allgather", backend_name:
 def _mismatch(comm: Any, sig: Signature, mine: list[int], name: str, failure: str, backend_name: str) -> NoReturn:
     """Every rank found a difference: gather the signatures and raise the same message everywhere (collective)."""
     gathered = comm.allgather((mine, sig.error, tuple(int(d) for d in sig.shape), backend_name))
-    raise MismatchError(_describe(name, gathered, failure))
+    raise mark_raised_everywhere(comm, MismatchError(_describe(name, gathered, failure)))
+
+
+def mark_raised_everywhere(comm: Any, error: BaseException) -> BaseException:
+    """Note on ``error`` that every rank of the job raises for this same call (``comm`` spans the job):
+    failsafe then reports it once and ends the ranks together, without MPI_Abort. Returns ``error``."""
+    if comm.Get_size() == MPI().COMM_WORLD.Get_size():
+        error.mpigpu_everywhere = True  # type: ignore[attr-defined]
+    return error
 
 
 def fail_together(comm: Any, error: BaseException | None, name: str) -> None:
@@ -208,5 +216,5 @@ def fail_together(comm: Any, error: BaseException | None, name: str) -> None:
         check_signature(comm, Signature(0, 0, 0, 0, 0, error=text), name, failure="failed")
     except MismatchError:
         if error is not None:
-            raise error from None
+            raise mark_raised_everywhere(comm, error) from None
         raise

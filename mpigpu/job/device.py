@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from mpigpu.core._cuda import visible_device_count
 from mpigpu.core.errors import DeviceError
+from mpigpu.core.exchange import allgather_ints, allgather_text
 from mpigpu.job.topology import Layout
 
 __all__ = ["GpuInfo", "map_device"]
@@ -61,7 +62,7 @@ def map_device(layout: Layout, allow_shared: bool) -> GpuInfo | None:
     """Pick this rank's GPU (collective over the physical node). None on machines without GPUs."""
     global _warned_shared
     visible = visible_device_count()
-    counts = layout.phys_comm.allgather(visible)
+    counts = [c for (c,) in allgather_ints(layout.phys_comm, [visible])]
     if visible == 0:
         if any(counts):
             raise DeviceError(
@@ -71,7 +72,7 @@ def map_device(layout: Layout, allow_shared: bool) -> GpuInfo | None:
             )
         return None
     info = _describe(layout.phys_rank % visible, visible)
-    bus_ids = layout.phys_comm.allgather(info.pci_bus_id)
+    bus_ids = allgather_text(layout.phys_comm, info.pci_bus_id)
     sharing = len(bus_ids) - len(set(bus_ids))
     if sharing:
         distinct = len(set(bus_ids))

@@ -36,6 +36,7 @@ TIMEOUT_EXIT_CODE = 124  # what GNU timeout returns, so scripts can tell a timeo
 _FORCE_EXIT_AFTER_S = 10.0  # if MPI_Abort itself does not end the process by then, exit anyway
 _GRACE_S = 2.0  # abort_before_start: time for rank 0 to end the job before another rank reports
 _FORWARD_S = 0.2  # after printing, before MPI_Abort: the launcher forwards the message (seen lost under load)
+_FINALIZE_WAIT_S = 10.0  # _end_together: the other ranks' MPI_Finalize, before aborting instead
 
 _abort_lock = threading.Lock()
 _previous_hook: Any = None  # a non-mpigpu sys.excepthook found at installation, called first
@@ -125,9 +126,57 @@ def _format(kind: type[BaseException], value: BaseException, tb: TracebackType |
     return "".join(traceback.format_exception(kind, value, tb)).rstrip()
 
 
+def _raised_everywhere(exc: BaseException) -> bool:
+    """Every rank of the job raised for the same call (mpigpu.job.check.mark_raised_everywhere)."""
+    return getattr(exc, "mpigpu_everywhere", False) is True
+
+
+def _end_together(exc: BaseException, tb: TracebackType | None, code: int) -> NoReturn:
+    """Every rank is ending with this call's error: print it once, a line from each other rank, and
+    end with MPI_Finalize, not MPI_Abort (whose banner, one per rank, would bury the message).
+
+    The rank whose own arguments failed prints its error; a rank that only learnt of it prints one
+    line naming it; where all ranks hold the same MismatchError, rank 0 prints it. If a rank does not
+    end after all (it caught the error), MPI_Finalize waits for it: the job is aborted after
+    _FINALIZE_WAIT_S."""
+    from mpigpu.core.errors import MismatchError
+
+    rank = _rank()
+    message = str(exc)
+    if not isinstance(exc, MismatchError):
+        sys.stderr.write(f"{_prefix()} {_format(type(exc), exc, tb)}\n")
+    elif " did not run: " in message.split("\n", 1)[0]:  # another rank failed: it prints its own error
+        sys.stderr.write(f"{_prefix()} {message.split(chr(10), 1)[0]}\n")
+    elif rank <= 0:
+        sys.stderr.write(f"{_prefix()} {_format(type(exc), exc, tb)}\n")
+    else:
+        sys.stderr.write(f"{_prefix()} stopped by the same MismatchError (printed by rank 0)\n")
+    for stream in (sys.stderr, sys.stdout):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    fallback = threading.Timer(
+        _FINALIZE_WAIT_S,
+        abort_job,
+        (f"{type(exc).__name__} raised on every rank, but a rank did not end within {_FINALIZE_WAIT_S:g} s: "
+         "aborting the job", code),
+    )  # fmt: skip
+    fallback.daemon = True
+    fallback.start()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None:
+        with contextlib.suppress(Exception):
+            if mpi.Is_initialized() and not mpi.Is_finalized():
+                mpi.COMM_WORLD.Barrier()
+                mpi.Finalize()
+    os._exit(code)
+
+
 def abort_for_exception(exc: BaseException, tb: TracebackType | None = None) -> NoReturn:
-    """Report ``exc`` (with its traceback, from ``tb`` if given) and end every rank of the job."""
+    """Report ``exc`` (with its traceback, from ``tb`` if given) and end every rank of the job: together
+    and reported once where every rank raised for the same call, else with MPI_Abort."""
     code = exit_code_of(exc)
+    if _raised_everywhere(exc) and _previous_hook is None:
+        _end_together(exc, tb if tb is not None else exc.__traceback__, code)
     if isinstance(exc, SystemExit):
         if isinstance(exc.code, str):
             sys.stderr.write(f"{exc.code}\n")

@@ -16,6 +16,7 @@ import numpy as np
 
 from mpigpu.core._mpi import MPI
 from mpigpu.core.errors import BackendUnavailable, MpigpuError
+from mpigpu.core.exchange import allgather_ints
 
 __all__ = ["SharedSegment"]
 
@@ -50,7 +51,7 @@ class SharedSegment:
         # The same file is mapped at page-aligned addresses, so every process finds the same
         # offset; checked, because every rank must use identical offsets.
         shift = (-base) % _PAGE
-        shifts = node_comm.allgather(shift)
+        shifts = [s for (s,) in allgather_ints(node_comm, [shift])]
         if len(set(shifts)) != 1:
             self._win.Free()
             raise BackendUnavailable(

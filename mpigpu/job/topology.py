@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpigpu.core._mpi import MPI
+from mpigpu.core.exchange import allgather_ints, allgather_text, allreduce_int
 
 __all__ = ["Layout", "build_layout"]
 
@@ -65,13 +66,14 @@ def build_layout(comm: Any, node_size: int | None) -> Layout:
         virtual = False
     local_rank, local_size = node.Get_rank(), node.Get_size()
     # Number nodes by their lowest world rank, so every rank agrees on the order.
-    leader = node.allreduce(rank, op=mpi.MIN)
-    leaders = sorted(set(comm.allgather(leader)))
+    leader = allreduce_int(node, rank, "min")
+    pairs = allgather_ints(comm, [leader, local_size])
+    leaders = sorted({ld for ld, _ in pairs})
     node_index = leaders.index(leader)
     num_nodes = len(leaders)
-    sizes_by_leader = dict(comm.allgather((leader, local_size)))
+    sizes_by_leader = dict(pairs)
     node_sizes = tuple(sizes_by_leader[ld] for ld in leaders)
-    hostnames = tuple(comm.allgather(socket.gethostname()))
+    hostnames = tuple(allgather_text(comm, socket.gethostname()))
     inter = comm.Split(color=local_rank, key=node_index) if num_nodes > 1 else None
     return Layout(
         comm=comm,

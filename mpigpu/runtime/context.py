@@ -30,7 +30,8 @@ from mpigpu.backends import BACKEND_NAMES, Availability, Backend, backend_class
 from mpigpu.core._mpi import MPI, LibraryInfo, library_info, world
 from mpigpu.core.config import ENV_VARS, Settings, disagreement
 from mpigpu.core.errors import BackendUnavailable, ConfigError, DeviceError, InvalidArgument, MismatchError, MpigpuError
-from mpigpu.job.check import Signature, check_signature, fail_together
+from mpigpu.core.exchange import allgather_ints, allreduce_int
+from mpigpu.job.check import Signature, check_signature, fail_together, mark_raised_everywhere
 from mpigpu.job.check_board import CheckBoard, open_board
 from mpigpu.job.detect import CudaAwareness, NcclInfo, detect_cuda_awareness, detect_nccl
 from mpigpu.job.device import GpuInfo, map_device
@@ -88,17 +89,17 @@ class Context:
             self.check_board = open_board(comm, None if self.layout.virtual else self.layout.phys_comm)
         self.gpu: GpuInfo | None = map_device(self.layout, self.settings.allow_shared_gpu)
         has_gpu = self.gpu is not None
-        self.all_have_gpus: bool = bool(comm.allreduce(int(has_gpu), op=MPI().MIN))
-        self.any_has_gpus: bool = bool(comm.allreduce(int(has_gpu), op=MPI().MAX))
+        self.all_have_gpus: bool = bool(allreduce_int(comm, int(has_gpu), "min"))
+        self.any_has_gpus: bool = bool(allreduce_int(comm, int(has_gpu), "max"))
 
         local = detect_cuda_awareness(comm, self.mpi_lib, self.settings.cuda_aware)
-        agreed = bool(comm.allreduce(int(local.aware), op=MPI().MIN))
+        agreed = bool(allreduce_int(comm, int(local.aware), "min"))
         if local.aware and not agreed:
             local = CudaAwareness(False, "not CUDA-aware on every rank", local.findings)
         self.cuda_aware: CudaAwareness = local
 
         nccl = detect_nccl(1 if self.all_have_gpus else 0)
-        if nccl.available and not comm.allreduce(int(nccl.available), op=MPI().MIN):
+        if nccl.available and not allreduce_int(comm, int(nccl.available), "min"):
             nccl = NcclInfo(False, nccl.version, "NCCL does not load on every rank")
         self.nccl: NcclInfo = nccl
 
@@ -115,7 +116,7 @@ class Context:
             local = backend_class(name).probe(self)
         except MpigpuError as exc:
             local = Availability(False, str(exc))
-        agreed = bool(self.comm.allreduce(int(local.ok), op=MPI().MIN))
+        agreed = bool(allreduce_int(self.comm, int(local.ok), "min"))
         if local.ok and not agreed:
             return Availability(False, "not available on every rank")
         return local
@@ -305,6 +306,7 @@ def announce_rejection(ctx: Context, exc: Exception) -> None:
         # watched: a rank that never arrives would leave this one waiting in the check
         with contextlib.suppress(MismatchError), ctx.watchdog.watch("allreduce (reporting an invalid call)"):
             check_signature(ctx.comm, Signature(0, 0, 0, 0, 0, error=f"{type(exc).__name__}: {exc}"))
+        mark_raised_everywhere(ctx.comm, exc)  # every other rank raises MismatchError for this call
 
 
 def _local_settings() -> tuple[Settings | None, ConfigError | None]:
@@ -320,7 +322,7 @@ def _agreed_settings(comm: Any, settings: Settings | None, error: ConfigError | 
     differs between ranks, instead of leaving the others waiting in the next collective."""
     fail_together(comm, error, "mpigpu start-up")
     assert settings is not None
-    problem = disagreement(comm.allgather(settings.agreed()))
+    problem = disagreement(_gather_agreed(comm, settings))
     if problem is not None:
         raise ConfigError(problem)
     if settings.abort_on_exception:
@@ -331,6 +333,13 @@ def _agreed_settings(comm: Any, settings: Settings | None, error: ConfigError | 
     if unknown and comm.Get_rank() == 0:  # a misspelt MPIGPU_TIMEOUT would otherwise leave timeouts off, silently
         sys.stderr.write(f"mpigpu: ignoring unknown variable(s) {', '.join(unknown)}; known: {', '.join(ENV_VARS)}\n")
     return settings
+
+
+def _gather_agreed(comm: Any, settings: Settings) -> list[tuple[tuple[str, object], ...]]:
+    """Every rank's ``Settings.agreed()`` (collective; integers, -1 for unset, in one MPI_Allgather)."""
+    names = [name for name, _ in settings.agreed()]
+    rows = allgather_ints(comm, [-1 if value is None else int(value) for _, value in settings.agreed()])  # type: ignore[call-overload]
+    return [tuple((name, None if v == -1 else v) for name, v in zip(names, row, strict=True)) for row in rows]
 
 
 def _delete_callback(comm: Any, keyval: int, ctx: Context) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from mpigpu.backends import BACKEND_NAMES
 from mpigpu.core.config import size_label
 from mpigpu.core.errors import ConfigError
+from mpigpu.core.exchange import bcast_text
 from mpigpu.core.privatefs import UntrustedPath, read_file, write_file
 
 if TYPE_CHECKING:
@@ -113,9 +114,10 @@ def load_tuning(ctx: TuningContext) -> TuningTable | None:
                 "Fix or remove the file, or write a new one with python -m mpigpu.bench --tune\n"
             )
             sys.stderr.flush()
-    entry = ctx.comm.bcast(entry, root=0)
-    if entry is None:
+    text = bcast_text(ctx.comm, None if entry is None else json.dumps(entry), root=0)
+    if text is None:
         return None
+    entry = json.loads(text)
     bands = {placement: [(edge, name) for edge, name in entries] for placement, entries in entry["bands"].items()}
     return TuningTable(signature=entry["signature"], bands=bands, source=entry["source"])
 
@@ -297,7 +299,7 @@ def install(ctx: TuningContext, bands: Bands, meta: dict[str, Any]) -> TuningTab
             write_entry(ctx.settings.tune_path, machine_signature(ctx), bands, meta)
         except ConfigError as exc:
             error = str(exc)
-    error = ctx.comm.bcast(error, root=0)
+    error = bcast_text(ctx.comm, error, root=0)
     if error is not None:
         raise ConfigError(error)
     ctx.tuning = load_tuning(ctx)
