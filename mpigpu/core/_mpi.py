@@ -9,13 +9,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from array import array
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from mpigpu.core.errors import MissingDependency
 
-__all__ = ["MPI", "LibraryInfo", "launcher_rank", "libmpi_path", "library_info", "world"]
+__all__ = ["MPI", "LibraryInfo", "allreduce_int", "launcher_rank", "libmpi_path", "library_info", "world"]
 
 _FIX = (
     "Install an MPI: `pip install 'mpigpu[mpi]'` bundles MPICH (laptops, CI); on a cluster load the "
@@ -49,6 +50,20 @@ def MPI() -> ModuleType:
 def world() -> Any:
     """The world communicator."""
     return MPI().COMM_WORLD
+
+
+def allreduce_int(comm: Any, value: int, op: Any) -> int:
+    """``comm.allreduce(value, op=op)`` for one integer, through a buffer (collective).
+
+    mpi4py's pickle-based ``comm.allreduce`` holds the GIL while it waits for the other ranks
+    (seen with mpi4py 4.1), so a thread waiting in it stops every other thread of its process:
+    with a communicator per thread, rank 0's thread A waits for rank 1's thread A, which cannot run
+    while rank 1's thread B waits in the same way for rank 0's thread B. ``Allreduce`` on a buffer
+    releases the GIL."""
+    mpi = MPI()
+    result = array("q", [0])
+    comm.Allreduce([array("q", [value]), mpi.INT64_T], [result, mpi.INT64_T], op)
+    return result[0]
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import struct
 import time
 from typing import Any
 
-from mpigpu.core._mpi import MPI
+from mpigpu.core._mpi import MPI, allreduce_int
 from mpigpu.core.errors import MpigpuError
 from mpigpu.job.shm import SharedSegment
 
@@ -134,14 +134,14 @@ def open_board(comm: Any, shared_comm: Any | None) -> CheckBoard | None:
     mpi = MPI()
     size = comm.Get_size()
     usable = shared_comm is not None and shared_comm != mpi.COMM_NULL and shared_comm.Get_size() == size
-    if not comm.allreduce(int(usable), op=mpi.MIN):
+    if not allreduce_int(comm, int(usable), mpi.MIN):
         return None  # spans nodes (or simulated: MPIGPU_NODE_SIZE): MPI_Allreduce
     board: CheckBoard | None = None
     try:
         board = CheckBoard(comm, shared_comm)
     except (MpigpuError, mpi.Exception):
         board = None
-    if not comm.allreduce(int(board is not None), op=mpi.MIN):
+    if not allreduce_int(comm, int(board is not None), mpi.MIN):
         if board is not None:
             board.close()
         return None

@@ -9,7 +9,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from mpigpu.core._mpi import MPI
+from mpigpu.core._mpi import MPI, allreduce_int
 
 __all__ = ["Layout", "build_layout"]
 
@@ -65,7 +65,7 @@ def build_layout(comm: Any, node_size: int | None) -> Layout:
         virtual = False
     local_rank, local_size = node.Get_rank(), node.Get_size()
     # Number nodes by their lowest world rank, so every rank agrees on the order.
-    leader = node.allreduce(rank, op=mpi.MIN)
+    leader = allreduce_int(node, rank, mpi.MIN)
     leaders = sorted(set(comm.allgather(leader)))
     node_index = leaders.index(leader)
     num_nodes = len(leaders)

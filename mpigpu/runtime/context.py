@@ -27,11 +27,12 @@ import threading
 from typing import Any, ClassVar
 
 from mpigpu.backends import BACKEND_NAMES, Availability, Backend, backend_class
-from mpigpu.core._mpi import MPI, LibraryInfo, library_info, world
+from mpigpu.core._mpi import MPI, LibraryInfo, allreduce_int, library_info, world
 from mpigpu.core.config import ENV_VARS, Settings, disagreement
 from mpigpu.core.errors import BackendUnavailable, ConfigError, DeviceError, InvalidArgument, MismatchError, MpigpuError
 from mpigpu.job.check import Signature, check_signature, fail_together
 from mpigpu.job.check_board import CheckBoard, open_board
+from mpigpu.job.creation import exclusive
 from mpigpu.job.detect import CudaAwareness, NcclInfo, detect_cuda_awareness, detect_nccl
 from mpigpu.job.device import GpuInfo, map_device
 from mpigpu.job.failsafe import Watchdog, install_default_handler
@@ -67,7 +68,7 @@ class Context:
         self._known_ids: list[int] = []  # its keys in Context._known
         self.check_board: CheckBoard | None = None
         label = f"mpigpu start-up (the first mpigpu call on a communicator of {comm.Get_size()} ranks; collective)"
-        with self.watchdog.watch(label):
+        with self.watchdog.watch(label), exclusive(comm):  # one creation at a time, in the same order everywhere
             # mpigpu's own duplicate: nothing the user does on ``comm`` can pair with its collectives
             self.comm = comm.Dup()
             try:
@@ -88,17 +89,17 @@ class Context:
             self.check_board = open_board(comm, None if self.layout.virtual else self.layout.phys_comm)
         self.gpu: GpuInfo | None = map_device(self.layout, self.settings.allow_shared_gpu)
         has_gpu = self.gpu is not None
-        self.all_have_gpus: bool = bool(comm.allreduce(int(has_gpu), op=MPI().MIN))
-        self.any_has_gpus: bool = bool(comm.allreduce(int(has_gpu), op=MPI().MAX))
+        self.all_have_gpus: bool = bool(allreduce_int(comm, int(has_gpu), MPI().MIN))
+        self.any_has_gpus: bool = bool(allreduce_int(comm, int(has_gpu), MPI().MAX))
 
         local = detect_cuda_awareness(comm, self.mpi_lib, self.settings.cuda_aware)
-        agreed = bool(comm.allreduce(int(local.aware), op=MPI().MIN))
+        agreed = bool(allreduce_int(comm, int(local.aware), MPI().MIN))
         if local.aware and not agreed:
             local = CudaAwareness(False, "not CUDA-aware on every rank", local.findings)
         self.cuda_aware: CudaAwareness = local
 
         nccl = detect_nccl(1 if self.all_have_gpus else 0)
-        if nccl.available and not comm.allreduce(int(nccl.available), op=MPI().MIN):
+        if nccl.available and not allreduce_int(comm, int(nccl.available), MPI().MIN):
             nccl = NcclInfo(False, nccl.version, "NCCL does not load on every rank")
         self.nccl: NcclInfo = nccl
 
@@ -115,7 +116,7 @@ class Context:
             local = backend_class(name).probe(self)
         except MpigpuError as exc:
             local = Availability(False, str(exc))
-        agreed = bool(self.comm.allreduce(int(local.ok), op=MPI().MIN))
+        agreed = bool(allreduce_int(self.comm, int(local.ok), MPI().MIN))
         if local.ok and not agreed:
             return Availability(False, "not available on every rank")
         return local
@@ -256,7 +257,8 @@ class Context:
         assert available is not None
         if not available.ok:
             raise BackendUnavailable(f"backend {name!r} is not available here: {available.reason}")
-        instance = backend_class(name)(self)
+        with exclusive(self.comm):  # it may make communicators or shared windows
+            instance = backend_class(name)(self)
         self._backends[name] = instance
         return instance
 
@@ -274,6 +276,14 @@ class Context:
         if self.async_worker is not None:  # queued calls finish before their backends are freed
             self.async_worker.close()
             self.async_worker = None
+        if self.comm is None or MPI().Is_finalized():
+            self._free()  # nothing collective left to order (a failed start-up, or after MPI_Finalize)
+            return
+        # watched, and in the same order on every rank as the creations (see exclusive)
+        with self.watchdog.watch("mpigpu teardown (closing a context; collective)"), exclusive(self.comm):
+            self._free()
+
+    def _free(self) -> None:
         for instance in reversed(list(getattr(self, "_backends", {}).values())):
             try:
                 instance.close()
