@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if timeout is not None:
         os.environ["MPIGPU_TIMEOUT"] = timeout
-    failsafe.install_abort_handler(threads=True)
+    failsafe.install_abort_handler()
     _end_job_on_sigint()
     try:
         _execute(kind, target, program_argv)

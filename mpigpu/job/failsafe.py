@@ -2,8 +2,8 @@
 
 Both end the job with ``MPI_Abort``, which every MPI launcher turns into the end of all ranks, with
 the failing rank's message on stderr. This is the behaviour of ``python -m mpi4py``, applied to
-mpigpu's commands, to user scripts run through ``python -m mpigpu.run``, and (main thread only) to
-any program once mpigpu has started on a communicator (see ``install_abort_handler``).
+mpigpu's commands, to user scripts run through ``python -m mpigpu.run``, and to any program that
+imports mpigpu, once MPI runs with more than one rank (see ``hook_at_import``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ __all__ = [
     "abort_job",
     "abort_on_exception",
     "exit_code_of",
+    "hook_at_import",
     "install_abort_handler",
     "install_default_handler",
     "report_background_failure",
@@ -39,6 +40,8 @@ _FORWARD_S = 0.2  # after printing, before MPI_Abort: the launcher forwards the 
 
 _abort_lock = threading.Lock()
 _previous_hook: Any = None  # a non-mpigpu sys.excepthook found at installation, called first
+_previous_thread_hook: Any = None  # likewise for threading.excepthook
+_always = False  # install_abort_handler was called: abort whether or not MPI runs
 _brief = False  # mpigpu's commands: an MpigpuError prints its message only
 
 
@@ -154,14 +157,37 @@ def report_background_failure(exc: BaseException, what: str, *, abort: bool) -> 
         sys.stderr.flush()
 
 
+def _mpi_job_running() -> bool:
+    """MPI is up in this process with more than one rank: found without importing or starting it."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return False
+    try:
+        return bool(mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() > 1)
+    except Exception:
+        return False
+
+
+def _aborts() -> bool:
+    """Whether an uncaught exception now ends the job: always after ``install_abort_handler``;
+    else (the hook ``import mpigpu`` installs) once MPI runs with more than one rank, outside REPLs."""
+    return _always or (_mpi_job_running() and not _interactive())
+
+
 def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
     if isinstance(value, SystemExit) and exit_code_of(value) == 0:
+        return
+    if not _aborts():
+        (_previous_hook or sys.__excepthook__)(kind, value, tb)
         return
     abort_for_exception(value if value is not None else kind(), tb)
 
 
 def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
     if args.exc_type is SystemExit:
+        return
+    if not _aborts():
+        (_previous_thread_hook or threading.__excepthook__)(args)
         return
     abort_for_exception(args.exc_value or args.exc_type(), args.exc_traceback)
 
@@ -171,30 +197,60 @@ def _interactive() -> bool:
     return hasattr(sys, "ps1") or bool(sys.flags.interactive) or "IPython" in sys.modules
 
 
-def install_abort_handler(*, threads: bool = True) -> None:
-    """From now on, an uncaught exception on this rank ends every rank of the job with its traceback.
-
-    Without it, a rank that dies of an exception leaves the other ranks waiting in their next
-    collective until the job is killed. ``threads=True`` also covers exceptions in other threads.
-    A sys.excepthook installed before (a logger, a rich traceback) still runs first. Exit handlers
-    (atexit) do not run on the aborting rank. Idempotent. mpigpu calls it with ``threads=False``
-    when it first starts on a communicator, unless MPIGPU_ABORT_ON_EXCEPTION=0 or in a REPL/notebook."""
-    global _previous_hook
+def _hook() -> None:
+    """Make mpigpu's hooks sys.excepthook and threading.excepthook, keeping hooks installed before
+    (a logger, a rich traceback) to run first (idempotent)."""
+    global _previous_hook, _previous_thread_hook
     if sys.excepthook is not _excepthook:
         if sys.excepthook not in (sys.__excepthook__, None):
             _previous_hook = sys.excepthook
         sys.excepthook = _excepthook
-    if threads:
+    if threading.excepthook is not _thread_excepthook:
+        if threading.excepthook is not threading.__excepthook__:
+            _previous_thread_hook = threading.excepthook
         threading.excepthook = _thread_excepthook
-    with contextlib.suppress(Exception):  # a crash (SIGSEGV, SIGABRT) prints the Python stacks
-        if not faulthandler.is_enabled():
-            faulthandler.enable()
+
+
+def _opted_out() -> bool:
+    """MPIGPU_ABORT_ON_EXCEPTION=0 (or false, no, off); an invalid value is reported at start-up."""
+    return os.environ.get("MPIGPU_ABORT_ON_EXCEPTION", "").strip().lower() in ("0", "false", "no", "off")
+
+
+def hook_at_import() -> None:
+    """What ``import mpigpu`` does: install the hooks, which end the job on an uncaught exception (any
+    thread) only while MPI runs with more than one rank, outside REPLs; otherwise they pass the
+    exception on. Starts nothing and imports nothing. MPIGPU_ABORT_ON_EXCEPTION=0 turns it off."""
+    if not _opted_out():
+        _hook()
+
+
+def install_abort_handler() -> None:
+    """From now on, an uncaught exception on this rank ends every rank of the job with its traceback,
+    also before MPI has started.
+
+    ``import mpigpu`` already does so once MPI runs with more than one rank (``hook_at_import``);
+    call this to cover the rest (MPI started by mpigpu later, a REPL). A sys.excepthook installed
+    before still runs first; exceptions in any thread are covered. Exit handlers (atexit) do not
+    run on the aborting rank. Idempotent."""
+    global _always
+    _always = True
+    _hook()
+    _enable_faulthandler()
 
 
 def install_default_handler() -> None:
-    """What mpigpu does when it starts on a communicator: the main-thread handler, outside REPLs."""
+    """What mpigpu does when it starts on a communicator (unless MPIGPU_ABORT_ON_EXCEPTION=0): put the
+    hooks back if the program replaced them after ``import mpigpu``, and print the Python stacks on a
+    crash (SIGSEGV, SIGABRT) outside REPLs."""
+    _hook()
     if not _interactive():
-        install_abort_handler(threads=False)
+        _enable_faulthandler()
+
+
+def _enable_faulthandler() -> None:
+    with contextlib.suppress(Exception):
+        if not faulthandler.is_enabled():
+            faulthandler.enable()
 
 
 def abort_on_exception() -> None:
@@ -202,7 +258,7 @@ def abort_on_exception() -> None:
     prints its message only, without a traceback."""
     global _brief
     _brief = True
-    install_abort_handler(threads=True)
+    install_abort_handler()
 
 
 class _Watch:

@@ -172,6 +172,78 @@ def test_plain_script_with_install_abort_handler_covers_failures_before_first_ca
     ended_with(result, elapsed, "ValueError: boom on rank 1")
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_plain_script_aborts_on_an_exception_before_the_first_call(victim: Path, n: int) -> None:
+    """The hook ``import mpigpu`` installs: no mpigpu call, no install_abort_handler, no mpigpu.run."""
+    result, elapsed = timed(n, [str(victim), "raise", "0"])
+    ended_with(result, elapsed, "[mpigpu rank 1]", "ValueError: boom on rank 1", "aborting all ranks")
+    assert result.returncode == 1
+    output = result.stdout + result.stderr
+    assert output.count("Traceback (most recent call last)") == 1, f"the traceback once:\n{output}"
+    assert "done" not in result.stdout
+
+
+def test_plain_script_aborts_on_an_exception_in_a_thread_before_the_first_call(victim: Path) -> None:
+    result, elapsed = timed(2, [str(victim), "thread", "0"])
+    ended_with(result, elapsed, "[mpigpu rank 1]", "ZeroDivisionError", "aborting all ranks")
+    assert (result.stdout + result.stderr).count("Traceback (most recent call last)") == 1
+
+
+def test_a_hook_installed_before_import_runs_once_then_the_job_ends(tmp_path: Path) -> None:
+    script = tmp_path / "hooked.py"
+    script.write_text(
+        textwrap.dedent("""
+        import sys
+        def mine(kind, value, tb):
+            sys.stderr.write(f"my hook: {kind.__name__}: {value}\\n")
+        sys.excepthook = mine
+        import numpy as np, mpigpu
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.Get_rank() == 1:
+            raise KeyError("lost")
+        mpigpu.allreduce(np.ones(4))
+        """)
+    )
+    result, elapsed = timed(2, [str(script)])
+    ended_with(result, elapsed, "my hook: KeyError: 'lost'", "KeyError (reported above)", "aborting all ranks")
+    assert (result.stdout + result.stderr).count("my hook:") == 1
+
+
+def test_the_hook_at_import_can_be_turned_off(victim: Path) -> None:
+    """MPIGPU_ABORT_ON_EXCEPTION=0: rank 1 dies alone; rank 0 waits until MPIGPU_TIMEOUT ends it."""
+    result, elapsed = timed(
+        2, [str(victim), "raise", "0"], env={"MPIGPU_ABORT_ON_EXCEPTION": "0", "MPIGPU_TIMEOUT": "3"}
+    )
+    ended_with(result, elapsed, "ValueError: boom on rank 1", limit=30)
+    assert "aborting all ranks" not in result.stderr
+    assert "CollectiveTimeout" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("launch", ["alone", "one rank"])
+def test_the_hook_at_import_passes_exceptions_on_outside_a_multi_rank_job(tmp_path: Path, launch: str) -> None:
+    """Without MPI (or with one rank) an uncaught exception is Python's usual traceback and exit 1;
+    ``import mpigpu`` imports no mpi4py."""
+    script = tmp_path / "alone.py"
+    script.write_text(
+        "import sys, threading, mpigpu\n"
+        "from mpigpu.job import failsafe\n"
+        "assert sys.excepthook is failsafe._excepthook and threading.excepthook is failsafe._thread_excepthook\n"
+        "assert 'mpi4py' not in sys.modules, 'import mpigpu imported mpi4py'\n"
+        "if sys.argv[1] == 'one rank':\n"
+        "    from mpi4py import MPI\n"
+        "raise ValueError('plain')\n"
+    )
+    if launch == "alone":
+        result = subprocess.run(
+            [sys.executable, str(script), launch], capture_output=True, text=True, timeout=LAUNCH_LIMIT_S, cwd=ROOT
+        )
+    else:
+        result = run_mpi(1, [str(script), launch], timeout=LAUNCH_LIMIT_S)
+    assert result.returncode == 1, result.stderr
+    assert "ValueError: plain" in result.stderr and "aborting" not in result.stderr
+    assert "[mpigpu" not in result.stderr
+
+
 @pytest.mark.parametrize("enabled", ["1", "0"])
 def test_default_handler_can_be_turned_off(enabled: str) -> None:
     code = "import sys, mpigpu; mpigpu.select_device(); print('hooked', sys.excepthook is not sys.__excepthook__)"
