@@ -74,7 +74,7 @@ def _allreduce(ctx: Context, x: Buffer, out: Buffer, op: Op, backend: str, strea
         _copy(xv, ov, stream)
         return
     instance = ctx.backend(backend)  # created on first use: collective, in this thread's (token) order
-    if ctx.watchdog.timeout > 0:
+    if ctx.watchdog.on:
         with ctx.watchdog.watch(f"mpigpu.jax allreduce({backend}, {xv.dtype.name} x {xv.size}, op={op.value})"):
             instance.allreduce(xv, ov, op, stream)
     else:

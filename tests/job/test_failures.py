@@ -296,6 +296,68 @@ def test_timeout_covers_start_up(victim: Path) -> None:
     ended_with(result, elapsed, "CollectiveTimeout: mpigpu start-up", "MPIGPU_TIMEOUT=2 s", limit=20)
 
 
+# -- the stall report ----------------------------------------------------------------------------------
+# Rank 1 skips the second of three calls (or makes a fourth), then stays alive: the others wait.
+STALLER = """
+import sys, time
+import numpy as np
+import mpigpu
+from mpi4py import MPI
+mode, rank = sys.argv[1], MPI.COMM_WORLD.Get_rank()
+x = np.ones(8, np.float32)
+for i in range(4 if mode == "extra" and rank == 1 else 3):
+    if not (mode == "skip" and rank == 1 and i == 1):
+        mpigpu.allreduce(x, "sum")
+if rank == 1:
+    time.sleep(30)
+"""
+FAST_STALL = {"MPIGPU_STALL": "1", "MPIGPU_TIMEOUT": "4"}
+
+
+def _stalled_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if "stalled:" in line]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_skipped_call_is_reported_by_every_waiting_rank_then_the_job_ends(tmp_path: Path, n: int) -> None:
+    (tmp_path / "staller.py").write_text(STALLER)
+    result, elapsed = timed(n, [str(tmp_path / "staller.py"), "skip"], env=FAST_STALL)
+    ended_with(result, elapsed, "CollectiveTimeout", limit=30)
+    assert result.returncode == 124
+    lines = _stalled_lines(result.stderr)
+    waiting = [r for r in range(n) if r != 1]
+    assert sorted(line.split("]")[0] for line in lines) == [f"[mpigpu rank {r}" for r in waiting], result.stderr
+    checks = ", ".join("2" if r == 1 else "3" for r in range(n))
+    for line in lines:
+        assert "in allreduce of 8 float32" in line and "mpigpu call 3 on its communicator" in line, line
+        assert f"rank 1 has not reached argument check 3, where this rank is (checks by rank: {checks})" in line
+
+
+def test_one_call_more_on_one_rank_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "staller.py").write_text(STALLER)
+    result, elapsed = timed(2, [str(tmp_path / "staller.py"), "extra"], env=FAST_STALL)
+    ended_with(result, elapsed, "CollectiveTimeout", limit=30)
+    lines = [line for line in _stalled_lines(result.stderr) if line.startswith("[mpigpu rank 1]")]
+    assert len(lines) == 1, result.stderr
+    assert "mpigpu call 4 on its communicator of 2 ranks; rank 0 has not reached argument check 4" in lines[0]
+
+
+def test_without_the_check_board_the_report_says_it_does_not_know(tmp_path: Path) -> None:
+    (tmp_path / "staller.py").write_text(STALLER)
+    result, elapsed = timed(2, [str(tmp_path / "staller.py"), "skip"], env={**FAST_STALL, "MPIGPU_CHECK": "0"})
+    ended_with(result, elapsed, "CollectiveTimeout", limit=30)
+    lines = _stalled_lines(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("[mpigpu rank 0]"), result.stderr
+    assert "mpigpu call 3 on its communicator of 2 ranks; which ranks have not reached it is not known here" in lines[0]
+
+
+def test_the_stall_report_can_be_turned_off(tmp_path: Path) -> None:
+    (tmp_path / "staller.py").write_text(STALLER)
+    result, elapsed = timed(2, [str(tmp_path / "staller.py"), "skip"], env={**FAST_STALL, "MPIGPU_STALL": "0"})
+    ended_with(result, elapsed, "CollectiveTimeout", limit=30)
+    assert not _stalled_lines(result.stderr), result.stderr
+
+
 # -- mpigpu's commands, one rank given bad settings or options (MPMD launch) --------------------------
 def _mpmd(good: list[str], bad_env: dict[str, str] | None = None, bad_args: list[str] | None = None) -> list[str]:
     """Arguments for run_mpi(3, ...): ranks 0-2 run ``good``; a fourth rank runs the bad variant."""
