@@ -11,7 +11,8 @@ thread B.
 How: ``exclusive(comm)`` proceeds only once every rank of ``comm`` holds its own process lock at
 the same time. Each rank tries its lock without waiting and the ranks agree (one allreduce on
 ``comm``) whether all got it; if not, those that got it release it and all retry after a short
-random wait, so no rank ever waits for a lock while holding one. Two sections on communicators
+random wait (the same on every rank of ``comm``), so no rank ever waits for a lock while holding
+one. Two sections on communicators
 that share ranks therefore run in the same order on every rank they share: each rank's creation
 order (which ``finalize`` closes in) is the same as the others', and no two threads of a process
 make communicators at the same time.
@@ -40,14 +41,18 @@ def exclusive(comm: Any) -> Iterator[None]:
     """Run the body while every rank of ``comm`` holds its process-wide creation lock (collective)."""
     mpi = MPI()
     limit = _FIRST_WAIT_S
-    # the RNG of random.Random() is seeded per process and thread: the ranks' retries spread apart
-    rng = random.Random()
+    rng: random.Random | None = None
     while True:
         got = _LOCK.acquire(blocking=False)
         if allreduce_int(comm, int(got), mpi.MIN):
             break
         if got:
             _LOCK.release()
+        if rng is None:
+            # the same waits on every rank of comm, other waits on other communicators: its ranks
+            # retry together, apart from the other communicators' (random waits per rank took
+            # seconds to line up at 4 ranks of 8 threads each)
+            rng = random.Random(allreduce_int(comm, random.getrandbits(62), mpi.MAX))
         time.sleep(rng.uniform(0, limit))
         limit = min(2 * limit, _LONGEST_WAIT_S)
     try:

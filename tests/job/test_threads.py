@@ -62,16 +62,19 @@ sys.stdout.write(f"rank {rank}: {rounds} rounds of {threads} threads done\\n")
 """
 
 
-@pytest.mark.parametrize("check", ["1", "0"], ids=["check", "no-check"])
-def test_a_communicator_per_thread_never_hangs(tmp_path: Path, check: str) -> None:
+@pytest.mark.parametrize(
+    ("n", "rounds", "check"),
+    [(2, ROUNDS, "1"), (2, ROUNDS // 4, "0"), (4, 3, "1")],  # 4 ranks of 8 threads on 2 cores: ~5 s a round
+    ids=["2-ranks", "2-ranks-no-check", "4-ranks"],
+)
+def test_a_communicator_per_thread_never_hangs(tmp_path: Path, n: int, rounds: int, check: str) -> None:
     script = tmp_path / "threads.py"
     script.write_text(SCRIPT)
-    rounds = ROUNDS if check == "1" else ROUNDS // 4  # MPIGPU_CHECK=0: no check board to create
     start = time.monotonic()
     result = run_mpi(
-        2, [str(script), str(THREADS), str(rounds), str(ROUND_LIMIT_S)], timeout=120, env={"MPIGPU_CHECK": check}
+        n, [str(script), str(THREADS), str(rounds), str(ROUND_LIMIT_S)], timeout=120, env={"MPIGPU_CHECK": check}
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"after {time.monotonic() - start:.1f} s:\n{output}"
-    for rank in range(2):
+    for rank in range(n):
         assert f"rank {rank}: {rounds} rounds of {THREADS} threads done" in result.stdout, output
