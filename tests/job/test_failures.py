@@ -406,6 +406,7 @@ BAD_VALUES = {
     "MPIGPU_CUDA_AWARE": ["2", "yes please"],
     "MPIGPU_NODE_SIZE": ["0", "-1", "two"],
     "MPIGPU_TIMEOUT": ["-1", "nan", "inf", "10s", "2e10", "1000001"],  # 2e10 s overflowed the ipc kernel's ns counter
+    "MPIGPU_STALL": ["-1", "soon"],
     "MPIGPU_CHECK": ["maybe"],
     "MPIGPU_ABORT_ON_EXCEPTION": ["sometimes"],
     "MPIGPU_ALLOW_SHARED_GPU": ["2"],
