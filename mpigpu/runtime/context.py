@@ -58,7 +58,7 @@ class Context:
     def __init__(self, comm: Any) -> None:
         settings, error = _local_settings()
         self.calls = 0  # mpigpu calls made on this communicator (Context.enter): the stall report names them
-        self.size = comm.Get_size()
+        self.size = comm.Get_size()  # also the size of its duplicate, self.comm
         # an invalid variable (settings None) fails start-up on every rank, watched with the defaults
         timeout, stall = (settings.timeout, settings.stall) if settings else (DEFAULT_TIMEOUT_S, DEFAULT_STALL_S)
         self.watchdog = Watchdog(timeout, stall, self._where)
@@ -71,7 +71,7 @@ class Context:
         self._calls = threading.RLock()  # held by the owner during a call; a refusal waits for it
         self._known_ids: list[int] = []  # its keys in Context._known
         self.check_board: CheckBoard | None = None
-        label = f"mpigpu start-up (the first mpigpu call on a communicator of {comm.Get_size()} ranks; collective)"
+        label = f"mpigpu start-up (the first mpigpu call on a communicator of {self.size} ranks; collective)"
         with self.watchdog.watch(label), exclusive(comm):  # one creation at a time, in the same order everywhere
             # mpigpu's own duplicate: nothing the user does on ``comm`` can pair with its collectives
             self.comm = comm.Dup()
@@ -84,7 +84,6 @@ class Context:
 
     def _start(self, comm: Any) -> None:
         self.rank = comm.Get_rank()
-        self.size = comm.Get_size()
         self.mpi_lib: LibraryInfo = library_info()
         self.layout: Layout = build_layout(comm, self.settings.node_size)
         # The cross-rank check through node-shared memory when every rank is on one (unsplit) node;
