@@ -3,7 +3,9 @@
     from mpigpu import allreduce
     allreduce(grad)                 # in place, averaged over all ranks, backend chosen by size
 
-Importing mpigpu starts nothing: MPI, CUDA and the GPU libraries load on first use.
+Importing mpigpu starts nothing: MPI, CUDA and the GPU libraries load on first use. It installs
+exception hooks that end every rank of the job when one rank dies of an uncaught exception while
+MPI runs with more than one rank (MPIGPU_ABORT_ON_EXCEPTION=0 turns them off).
 """
 
 from mpigpu._version import __version__
@@ -25,6 +27,7 @@ from mpigpu.core.timing import Result
 from mpigpu.exchange import alltoall, alltoall_async, reduce_scatter, reduce_scatter_async
 from mpigpu.handles import Handle, allreduce_async
 from mpigpu.ipc import IpcGraph, ipc_buffer, ipc_graph
+from mpigpu.job import failsafe as _failsafe
 from mpigpu.job.device import GpuInfo
 from mpigpu.job.failsafe import install_abort_handler
 from mpigpu.objects import allgather_object, broadcast_object
@@ -76,3 +79,5 @@ __all__ = [
     "reduce_scatter_async",
     "select_device",
 ]
+
+_failsafe.hook_at_import()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from threading import get_ident
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,13 @@ class Prepared:
     # for those very objects (a Prepared copied with another x, op or choice gets a new one)
     signature: Signature | None = None
     signed: tuple[Any, ...] = ()
+
+    def watch_label(self, phase: str) -> str:
+        """What the watchdog calls this call's ``phase`` ("check" or "data") when it reports it."""
+        x = self.x
+        if phase == "check":
+            return f"allreduce of {x.size} {x.dtype.name} (cross-rank argument check)"
+        return f"allreduce({self.choice.backend}, {x.dtype.name} x {x.size}, op={self.op.value})"
 
 
 def _output_for(x: ArrayView) -> tuple[ArrayView, Any, Any]:
@@ -158,6 +166,25 @@ def _prepare(ctx: Context, x: Any, op: Any, out: Any, backend: str, stream: Any)
     return prepared
 
 
+def _watched(ctx: Context, prepared: Prepared, phase: str) -> Any:
+    """Show the watchdog that this thread is in ``phase`` of ``prepared`` (Watchdog's protocol: a new
+    tuple in ``active``, named only if reported); return what was there, for ``_unwatched``. The
+    hot path's ``watch``: a third of its cost, no label formatted."""
+    active = ctx.watchdog.active
+    key = get_ident()
+    previous = active.get(key)
+    active[key] = (prepared, phase)
+    return previous
+
+
+def _unwatched(ctx: Context, previous: Any) -> None:
+    active = ctx.watchdog.active
+    if previous is None:
+        active.pop(get_ident(), None)
+    else:
+        active[get_ident()] = previous
+
+
 def check_call(prepared: Prepared) -> None:
     """The cross-rank check of a validated call: MismatchError on every rank unless all agree (collective)."""
     ctx, xv = prepared.ctx, prepared.x
@@ -167,9 +194,12 @@ def check_call(prepared: Prepared) -> None:
         if signature is None or signed[0] is not xv or signed[1] is not prepared.op or signed[2] is not prepared.choice:
             signature = _signature(xv, prepared.op, prepared.choice.backend)
         name = prepared.choice.backend
-        if ctx.watchdog.timeout > 0:  # a rank that never arrives would leave the others waiting here
-            with ctx.watchdog.watch(f"allreduce of {xv.size} {xv.dtype.name} (cross-rank argument check)"):
+        if ctx.watchdog.on:  # a rank that never arrives would leave the others waiting here
+            previous = _watched(ctx, prepared, "check")
+            try:
                 check_signature(ctx.comm, signature, backend_name=name)
+            finally:
+                _unwatched(ctx, previous)
         else:
             check_signature(ctx.comm, signature, backend_name=name)
 
@@ -207,11 +237,13 @@ def run(prepared: Prepared) -> Any:
             prepared.ctx.activate_gpu()
         _single_rank(prepared)
     elif prepared.x.size:
-        ctx, x = prepared.ctx, prepared.x
-        if ctx.watchdog.timeout > 0:  # creating the backend (first call) is collective too: watch it
-            label = f"allreduce({prepared.choice.backend}, {x.dtype.name} x {x.size}, op={prepared.op.value})"
-            with ctx.watchdog.watch(label):
+        ctx = prepared.ctx
+        if ctx.watchdog.on:  # creating the backend (first call) is collective too: watch it
+            previous = _watched(ctx, prepared, "data")
+            try:
                 _call_backend(prepared)
+            finally:
+                _unwatched(ctx, previous)
         else:
             _call_backend(prepared)
         if ctx.settings.log:

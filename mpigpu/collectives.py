@@ -91,7 +91,7 @@ def _check(ctx: Context, signature: Signature, backend: str, label: Any) -> None
     ``label()`` names the call for the watchdog (made only when one is set)."""
     if not ctx.settings.check:
         return
-    if ctx.watchdog.timeout > 0:  # a rank that never arrives would leave the others waiting here
+    if ctx.watchdog.on:  # a rank that never arrives would leave the others waiting here
         with ctx.watchdog.watch(f"{label()} (cross-rank argument check)"):
             check_signature(ctx.comm, signature, "broadcast", backend_name=backend)
     else:
@@ -104,7 +104,7 @@ def _rows(ctx: Context, signature: Signature, backend: str, label: Any) -> list[
     MPI_Allgather; MismatchError on every rank unless all agree."""
     if not ctx.settings.check:
         return _gather_rows(ctx, signature.root)
-    if ctx.watchdog.timeout > 0:
+    if ctx.watchdog.on:
         with ctx.watchdog.watch(f"{label()} (cross-rank argument check)"):
             rows = check_rows(ctx.comm, signature, "allgather", backend_name=backend)
     else:
@@ -154,7 +154,7 @@ def _copy(dst: ArrayView, src: ArrayView, stream: StreamRef | None) -> None:
 def _watched(ctx: Context, label: Any, action: Any, *args: Any) -> None:
     """``action(*args)``, watched (``label()`` names it) when a watchdog is set: creating the backend
     (first call) is collective too."""
-    if ctx.watchdog.timeout > 0:
+    if ctx.watchdog.on:
         with ctx.watchdog.watch(label()):
             action(*args)
     else:

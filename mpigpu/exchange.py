@@ -165,7 +165,7 @@ def _check(call: _Call, label: str) -> None:
     ctx = call.ctx
     if not ctx.settings.check:
         return
-    if ctx.watchdog.timeout > 0:  # a rank that never arrives would leave the others waiting here
+    if ctx.watchdog.on:  # a rank that never arrives would leave the others waiting here
         with ctx.watchdog.watch(f"{label} (cross-rank argument check)"):
             check_signature(ctx.comm, call.signature, call.name, backend_name=call.choice.backend)
     else:
@@ -199,7 +199,7 @@ def _received(ctx: Context, splits: list[int]) -> list[int]:
     from mpigpu.core._mpi import MPI
 
     mine, theirs = np.array(splits, np.int64), np.empty(ctx.size, np.int64)
-    if ctx.watchdog.timeout > 0:
+    if ctx.watchdog.on:
         with ctx.watchdog.watch("alltoall (exchanging the row counts)"):
             ctx.comm.Alltoall([mine, MPI().INT64_T], [theirs, MPI().INT64_T])
     else:

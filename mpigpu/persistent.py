@@ -79,7 +79,7 @@ class Request:
             return partial(_copy_single, prepared)
         if x.on_device:
             ctx.activate_gpu()
-        if ctx.watchdog.timeout > 0:
+        if ctx.watchdog.on:
             with ctx.watchdog.watch(f"allreduce_init: setting up the {prepared.choice.backend} backend"):
                 backend = ctx.backend(prepared.choice.backend)
         else:
@@ -153,7 +153,7 @@ class Request:
         ctx = self._ctx
         if self._on_device:
             ctx.activate_gpu()
-        if ctx.watchdog.timeout > 0:
+        if ctx.watchdog.on:
             with ctx.watchdog.watch(self._label):
                 self._launch(ref)
         else:
@@ -163,7 +163,7 @@ class Request:
         ctx = self._ctx
         if not ctx.settings.check:
             return
-        if ctx.watchdog.timeout > 0:
+        if ctx.watchdog.on:
             with ctx.watchdog.watch(f"{self._label} (cross-rank argument check)"):
                 check_signature(ctx.comm, self._signature, backend_name=self.backend)
         else:

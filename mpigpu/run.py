@@ -46,7 +46,7 @@ HELP = (
     options:
       -h, --help           show this help and exit
       --timeout SECONDS    abort the job when an mpigpu collective has not completed within
-                           SECONDS (sets MPIGPU_TIMEOUT; default: the variable's value, else off)
+                           SECONDS (sets MPIGPU_TIMEOUT; default: the variable's value, else 600; 0 = off)
       -m MODULE            run a module as __main__, like python -m
       -c CODE              run the code string as __main__, like python -c
 
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if timeout is not None:
         os.environ["MPIGPU_TIMEOUT"] = timeout
-    failsafe.install_abort_handler(threads=True)
+    failsafe.install_abort_handler()
     _end_job_on_sigint()
     try:
         _execute(kind, target, program_argv)

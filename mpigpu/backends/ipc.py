@@ -32,8 +32,9 @@ from mpigpu.backends.ipc_plan import (
     plan_launches,
 )
 from mpigpu.core._cuda import core_stream, cupy, require_cuda_core
+from mpigpu.core._mpi import MPI
 from mpigpu.core.errors import BackendUnavailable, CollectiveTimeout, DeviceError, MismatchError
-from mpigpu.core.exchange import allgather_text
+from mpigpu.core.exchange import allgather_text, allreduce_int
 
 if TYPE_CHECKING:
     from mpigpu.core._cuda import StreamRef
@@ -84,8 +85,6 @@ def _peer_problem(ctx: CommContext, buses: Sequence[str]) -> str | None:
 def _release(comm: Any, allocations: Sequence[SharedAllocation]) -> list[str]:
     """Free shared blocks (collective): wait for this GPU's work, unmap the peers' blocks, wait
     until every rank has done so (so no kernel still reads ours), then free. Returns the errors."""
-    from mpigpu.core._mpi import MPI
-
     errors = []
     try:
         cupy().cuda.runtime.deviceSynchronize()
@@ -187,7 +186,7 @@ class IpcBackend(Backend):
 
         self._module, sms = collective_step(self._comm, "setting up the ipc kernels", local_setup)
         # Launch shapes must be identical on every rank: agree on the smallest GPU.
-        self.max_blocks = int(self._comm.allreduce(min(DEFAULT_MAX_BLOCKS, sms), op=_mpi_min()))
+        self.max_blocks = allreduce_int(self._comm, min(DEFAULT_MAX_BLOCKS, sms), "min")
         self._main = SharedAllocation.create(self._comm, allocation_bytes(self._stage_bytes), "the ipc buffers")
         try:
             collective_step(self._comm, "initialising the ipc buffers", self._local_init)
@@ -424,9 +423,3 @@ class IpcBackend(Backend):
             "registered_buffers": len(self._regions),
             "barrier_timeout_s": self._timeout_ns / 1e9,
         }
-
-
-def _mpi_min() -> Any:
-    from mpigpu.core._mpi import MPI
-
-    return MPI().MIN

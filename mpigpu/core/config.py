@@ -14,21 +14,35 @@ from pathlib import Path
 
 from mpigpu.core.errors import ConfigError, InvalidArgument
 
-__all__ = ["ENV_VARS", "MAX_TIMEOUT_S", "Settings", "disagreement", "parse_count", "settings", "size_label"]
+__all__ = [
+    "DEFAULT_STALL_S",
+    "DEFAULT_TIMEOUT_S",
+    "ENV_VARS",
+    "MAX_TIMEOUT_S",
+    "Settings",
+    "disagreement",
+    "parse_count",
+    "settings",
+    "size_label",
+]
 
 # MPIGPU_TIMEOUT's upper bound: the ipc kernels count it in nanoseconds in a 64-bit integer (2**64 ns
 # is 584 years; 2e10 s and more overflow it). 1e6 s (11.6 days) is longer than any job's step.
 MAX_TIMEOUT_S = 1e6
+DEFAULT_TIMEOUT_S = 600.0  # torch.distributed's default: a hang ends the job, with a message, in 10 minutes
+DEFAULT_STALL_S = 60.0  # Horovod's stall check waits as long before it reports
 
 # name -> one-line description (used by --help texts, info and the README)
 ENV_VARS: dict[str, str] = {
     "MPIGPU_CUDA_AWARE": "0 or 1: override CUDA-awareness detection of the MPI library",
     "MPIGPU_NODE_SIZE": "N: split each node into virtual nodes of N ranks (runs the multi-node code on one machine)",
     "MPIGPU_TIMEOUT": "seconds, at most 1e6: abort the job if a collective has not completed in time "
-    "(0 = off, the default)",
+    f"(default {DEFAULT_TIMEOUT_S:g}; 0 = off)",
+    "MPIGPU_STALL": "seconds: a rank waiting this long in a collective prints which call it waits in and which "
+    f"ranks have not reached it (default {DEFAULT_STALL_S:g}; 0 = off)",
     "MPIGPU_CHECK": "1 (default) or 0: check on every call that all ranks pass the same count, dtype, op and backend",
     "MPIGPU_ABORT_ON_EXCEPTION": "1 (default) or 0: an uncaught exception on one rank aborts the whole job "
-    "(from mpigpu's first call on) instead of leaving the other ranks waiting",
+    "(from `import mpigpu` on, once MPI runs with more than one rank) instead of leaving the other ranks waiting",
     "MPIGPU_ALLOW_SHARED_GPU": "1: allow more ranks on a node than visible GPUs (ranks then share GPUs)",
     "MPIGPU_HOST_POOL_MB": "MiB: cap on the host path's pinned staging memory per rank (default 1024)",
     "MPIGPU_HOST_CHUNK": "bytes (e.g. 4M): the host path's pipeline chunk (default 4 MiB on GPUs, 16 MiB for NumPy)",
@@ -98,10 +112,10 @@ def _count(name: str, default: int | None, *, allow_zero: bool = False) -> int |
         raise ConfigError(f"{name}={value!r} is not valid: {ENV_VARS[name]}") from exc
 
 
-def _seconds(name: str) -> float:
+def _seconds(name: str, default: float) -> float:
     value = _raw(name)
     if value is None:
-        return 0.0
+        return default
     try:
         seconds = float(value)
     except ValueError:
@@ -143,7 +157,8 @@ class Settings:
 
     cuda_aware: bool | None = None
     node_size: int | None = None
-    timeout: float = 0.0
+    timeout: float = DEFAULT_TIMEOUT_S
+    stall: float = DEFAULT_STALL_S
     check: bool = True
     abort_on_exception: bool = True
     allow_shared_gpu: bool = False
@@ -158,8 +173,8 @@ class Settings:
     def agreed(self) -> tuple[tuple[str, object], ...]:
         """(variable, value) of the settings that change which collectives run, or which backend is
         chosen: they must be equal on every rank (checked when a communicator is first used).
-        Per-rank on purpose: MPIGPU_TIMEOUT and MPIGPU_ABORT_ON_EXCEPTION (how this rank reacts to a
-        failure), MPIGPU_LOG, MPIGPU_CACHE_DIR, MPIGPU_TUNE_FILE (rank 0 reads the table, then
+        Per-rank on purpose: MPIGPU_TIMEOUT, MPIGPU_STALL and MPIGPU_ABORT_ON_EXCEPTION (how this rank
+        reacts to a failure), MPIGPU_LOG, MPIGPU_CACHE_DIR, MPIGPU_TUNE_FILE (rank 0 reads the table, then
         broadcasts it)."""
         return (
             ("MPIGPU_CHECK", int(self.check)),
@@ -186,7 +201,8 @@ class Settings:
         return cls(
             cuda_aware=_opt_bool("MPIGPU_CUDA_AWARE"),
             node_size=_count("MPIGPU_NODE_SIZE", None),
-            timeout=_seconds("MPIGPU_TIMEOUT"),
+            timeout=_seconds("MPIGPU_TIMEOUT", DEFAULT_TIMEOUT_S),
+            stall=_seconds("MPIGPU_STALL", DEFAULT_STALL_S),
             check=_bool("MPIGPU_CHECK", True),
             abort_on_exception=_bool("MPIGPU_ABORT_ON_EXCEPTION", True),
             allow_shared_gpu=_bool("MPIGPU_ALLOW_SHARED_GPU", False),

@@ -81,7 +81,7 @@ def _run(ctx: Context, collective: str, x: Buffer, out: Buffer, op: Op, root: in
         action, args, what = instance.broadcast, (ov, root, stream), f"root={root}"
     else:  # allgather: every rank the same rows (static shapes)
         action, args, what = instance.allgather, (xv, ov, [xv.shape[0]] * ctx.size, stream), "equal rows"
-    if ctx.watchdog.timeout > 0:
+    if ctx.watchdog.on:
         with ctx.watchdog.watch(f"mpigpu.jax {collective}({backend}, {xv.dtype.name} x {xv.size}, {what})"):
             action(*args)
     else:

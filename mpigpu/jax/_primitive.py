@@ -244,7 +244,7 @@ def _choose_and_check(
 
 def _watched(ch: Channel, label: str) -> Any:
     watchdog = ch.ctx.watchdog
-    return watchdog.watch(label) if watchdog.timeout > 0 else contextlib.nullcontext()
+    return watchdog.watch(label) if watchdog.on else contextlib.nullcontext()
 
 
 def _ir_type(ctx: Any, aval: Any) -> Any:

@@ -94,6 +94,12 @@ class CheckBoard:
         mv = self._mv
         return [list(mv[slot + 1 : slot + 1 + FIELDS]) for slot in self._all[self.k & 1]]
 
+    def reached(self) -> list[int]:
+        """The last check number each rank has posted, in rank order (local; for the stall report:
+        a rank whose number is below ``k`` has not reached this rank's check)."""
+        mv = self._mv
+        return [max(mv[self._all[0][r]], mv[self._all[1][r]]) for r in range(self.size)]
+
     def close(self) -> None:
         """Free the segment (collective; idempotent)."""
         if board_for(self.comm) is self:

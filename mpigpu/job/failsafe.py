@@ -2,8 +2,8 @@
 
 Both end the job with ``MPI_Abort``, which every MPI launcher turns into the end of all ranks, with
 the failing rank's message on stderr. This is the behaviour of ``python -m mpi4py``, applied to
-mpigpu's commands, to user scripts run through ``python -m mpigpu.run``, and (main thread only) to
-any program once mpigpu has started on a communicator (see ``install_abort_handler``).
+mpigpu's commands, to user scripts run through ``python -m mpigpu.run``, and to any program that
+imports mpigpu, once MPI runs with more than one rank (see ``hook_at_import``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, NoReturn
 
@@ -27,6 +28,7 @@ __all__ = [
     "abort_job",
     "abort_on_exception",
     "exit_code_of",
+    "hook_at_import",
     "install_abort_handler",
     "install_default_handler",
     "report_background_failure",
@@ -38,8 +40,11 @@ _GRACE_S = 2.0  # abort_before_start: time for rank 0 to end the job before anot
 _FORWARD_S = 0.2  # after printing, before MPI_Abort: the launcher forwards the message (seen lost under load)
 _FINALIZE_WAIT_S = 10.0  # _end_together: the other ranks' MPI_Finalize, before aborting instead
 
+_get_ident = threading.get_ident  # bound once: the watch runs on every call
 _abort_lock = threading.Lock()
 _previous_hook: Any = None  # a non-mpigpu sys.excepthook found at installation, called first
+_previous_thread_hook: Any = None  # likewise for threading.excepthook
+_always = False  # install_abort_handler was called: abort whether or not MPI runs
 _brief = False  # mpigpu's commands: an MpigpuError prints its message only
 
 
@@ -203,14 +208,37 @@ def report_background_failure(exc: BaseException, what: str, *, abort: bool) -> 
         sys.stderr.flush()
 
 
+def _mpi_job_running() -> bool:
+    """MPI is up in this process with more than one rank: found without importing or starting it."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return False
+    try:
+        return bool(mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() > 1)
+    except Exception:
+        return False
+
+
+def _aborts() -> bool:
+    """Whether an uncaught exception now ends the job: always after ``install_abort_handler``;
+    else (the hook ``import mpigpu`` installs) once MPI runs with more than one rank, outside REPLs."""
+    return _always or (_mpi_job_running() and not _interactive())
+
+
 def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
     if isinstance(value, SystemExit) and exit_code_of(value) == 0:
+        return
+    if not _aborts():
+        (_previous_hook or sys.__excepthook__)(kind, value, tb)
         return
     abort_for_exception(value if value is not None else kind(), tb)
 
 
 def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
     if args.exc_type is SystemExit:
+        return
+    if not _aborts():
+        (_previous_thread_hook or threading.__excepthook__)(args)
         return
     abort_for_exception(args.exc_value or args.exc_type(), args.exc_traceback)
 
@@ -220,30 +248,60 @@ def _interactive() -> bool:
     return hasattr(sys, "ps1") or bool(sys.flags.interactive) or "IPython" in sys.modules
 
 
-def install_abort_handler(*, threads: bool = True) -> None:
-    """From now on, an uncaught exception on this rank ends every rank of the job with its traceback.
-
-    Without it, a rank that dies of an exception leaves the other ranks waiting in their next
-    collective until the job is killed. ``threads=True`` also covers exceptions in other threads.
-    A sys.excepthook installed before (a logger, a rich traceback) still runs first. Exit handlers
-    (atexit) do not run on the aborting rank. Idempotent. mpigpu calls it with ``threads=False``
-    when it first starts on a communicator, unless MPIGPU_ABORT_ON_EXCEPTION=0 or in a REPL/notebook."""
-    global _previous_hook
+def _hook() -> None:
+    """Make mpigpu's hooks sys.excepthook and threading.excepthook, keeping hooks installed before
+    (a logger, a rich traceback) to run first (idempotent)."""
+    global _previous_hook, _previous_thread_hook
     if sys.excepthook is not _excepthook:
         if sys.excepthook not in (sys.__excepthook__, None):
             _previous_hook = sys.excepthook
         sys.excepthook = _excepthook
-    if threads:
+    if threading.excepthook is not _thread_excepthook:
+        if threading.excepthook is not threading.__excepthook__:
+            _previous_thread_hook = threading.excepthook
         threading.excepthook = _thread_excepthook
-    with contextlib.suppress(Exception):  # a crash (SIGSEGV, SIGABRT) prints the Python stacks
-        if not faulthandler.is_enabled():
-            faulthandler.enable()
+
+
+def _opted_out() -> bool:
+    """MPIGPU_ABORT_ON_EXCEPTION=0 (or false, no, off); an invalid value is reported at start-up."""
+    return os.environ.get("MPIGPU_ABORT_ON_EXCEPTION", "").strip().lower() in ("0", "false", "no", "off")
+
+
+def hook_at_import() -> None:
+    """What ``import mpigpu`` does: install the hooks, which end the job on an uncaught exception (any
+    thread) only while MPI runs with more than one rank, outside REPLs; otherwise they pass the
+    exception on. Starts nothing and imports nothing. MPIGPU_ABORT_ON_EXCEPTION=0 turns it off."""
+    if not _opted_out():
+        _hook()
+
+
+def install_abort_handler() -> None:
+    """From now on, an uncaught exception on this rank ends every rank of the job with its traceback,
+    also before MPI has started.
+
+    ``import mpigpu`` already does so once MPI runs with more than one rank (``hook_at_import``);
+    call this to cover the rest (MPI started by mpigpu later, a REPL). A sys.excepthook installed
+    before still runs first; exceptions in any thread are covered. Exit handlers (atexit) do not
+    run on the aborting rank. Idempotent."""
+    global _always
+    _always = True
+    _hook()
+    _enable_faulthandler()
 
 
 def install_default_handler() -> None:
-    """What mpigpu does when it starts on a communicator: the main-thread handler, outside REPLs."""
+    """What mpigpu does when it starts on a communicator (unless MPIGPU_ABORT_ON_EXCEPTION=0): put the
+    hooks back if the program replaced them after ``import mpigpu``, and print the Python stacks on a
+    crash (SIGSEGV, SIGABRT) outside REPLs."""
+    _hook()
     if not _interactive():
-        install_abort_handler(threads=False)
+        _enable_faulthandler()
+
+
+def _enable_faulthandler() -> None:
+    with contextlib.suppress(Exception):
+        if not faulthandler.is_enabled():
+            faulthandler.enable()
 
 
 def abort_on_exception() -> None:
@@ -251,72 +309,120 @@ def abort_on_exception() -> None:
     prints its message only, without a traceback."""
     global _brief
     _brief = True
-    install_abort_handler(threads=True)
+    install_abort_handler()
 
 
 class _Watch:
-    """One watched operation (the context manager ``Watchdog.watch`` returns)."""
+    """One watched operation (the context manager ``Watchdog.watch`` returns): registered when made,
+    since ``with`` follows at once."""
 
-    __slots__ = ("dog", "key", "name", "previous")
+    __slots__ = ("active", "key", "previous")
 
-    def __init__(self, dog: Watchdog, name: str) -> None:
-        self.dog, self.name = dog, name
+    def __init__(self, active: dict[int, tuple[Any, ...]], what: tuple[Any, ...]) -> None:
+        key = self.key = _get_ident()
+        self.previous = active.get(key)
+        active[key] = what  # a new tuple per watch: the watchdog times it by identity
+        self.active = active
 
     def __enter__(self) -> None:
-        self.key = threading.get_ident()
-        self.previous = self.dog._active.get(self.key)
-        # nested: the innermost name, the outermost start
-        start = self.previous[1] if self.previous is not None else time.monotonic()
-        self.dog._active[self.key] = (self.name, start)
+        return None
 
     def __exit__(self, *exc: object) -> None:
         if self.previous is None:
-            self.dog._active.pop(self.key, None)
+            self.active.pop(self.key, None)
         else:
-            self.dog._active[self.key] = self.previous
+            self.active[self.key] = self.previous
 
 
 _NO_WATCH = contextlib.nullcontext()
 
 
+def _label(what: tuple[Any, ...]) -> str:
+    """The name of a watched operation: ``(name,)``, or ``(call, phase)`` for a call that names
+    itself only when reported (``call.watch_label(phase)``), so the hot path formats nothing."""
+    return what[0] if len(what) == 1 else what[0].watch_label(what[1])
+
+
 class Watchdog:
-    """Aborts the job when a watched operation runs longer than ``timeout`` seconds (0: never).
+    """Watches mpigpu's collectives on one communicator: after ``stall`` seconds in one, prints a
+    line saying where this rank waits and who has not arrived (``where()``); after ``timeout``
+    seconds, aborts the job (0 turns either off).
 
-    One daemon thread per watchdog, started on first use; ``watch`` costs a dict write per call
-    when a timeout is set and nothing at all when not."""
+    Cheap on every call: a watched thread only puts a new tuple in ``active`` (thread id -> what it
+    does) and takes it out after; the watchdog's thread, started with the first ``watch``, samples
+    ``active`` every ``period`` seconds and times each tuple from when it first saw it (so a report
+    comes up to one period late). Callers test ``on`` first: nothing at all is done when both are 0."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, stall: float = 0.0, where: Callable[[], str] | None = None) -> None:
         self.timeout = timeout
-        self._active: dict[int, tuple[str, float]] = {}  # thread id -> (operation, start)
+        self.stall = stall
+        self.on = timeout > 0 or stall > 0
+        self.period = min([1.0] + [max(0.05, t / 10) for t in (timeout, stall) if t > 0])
+        self._where = where
+        self.active: dict[int, tuple[Any, ...]] = {}  # thread id -> (name,) or (call, phase)
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
-    def _expired(self, name: str, thread_id: int, waited: float) -> NoReturn:
+    def _expired(self, what: tuple[Any, ...], thread_id: int, waited: float) -> NoReturn:
         frame = sys._current_frames().get(thread_id)
         stack = "".join(traceback.format_stack(frame)).rstrip() if frame is not None else "(not available)"
         abort_job(
-            f"CollectiveTimeout: {name} did not complete within MPIGPU_TIMEOUT={self.timeout:g} s "
+            f"CollectiveTimeout: {_label(what)} did not complete within MPIGPU_TIMEOUT={self.timeout:g} s "
             f"(waited {waited:.1f} s): another rank has failed, is stuck, or did not call it. "
             f"Aborting the job. Where this rank waited:\n{stack}",
             TIMEOUT_EXIT_CODE,
         )
 
-    def _run(self) -> None:
-        period = min(1.0, max(0.05, self.timeout / 10))
-        while True:
-            time.sleep(period)
-            now = time.monotonic()
-            for thread_id, (name, start) in self._active.copy().items():
-                if now - start > self.timeout:
-                    self._expired(name, thread_id, now - start)
+    def _stalled(self, what: tuple[Any, ...], waited: float) -> None:
+        """One line: the call this rank waits in, and which ranks have not reached it."""
+        where = ""
+        if self._where is not None:
+            try:
+                where = f", {self._where()}"
+            except Exception as exc:  # the report must never end the watchdog
+                where = f", (where the others are is not known: {exc})"
+        then = (
+            f"MPIGPU_TIMEOUT aborts the job at {self.timeout:g} s" if self.timeout > 0 else "MPIGPU_TIMEOUT=0: no abort"
+        )
+        sys.stderr.write(
+            f"{_prefix()} stalled: waiting {waited:.0f} s in {_label(what)}{where}. Every rank must make the same "
+            f"mpigpu calls in the same order; {then} (MPIGPU_STALL sets this report's delay).\n"
+        )
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
 
-    def watch(self, name: str) -> Any:
-        """A context manager: abort the job if its body has not finished after ``timeout`` seconds."""
-        if self.timeout <= 0:
-            return _NO_WATCH
+    def _run(self) -> None:
+        seen: dict[int, tuple[tuple[Any, ...], float, bool]] = {}  # thread id -> (what, first seen, reported)
+        while True:
+            time.sleep(self.period)
+            now = time.monotonic()
+            active = self.active.copy()
+            for thread_id in [t for t in seen if t not in active]:
+                del seen[thread_id]
+            for thread_id, what in active.items():
+                entry = seen.get(thread_id)
+                if entry is None or entry[0] is not what:
+                    seen[thread_id] = (what, now, False)
+                    continue
+                waited = now - entry[1]
+                if 0 < self.timeout < waited:
+                    self._expired(what, thread_id, waited)
+                if 0 < self.stall < waited and not entry[2]:
+                    seen[thread_id] = (what, entry[1], True)
+                    self._stalled(what, waited)
+
+    def start(self) -> None:
+        """Start the watchdog's thread (idempotent; ``watch`` calls it)."""
         if self._thread is None:
             with self._start_lock:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name="mpigpu-watchdog", daemon=True)
                     self._thread.start()
-        return _Watch(self, name)
+
+    def watch(self, name: str) -> Any:
+        """A context manager: report a stall, and abort the job if its body has not finished in time."""
+        if not self.on:
+            return _NO_WATCH
+        if self._thread is None:
+            self.start()
+        return _Watch(self.active, (name,))

@@ -28,11 +28,12 @@ from typing import Any, ClassVar
 
 from mpigpu.backends import BACKEND_NAMES, Availability, Backend, backend_class
 from mpigpu.core._mpi import MPI, LibraryInfo, library_info, world
-from mpigpu.core.config import ENV_VARS, Settings, disagreement
+from mpigpu.core.config import DEFAULT_STALL_S, DEFAULT_TIMEOUT_S, ENV_VARS, Settings, disagreement
 from mpigpu.core.errors import BackendUnavailable, ConfigError, DeviceError, InvalidArgument, MismatchError, MpigpuError
 from mpigpu.core.exchange import allgather_ints, allreduce_int
 from mpigpu.job.check import Signature, check_signature, fail_together, mark_raised_everywhere
 from mpigpu.job.check_board import CheckBoard, open_board
+from mpigpu.job.creation import exclusive
 from mpigpu.job.detect import CudaAwareness, NcclInfo, detect_cuda_awareness, detect_nccl
 from mpigpu.job.device import GpuInfo, map_device
 from mpigpu.job.failsafe import Watchdog, install_default_handler
@@ -57,7 +58,11 @@ class Context:
 
     def __init__(self, comm: Any) -> None:
         settings, error = _local_settings()
-        self.watchdog = Watchdog(settings.timeout if settings is not None else 0.0)
+        self.calls = 0  # mpigpu calls made on this communicator (Context.enter): the stall report names them
+        self.size = comm.Get_size()  # also the size of its duplicate, self.comm
+        # an invalid variable (settings None) fails start-up on every rank, watched with the defaults
+        timeout, stall = (settings.timeout, settings.stall) if settings else (DEFAULT_TIMEOUT_S, DEFAULT_STALL_S)
+        self.watchdog = Watchdog(timeout, stall, self._where)
         self.comm: Any = None
         self.layout: Layout | None = None
         self._closed = False
@@ -67,8 +72,8 @@ class Context:
         self._calls = threading.RLock()  # held by the owner during a call; a refusal waits for it
         self._known_ids: list[int] = []  # its keys in Context._known
         self.check_board: CheckBoard | None = None
-        label = f"mpigpu start-up (the first mpigpu call on a communicator of {comm.Get_size()} ranks; collective)"
-        with self.watchdog.watch(label):
+        label = f"mpigpu start-up (the first mpigpu call on a communicator of {self.size} ranks; collective)"
+        with self.watchdog.watch(label), exclusive(comm):  # one creation at a time, in the same order everywhere
             # mpigpu's own duplicate: nothing the user does on ``comm`` can pair with its collectives
             self.comm = comm.Dup()
             try:
@@ -80,7 +85,6 @@ class Context:
 
     def _start(self, comm: Any) -> None:
         self.rank = comm.Get_rank()
-        self.size = comm.Get_size()
         self.mpi_lib: LibraryInfo = library_info()
         self.layout: Layout = build_layout(comm, self.settings.node_size)
         # The cross-rank check through node-shared memory when every rank is on one (unsplit) node;
@@ -180,6 +184,7 @@ class Context:
         the wrong calls of the other ranks. Each refusal joins the cross-rank check with its error
         (between two calls of the owner, after the queued ones), so the other ranks raise
         MismatchError instead of waiting or pairing their data with another call."""
+        self.calls += 1
         ident = threading.get_ident()
         owner = self.owner
         if owner != ident and owner != ANY_THREAD:
@@ -200,6 +205,28 @@ class Context:
     def leave(self) -> None:
         """End a call started with ``enter``."""
         self._calls.release()
+
+    def _where(self) -> str:
+        """Which call this rank waits in and which ranks have not reached it (read by the watchdog's
+        thread: the check board's numbers, where there is one; never a guess where there is not)."""
+        text = f"mpigpu call {self.calls} on its communicator of {self.size} ranks"
+        board = getattr(self, "check_board", None)
+        if self.calls == 0:
+            return f"{text} (start-up); which ranks have not reached it is not known here"
+        if board is None:
+            return (
+                f"{text}; which ranks have not reached it is not known here (no node-shared check board: "
+                "MPIGPU_CHECK=0, or the ranks span nodes)"
+            )
+        reached = board.reached()
+        numbers = ", ".join(map(str, reached))
+        behind = [r for r, k in enumerate(reached) if k < board.k]
+        ahead = [r for r, k in enumerate(reached) if k > board.k]
+        parts = [f"{_ranks(behind)} not reached argument check {board.k}, where this rank is"] if behind else []
+        parts += [f"{_ranks(ahead)} made more calls"] if ahead else []
+        if not parts:
+            parts = [f"every rank has reached argument check {board.k}"]
+        return f"{text}; {'; '.join(parts)} (checks by rank: {numbers})"
 
     def _refuse(self, what: str) -> None:
         assert self._violation is not None
@@ -258,7 +285,8 @@ class Context:
         assert available is not None
         if not available.ok:
             raise BackendUnavailable(f"backend {name!r} is not available here: {available.reason}")
-        instance = backend_class(name)(self)
+        with exclusive(self.comm):  # it may make communicators or shared windows
+            instance = backend_class(name)(self)
         self._backends[name] = instance
         return instance
 
@@ -276,6 +304,14 @@ class Context:
         if self.async_worker is not None:  # queued calls finish before their backends are freed
             self.async_worker.close()
             self.async_worker = None
+        if self.comm is None or MPI().Is_finalized():
+            self._free()  # nothing collective left to order (a failed start-up, or after MPI_Finalize)
+            return
+        # watched, and in the same order on every rank as the creations (see exclusive)
+        with self.watchdog.watch("mpigpu teardown (closing a context; collective)"), exclusive(self.comm):
+            self._free()
+
+    def _free(self) -> None:
         for instance in reversed(list(getattr(self, "_backends", {}).values())):
             try:
                 instance.close()
@@ -294,6 +330,10 @@ class Context:
             with contextlib.suppress(Exception):
                 if not MPI().Is_finalized():
                     comm.Free()
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))} have"
 
 
 _TEST_VARIABLES = ("MPIGPU_REQUIRE_GPU",)  # read by the test suite, not by mpigpu

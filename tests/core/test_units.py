@@ -104,10 +104,12 @@ def test_invalid_environment_values_are_errors(monkeypatch: pytest.MonkeyPatch, 
 
 
 def test_settings_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("MPIGPU_CUDA_AWARE", "MPIGPU_NODE_SIZE", "MPIGPU_TIMEOUT", "MPIGPU_CHECK"):
+    for var in ("MPIGPU_CUDA_AWARE", "MPIGPU_NODE_SIZE", "MPIGPU_TIMEOUT", "MPIGPU_STALL", "MPIGPU_CHECK"):
         monkeypatch.delenv(var, raising=False)
     s = Settings.from_env()
-    assert s.cuda_aware is None and s.node_size is None and s.timeout == 0 and s.check
+    assert s.cuda_aware is None and s.node_size is None and s.check
+    # safe by default: a hang is reported after a minute and ends the job after 10 minutes
+    assert s.stall == 60 and s.timeout == 600
 
 
 # -- patterns and the verifier -------------------------------------------------------------------

@@ -172,6 +172,78 @@ def test_plain_script_with_install_abort_handler_covers_failures_before_first_ca
     ended_with(result, elapsed, "ValueError: boom on rank 1")
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_plain_script_aborts_on_an_exception_before_the_first_call(victim: Path, n: int) -> None:
+    """The hook ``import mpigpu`` installs: no mpigpu call, no install_abort_handler, no mpigpu.run."""
+    result, elapsed = timed(n, [str(victim), "raise", "0"])
+    ended_with(result, elapsed, "[mpigpu rank 1]", "ValueError: boom on rank 1", "aborting all ranks")
+    assert result.returncode == 1
+    output = result.stdout + result.stderr
+    assert output.count("Traceback (most recent call last)") == 1, f"the traceback once:\n{output}"
+    assert "done" not in result.stdout
+
+
+def test_plain_script_aborts_on_an_exception_in_a_thread_before_the_first_call(victim: Path) -> None:
+    result, elapsed = timed(2, [str(victim), "thread", "0"])
+    ended_with(result, elapsed, "[mpigpu rank 1]", "ZeroDivisionError", "aborting all ranks")
+    assert (result.stdout + result.stderr).count("Traceback (most recent call last)") == 1
+
+
+def test_a_hook_installed_before_import_runs_once_then_the_job_ends(tmp_path: Path) -> None:
+    script = tmp_path / "hooked.py"
+    script.write_text(
+        textwrap.dedent("""
+        import sys
+        def mine(kind, value, tb):
+            sys.stderr.write(f"my hook: {kind.__name__}: {value}\\n")
+        sys.excepthook = mine
+        import numpy as np, mpigpu
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.Get_rank() == 1:
+            raise KeyError("lost")
+        mpigpu.allreduce(np.ones(4))
+        """)
+    )
+    result, elapsed = timed(2, [str(script)])
+    ended_with(result, elapsed, "my hook: KeyError: 'lost'", "KeyError (reported above)", "aborting all ranks")
+    assert (result.stdout + result.stderr).count("my hook:") == 1
+
+
+def test_the_hook_at_import_can_be_turned_off(victim: Path) -> None:
+    """MPIGPU_ABORT_ON_EXCEPTION=0: rank 1 dies alone; rank 0 waits until MPIGPU_TIMEOUT ends it."""
+    result, elapsed = timed(
+        2, [str(victim), "raise", "0"], env={"MPIGPU_ABORT_ON_EXCEPTION": "0", "MPIGPU_TIMEOUT": "3"}
+    )
+    ended_with(result, elapsed, "ValueError: boom on rank 1", limit=30)
+    assert "aborting all ranks" not in result.stderr
+    assert "CollectiveTimeout" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("launch", ["alone", "one rank"])
+def test_the_hook_at_import_passes_exceptions_on_outside_a_multi_rank_job(tmp_path: Path, launch: str) -> None:
+    """Without MPI (or with one rank) an uncaught exception is Python's usual traceback and exit 1;
+    ``import mpigpu`` imports no mpi4py."""
+    script = tmp_path / "alone.py"
+    script.write_text(
+        "import sys, threading, mpigpu\n"
+        "from mpigpu.job import failsafe\n"
+        "assert sys.excepthook is failsafe._excepthook and threading.excepthook is failsafe._thread_excepthook\n"
+        "assert 'mpi4py' not in sys.modules, 'import mpigpu imported mpi4py'\n"
+        "if sys.argv[1] == 'one rank':\n"
+        "    from mpi4py import MPI\n"
+        "raise ValueError('plain')\n"
+    )
+    if launch == "alone":
+        result = subprocess.run(
+            [sys.executable, str(script), launch], capture_output=True, text=True, timeout=LAUNCH_LIMIT_S, cwd=ROOT
+        )
+    else:
+        result = run_mpi(1, [str(script), launch], timeout=LAUNCH_LIMIT_S)
+    assert result.returncode == 1, result.stderr
+    assert "ValueError: plain" in result.stderr and "aborting" not in result.stderr
+    assert "[mpigpu" not in result.stderr
+
+
 @pytest.mark.parametrize("enabled", ["1", "0"])
 def test_default_handler_can_be_turned_off(enabled: str) -> None:
     code = "import sys, mpigpu; mpigpu.select_device(); print('hooked', sys.excepthook is not sys.__excepthook__)"
@@ -224,6 +296,68 @@ def test_timeout_covers_start_up(victim: Path) -> None:
     ended_with(result, elapsed, "CollectiveTimeout: mpigpu start-up", "MPIGPU_TIMEOUT=2 s", limit=20)
 
 
+# -- the stall report ----------------------------------------------------------------------------------
+# Rank 1 skips the second of three calls (or makes a fourth), then stays alive: the others wait.
+STALLER = """
+import sys, time
+import numpy as np
+import mpigpu
+from mpi4py import MPI
+mode, rank = sys.argv[1], MPI.COMM_WORLD.Get_rank()
+x = np.ones(8, np.float32)
+for i in range(4 if mode == "extra" and rank == 1 else 3):
+    if not (mode == "skip" and rank == 1 and i == 1):
+        mpigpu.allreduce(x, "sum")
+if rank == 1:
+    time.sleep(30)
+"""
+FAST_STALL = {"MPIGPU_STALL": "1", "MPIGPU_TIMEOUT": "4"}
+
+
+def _stalled_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if "stalled:" in line]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_skipped_call_is_reported_by_every_waiting_rank_then_the_job_ends(tmp_path: Path, n: int) -> None:
+    (tmp_path / "staller.py").write_text(STALLER)
+    result, elapsed = timed(n, [str(tmp_path / "staller.py"), "skip"], env=FAST_STALL)
+    ended_with(result, elapsed, "CollectiveTimeout", limit=30)
+    assert result.returncode == 124
+    lines = _stalled_lines(result.stderr)
+    waiting = [r for r in range(n) if r != 1]
+    assert sorted(line.split("]")[0] for line in lines) == [f"[mpigpu rank {r}" for r in waiting], result.stderr
+    checks = ", ".join("2" if r == 1 else "3" for r in range(n))
+    for line in lines:
+        assert "in allreduce of 8 float32" in line and "mpigpu call 3 on its communicator" in line, line
+        assert f"rank 1 has not reached argument check 3, where this rank is (checks by rank: {checks})" in line
+
+
+def test_one_call_more_on_one_rank_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "staller.py").write_text(STALLER)
+    result, elapsed = timed(2, [str(tmp_path / "staller.py"), "extra"], env=FAST_STALL)
+    ended_with(result, elapsed, "CollectiveTimeout", limit=30)
+    lines = [line for line in _stalled_lines(result.stderr) if line.startswith("[mpigpu rank 1]")]
+    assert len(lines) == 1, result.stderr
+    assert "mpigpu call 4 on its communicator of 2 ranks; rank 0 has not reached argument check 4" in lines[0]
+
+
+def test_without_the_check_board_the_report_says_it_does_not_know(tmp_path: Path) -> None:
+    (tmp_path / "staller.py").write_text(STALLER)
+    result, elapsed = timed(2, [str(tmp_path / "staller.py"), "skip"], env={**FAST_STALL, "MPIGPU_CHECK": "0"})
+    ended_with(result, elapsed, "CollectiveTimeout", limit=30)
+    lines = _stalled_lines(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("[mpigpu rank 0]"), result.stderr
+    assert "mpigpu call 3 on its communicator of 2 ranks; which ranks have not reached it is not known here" in lines[0]
+
+
+def test_the_stall_report_can_be_turned_off(tmp_path: Path) -> None:
+    (tmp_path / "staller.py").write_text(STALLER)
+    result, elapsed = timed(2, [str(tmp_path / "staller.py"), "skip"], env={**FAST_STALL, "MPIGPU_STALL": "0"})
+    ended_with(result, elapsed, "CollectiveTimeout", limit=30)
+    assert not _stalled_lines(result.stderr), result.stderr
+
+
 # -- mpigpu's commands, one rank given bad settings or options (MPMD launch) --------------------------
 def _mpmd(good: list[str], bad_env: dict[str, str] | None = None, bad_args: list[str] | None = None) -> list[str]:
     """Arguments for run_mpi(3, ...): ranks 0-2 run ``good``; a fourth rank runs the bad variant."""
@@ -272,6 +406,7 @@ BAD_VALUES = {
     "MPIGPU_CUDA_AWARE": ["2", "yes please"],
     "MPIGPU_NODE_SIZE": ["0", "-1", "two"],
     "MPIGPU_TIMEOUT": ["-1", "nan", "inf", "10s", "2e10", "1000001"],  # 2e10 s overflowed the ipc kernel's ns counter
+    "MPIGPU_STALL": ["-1", "soon"],
     "MPIGPU_CHECK": ["maybe"],
     "MPIGPU_ABORT_ON_EXCEPTION": ["sometimes"],
     "MPIGPU_ALLOW_SHARED_GPU": ["2"],
