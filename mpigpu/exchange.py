@@ -9,9 +9,9 @@ rows, the others ``N // size``. alltoall: ``splits[j]`` rows of x go to rank j; 
 every rank's rows for r, in rank order. The received counts travel in one MPI_Alltoall of the
 splits inside the call.
 
-Backends: cpu (allreduce, then this rank's rows; MPI_Alltoallv), host (the node-shared reduction,
-each rank reducing and copying back its own rows where one node holds every rank; MPI_Alltoallv
-through pinned memory for GPU arrays), nccl (ncclReduceScatter, padded to equal counts; grouped
+Backends: cpu (allreduce, then this rank's rows; MPI_Alltoallv), host (allreduce's node-shared
+reduction, each rank copying back only its own rows; MPI_Alltoallv, through pinned memory for GPU
+arrays), nccl (ncclReduceScatter, padded to equal counts; grouped
 ncclSend/ncclRecv), cuda-aware (allreduce, then the rows; MPI_Alltoallv on device pointers). ipc
 implements neither: ``auto`` passes over it.
 """

@@ -163,7 +163,7 @@ class HostBackend(Backend):
 
     def reduce_scatter(self, x: ArrayView, out: ArrayView, op: Op, rows: list[int], stream: StreamRef | None) -> None:
         """The node-shared reduction of allreduce (the same bits), each rank copying back only its
-        own rows; on one node, the latency route also reduces only those rows."""
+        own rows."""
         counts, displs = byte_counts(rows, row_bytes(x.shape, x.dtype.itemsize))
         mine, item = self.ctx.rank, x.dtype.itemsize
         self._reduce(x, out, op, stream, (displs[mine] // item, (displs[mine] + counts[mine]) // item))
@@ -493,9 +493,10 @@ class HostBackend(Backend):
         return views
 
     def _latency(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None, window: tuple[int, int]) -> None:
-        """Copy in, one barrier, every rank reduces the whole message (on one node: its ``window``
-        of it), copy out its window. Every step here costs microseconds that the 8-byte time is
-        made of: keep it lean."""
+        """Copy in, one barrier, every rank reduces the whole message, copy out its ``window``.
+        The whole message, not only the window: NumPy's vector loop and its scalar tail may pick a
+        different NaN of NaN + NaN, so only the same call gives allreduce's bits. Every step here
+        costs microseconds that the 8-byte time is made of: keep it lean."""
         parity = self._parity
         self._parity ^= 1
         gpu, phases, segment = self._gpu, self._phases, self._segment
@@ -514,21 +515,15 @@ class HostBackend(Backend):
         else:
             assert x.host is not None and out.host is not None
             np.copyto(views.mine, x.host.reshape(-1))
-            result = (
-                out.host.reshape(-1)
-                if whole or self._nodes == 1
-                else self._scratch("window", nbytes)[:nbytes].view(dtype.np)
-            )
+            result = out.host.reshape(-1) if whole else self._scratch("window", nbytes)[:nbytes].view(dtype.np)
         t1 = time.perf_counter()
         segment.barrier()
         t2 = time.perf_counter()
         phases["copy_out"] += t1 - t0
         phases["barrier"] += t2 - t1
-        if self._nodes == 1:  # this rank's window only: each element is reduced alike, in rank order
-            rows = views.rows if whole else views.rows[:, lo:hi]
-            reduce_stacked(rows, op, dtype, self.ctx.size, result[: hi - lo], final=True, scratch=self._block)
+        if self._nodes == 1:
+            reduce_stacked(views.rows, op, dtype, self.ctx.size, result, final=True, scratch=self._block)
             phases["reduce"] += time.perf_counter() - t2
-            lo, hi = 0, hi - lo  # the window sits at the start of result
         elif self._equal:  # every rank exchanges the node's partial with its peers on the other nodes
             self._latency_internode(views.rows, op, dtype, result, t2)
         else:  # node leaders exchange; the others take the leader's result from its shared slot
@@ -546,7 +541,7 @@ class HostBackend(Backend):
             gpu.rt.memcpyAsync(out.ptr, result_ptr + lo * size, (hi - lo) * size, gpu.memcpy_h2d, stream.handle)
             gpu.rt.eventRecord(gpu.small_done[parity], stream.handle)
             gpu.small_pending[parity] = True
-        elif not whole and self._nodes > 1:
+        elif not whole:
             assert out.host is not None
             np.copyto(out.host.reshape(-1), result[lo:hi])
         phases["copy_in"] += time.perf_counter() - t3

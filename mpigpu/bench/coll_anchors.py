@@ -1,18 +1,23 @@
-"""The raw anchors of ``python -m mpigpu.bench --collective broadcast|allgather``: the same data
-movement done the plain way, without mpigpu, beside ``mpigpu.broadcast(x)`` and ``mpigpu.allgather(x)``.
+"""The raw anchors of ``python -m mpigpu.bench --collective broadcast|allgather|reduce_scatter|alltoall``:
+the same collective done the plain way, without mpigpu, beside ``mpigpu.broadcast(x)``,
+``mpigpu.allgather(x)``, ``mpigpu.reduce_scatter(x, "sum")`` and ``mpigpu.alltoall(x, splits)``.
 
-nccl-raw    ``NcclCommunicator.bcast`` / ``allGather`` (cupy.cuda.nccl) on the benchmark's stream,
-            the communicator of ``anchors.NcclRaw`` (pairs with the nccl backend)
-mpi-device  ``comm.Bcast`` / ``comm.Allgather`` on device buffers after synchronising the stream,
-            where the MPI library is CUDA-aware (pairs with the cuda-aware backend)
-mpi-host    ``comm.Bcast`` / ``comm.Allgather`` on NumPy arrays (pairs with cpu and host on host arrays)
-torch-nccl  ``torch.distributed.broadcast`` / ``all_gather_into_tensor``, NCCL backend, on CUDA tensors
-torch-gloo  the same with the gloo backend on CPU tensors
+nccl-raw    ``NcclCommunicator.bcast`` / ``allGather`` / ``reduceScatter`` (unequal shares: one
+            ``reduce`` per rank in an NCCL group) / ``send`` and ``recv`` in one group (cupy.cuda.nccl)
+            on the benchmark's stream, the communicator of ``anchors.NcclRaw`` (pairs with nccl)
+mpi-device  ``comm.Bcast`` / ``Allgather`` / ``Reduce_scatter`` / ``Alltoallv`` on device buffers after
+            synchronising the stream, where the MPI library is CUDA-aware (pairs with cuda-aware)
+mpi-host    the same on NumPy arrays (pairs with cpu and host on host arrays)
+torch-nccl  ``torch.distributed.broadcast`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
+            (unequal shares: ``reduce_scatter``) / ``all_to_all_single``, NCCL backend, CUDA tensors
+torch-gloo  the same with the gloo backend on CPU tensors (gloo has no reduce-scatter)
 
 Data movement does not look at the values, so the MPI and torch anchors move bytes (``uint8``,
 ``MPI.BYTE``; any dtype, the same cost as the typed call); raw NCCL uses the dtype's NCCL type where
-there is one (bytes otherwise). The root is rank 0. Allgather's output holds every
-rank's input in rank order (``n x`` the input). The host backend on GPU buffers has no anchor here
+there is one (bytes otherwise). Reduce-scatter sums in the dtype (MPI has no 16-bit float types: no
+MPI anchor for them). The root is rank 0. Allgather's output holds every rank's input in rank order
+(``n x`` the input); reduce-scatter and alltoall split as ``scatter_rows(count, n)``. The host
+backend on GPU buffers has no anchor here
 (the seed sample only reduced).
 """
 
@@ -35,11 +40,18 @@ __all__ = ["COLLECTIVE_ANCHORS"]
 
 
 class _Moves(abc.ABC):
-    """What every data-movement anchor adds: ``broadcast(x, root)`` and ``allgather(x, out)``; any dtype."""
+    """What every anchor of these collectives adds: ``broadcast(x, root)``, ``allgather(x, out)``,
+    ``reduce_scatter(x, out, shares)`` (a sum) and ``alltoall(x, out, splits)`` (every rank sends
+    ``splits`` and so receives its own share from every rank)."""
 
     @classmethod
     def supports(cls, dtype: DType, op: Op) -> str | None:
         return None  # bytes
+
+    @classmethod
+    def refuses(cls, collective: str, dtype: DType) -> str | None:
+        """Why this anchor cannot time ``collective`` on ``dtype``, or None."""
+        return None
 
     @abc.abstractmethod
     def broadcast(self, x: ArrayView, root: int) -> None:
@@ -49,6 +61,18 @@ class _Moves(abc.ABC):
     def allgather(self, x: ArrayView, out: ArrayView) -> None:
         """Every rank's ``x``, in rank order, into ``out``."""
 
+    @abc.abstractmethod
+    def reduce_scatter(self, x: ArrayView, out: ArrayView, shares: list[int]) -> None:
+        """This rank's share (``shares[rank]`` elements, in rank order) of the sum of every rank's ``x``."""
+
+    @abc.abstractmethod
+    def alltoall(self, x: ArrayView, out: ArrayView, splits: list[int]) -> None:
+        """``splits[j]`` elements of ``x`` to rank j; ``splits[rank]`` from every rank into ``out``."""
+
+
+def _offsets(counts: list[int]) -> list[int]:
+    return [sum(counts[:i]) for i in range(len(counts))]
+
 
 def _host_bytes(view: ArrayView) -> np.ndarray:
     assert view.host is not None
@@ -56,13 +80,45 @@ def _host_bytes(view: ArrayView) -> np.ndarray:
 
 
 class NcclRawMoves(_Moves, NcclRaw):
-    description: ClassVar[str] = "NCCL bcast / allGather called directly through cupy.cuda.nccl"
+    description: ClassVar[str] = (
+        "NCCL bcast / allGather / reduceScatter / send+recv called directly through cupy.cuda.nccl"
+    )
 
     def broadcast(self, x: ArrayView, root: int) -> None:
         self._comm.bcast(x.ptr, *_nccl_count(x), root, self.stream.ptr)
 
     def allgather(self, x: ArrayView, out: ArrayView) -> None:
         self._comm.allGather(x.ptr, out.ptr, *_nccl_count(x), self.stream.ptr)
+
+    def reduce_scatter(self, x: ArrayView, out: ArrayView, shares: list[int]) -> None:
+        from cupy.cuda import nccl
+
+        item, kind, me = x.dtype.itemsize, x.dtype.nccl, self.ctx.rank
+        if len(set(shares)) == 1:
+            self._comm.reduceScatter(x.ptr, out.ptr, shares[0], kind, nccl.NCCL_SUM, self.stream.ptr)
+            return
+        nccl.groupStart()
+        try:
+            for root, (share, at) in enumerate(zip(shares, _offsets(shares), strict=True)):
+                if share:
+                    recv = out.ptr if root == me else x.ptr + at * item  # ignored off the root
+                    self._comm.reduce(x.ptr + at * item, recv, share, kind, nccl.NCCL_SUM, root, self.stream.ptr)
+        finally:
+            nccl.groupEnd()
+
+    def alltoall(self, x: ArrayView, out: ArrayView, splits: list[int]) -> None:
+        from cupy.cuda import nccl
+
+        item, share = x.dtype.itemsize, splits[self.ctx.rank]
+        nccl.groupStart()
+        try:
+            for peer, (count, at) in enumerate(zip(splits, _offsets(splits), strict=True)):
+                if count:
+                    self._comm.send(x.ptr + at * item, count * item, nccl.NCCL_UINT8, peer, self.stream.ptr)
+                if share:
+                    self._comm.recv(out.ptr + peer * share * item, share * item, nccl.NCCL_UINT8, peer, self.stream.ptr)
+        finally:
+            nccl.groupEnd()
 
 
 def _nccl_count(x: ArrayView) -> tuple[int, int]:
@@ -73,8 +129,50 @@ def _nccl_count(x: ArrayView) -> tuple[int, int]:
     return (x.size, x.dtype.nccl) if x.dtype.nccl is not None else (x.nbytes, nccl.NCCL_UINT8)
 
 
-class MpiHostMoves(_Moves, MpiHost):
-    description: ClassVar[str] = "comm.Bcast / comm.Allgather on NumPy arrays"
+class _MpiMoves(_Moves):
+    """Reduce-scatter and alltoall through MPI, on the buffers ``buffer(view)`` gives."""
+
+    ctx: Any
+
+    @staticmethod
+    @abc.abstractmethod
+    def buffer(view: ArrayView) -> Any:
+        """The view's bytes as MPI reads them."""
+
+    @classmethod
+    def refuses(cls, collective: str, dtype: DType) -> str | None:
+        if collective == "reduce_scatter" and dtype.is_half:
+            return f"MPI has no {dtype.name} type"
+        return None
+
+    def reduce_scatter(self, x: ArrayView, out: ArrayView, shares: list[int]) -> None:
+        from mpigpu.core._mpi import MPI
+
+        self.ready()
+        kind = x.dtype.mpi
+        self.ctx.comm.Reduce_scatter(
+            [self.buffer(x), x.size, kind], [self.buffer(out), out.size, kind], shares, MPI().SUM
+        )
+
+    def alltoall(self, x: ArrayView, out: ArrayView, splits: list[int]) -> None:
+        from mpigpu.core._mpi import MPI
+
+        self.ready()
+        item, share, byte = x.dtype.itemsize, splits[self.ctx.rank], MPI().BYTE
+        send = ([c * item for c in splits], [a * item for a in _offsets(splits)])
+        recv = ([share * item] * len(splits), [r * share * item for r in range(len(splits))])
+        self.ctx.comm.Alltoallv([self.buffer(x), send, byte], [self.buffer(out), recv, byte])
+
+    def ready(self) -> None:
+        """Before MPI reads the buffers (device buffers: once the stream's work is done)."""
+
+
+class MpiHostMoves(_MpiMoves, MpiHost):
+    description: ClassVar[str] = "comm.Bcast / Allgather / Reduce_scatter / Alltoallv on NumPy arrays"
+
+    @staticmethod
+    def buffer(view: ArrayView) -> Any:
+        return _host_bytes(view)
 
     def broadcast(self, x: ArrayView, root: int) -> None:
         from mpigpu.core._mpi import MPI
@@ -88,8 +186,17 @@ class MpiHostMoves(_Moves, MpiHost):
         self.ctx.comm.Allgather([_host_bytes(x), byte], [_host_bytes(out), byte])
 
 
-class MpiDeviceMoves(_Moves, MpiDevice):
-    description: ClassVar[str] = "comm.Bcast / comm.Allgather on device buffers (CUDA-aware MPI)"
+class MpiDeviceMoves(_MpiMoves, MpiDevice):
+    description: ClassVar[str] = (
+        "comm.Bcast / Allgather / Reduce_scatter / Alltoallv on device buffers (CUDA-aware MPI)"
+    )
+
+    @staticmethod
+    def buffer(view: ArrayView) -> Any:
+        return device_bytes(view)
+
+    def ready(self) -> None:
+        self.stream.synchronize()  # MPI must not read x before the work that wrote it is done
 
     def broadcast(self, x: ArrayView, root: int) -> None:
         from mpigpu.core._mpi import MPI
@@ -108,6 +215,7 @@ class MpiDeviceMoves(_Moves, MpiDevice):
 class _TorchMoves(_Moves):
     """torch.distributed on uint8 tensors over the benchmark's buffers, made once per pair of buffers."""
 
+    ctx: Any
     _group: Any
     _key: Any
     _tensors: tuple[Any, Any]
@@ -131,6 +239,25 @@ class _TorchMoves(_Moves):
         xt, outt = self.byte_tensors(x, out)
         dist.all_gather_into_tensor(outt, xt, group=self._group)
 
+    def reduce_scatter(self, x: ArrayView, out: ArrayView, shares: list[int]) -> None:
+        import torch.distributed as dist
+
+        from mpigpu.bench.anchors import torch_tensor
+
+        xt, outt = torch_tensor(x), torch_tensor(out)  # typed: a sum, not bytes
+        if len(set(shares)) == 1:
+            dist.reduce_scatter_tensor(outt, xt, group=self._group)
+        else:
+            dist.reduce_scatter(outt, list(xt.split(shares)), group=self._group)
+
+    def alltoall(self, x: ArrayView, out: ArrayView, splits: list[int]) -> None:
+        import torch.distributed as dist
+
+        xt, outt = self.byte_tensors(x, out)
+        item, share = x.dtype.itemsize, splits[self.ctx.rank]
+        sizes = [c * item for c in splits]
+        dist.all_to_all_single(outt, xt, [share * item] * len(splits), sizes, group=self._group)
+
 
 def _byte_tensor(view: ArrayView) -> Any:
     import torch
@@ -147,7 +274,10 @@ def _quiet_torch() -> None:
 
 
 class TorchNcclMoves(_TorchMoves, TorchNccl):
-    description: ClassVar[str] = "torch.distributed.broadcast / all_gather_into_tensor, NCCL backend, CUDA tensors"
+    description: ClassVar[str] = (
+        "torch.distributed.broadcast / all_gather_into_tensor / reduce_scatter_tensor / all_to_all_single, "
+        "NCCL backend, CUDA tensors"
+    )
 
     def __init__(self, ctx: Any, stream: Any) -> None:
         super().__init__(ctx, stream)
@@ -155,7 +285,13 @@ class TorchNcclMoves(_TorchMoves, TorchNccl):
 
 
 class TorchGlooMoves(_TorchMoves, TorchGloo):
-    description: ClassVar[str] = "torch.distributed.broadcast / all_gather_into_tensor, gloo backend, CPU tensors"
+    description: ClassVar[str] = (
+        "torch.distributed.broadcast / all_gather_into_tensor / all_to_all_single, gloo backend, CPU tensors"
+    )
+
+    @classmethod
+    def refuses(cls, collective: str, dtype: DType) -> str | None:
+        return "gloo has no reduce-scatter" if collective == "reduce_scatter" else None
 
     def __init__(self, ctx: Any, stream: Any) -> None:
         super().__init__(ctx, stream)

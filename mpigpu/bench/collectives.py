@@ -1,20 +1,29 @@
-"""``python -m mpigpu.bench --collective broadcast|allgather``: what differs from allreduce.
+"""``python -m mpigpu.bench --collective broadcast|allgather|reduce_scatter|alltoall``: what differs
+from allreduce.
 
-What is timed: the user's call, ``mpigpu.broadcast(x, root=0[, backend=name])`` (in place) or
-``y = mpigpu.allgather(x[, backend=name])`` (a new array, ``n x`` the input), beside the anchors of
-``mpigpu.bench.coll_anchors``. Sizes are the per-rank input (for allgather the output is n times larger).
+What is timed: the user's call, ``mpigpu.broadcast(x, root=0[, backend=name])`` (in place),
+``y = mpigpu.allgather(x[, backend=name])`` (a new array, ``n x`` the input),
+``y = mpigpu.reduce_scatter(x, "sum"[, backend=name])`` (this rank's share of the sum, split as
+``mpigpu.exchange.scatter_rows(count, n)``) or ``y = mpigpu.alltoall(x, splits[, backend=name])``
+(``splits = scatter_rows(count, n)``: rank r receives its share of every rank's input), beside the
+anchors of ``mpigpu.bench.coll_anchors``. Sizes are the per-rank input.
 
 Verification is exact, byte for byte: rank ``r``'s input byte ``j`` of check ``g`` is
 ``((j % 251) * 7 + 31 r + 17 g + 1) % 251``, so every byte differs between any two ranks (251 is
 prime), every check expects bytes no earlier check wrote (an output left over from a previous call
-cannot pass), and no pattern byte is the poison 0xFF. Broadcast: every rank must end with the root's
-(rank 0's) bytes, which differ from its own at every byte. Allgather: rank ``r``'s block of the
-output must hold rank ``r``'s bytes; the anchors' output is poisoned before the check, and the user
-call's output is allocated by ``allgather`` itself (a block of its size is poisoned and freed
-first, so the allocator most likely hands the same memory back).
+cannot pass), and no pattern byte is the poison 0xFF. Reduce-scatter reduces values, not bytes:
+element ``j`` of rank ``r``'s input is ``((j % 251) + 3 r + g) % 8``, small integers whose sums are
+exact in every dtype (integers wrap as in C), checked against the sum computed in int64.
+Broadcast: every rank must end with the root's (rank 0's) bytes, which differ from its own at every
+byte. Allgather: rank ``r``'s block of the
+output must hold rank ``r``'s bytes; alltoall: block j of rank r's output must hold rank j's bytes of
+share r. The anchors' output is poisoned before the check, and the user call's output is allocated
+by the call itself (a block of its size is poisoned and freed first, so the allocator most likely
+hands the same memory back).
 
 Bus bandwidth as nccl-tests documents it: broadcast busbw = algbw = bytes / time; allgather
-algbw = output bytes / time, busbw = algbw * (n-1)/n.
+algbw = output bytes / time, busbw = algbw * (n-1)/n; reduce_scatter and alltoall algbw = input
+bytes / time, busbw = algbw * (n-1)/n.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from mpigpu.core.arrays import ArrayView, as_view
 from mpigpu.core.dtypes import DType
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.timing import Result
+from mpigpu.exchange import scatter_rows
 
 __all__ = [
     "COLLECTIVES",
@@ -41,33 +51,44 @@ __all__ = [
     "refuse_options",
 ]
 
-COLLECTIVES = ("allreduce", "broadcast", "allgather")
-MOVES = ("broadcast", "allgather")  # the data-movement collectives this module times
+COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
+MOVES = ("broadcast", "allgather", "reduce_scatter", "alltoall")  # the collectives this module times
+_NEW_OUTPUT = ("allgather", "reduce_scatter", "alltoall")  # the user's call returns a new array
 ROOT = 0
 POISON = 0xFF  # never a pattern byte (patterns are < 251)
 _checks = itertools.count(1)  # the salt g of each check, the same sequence on every rank
 
 
 def busbw_factor(collective: str, nranks: int) -> float:
-    """busbw / algbw, as nccl-tests: allreduce 2(n-1)/n, broadcast 1, allgather (n-1)/n (0 for one rank)."""
+    """busbw / algbw, as nccl-tests: allreduce 2(n-1)/n, broadcast 1, allgather, reduce_scatter and
+    alltoall (n-1)/n (0 for one rank)."""
     if nranks < 2:
         return 0.0
-    return {"allreduce": 2.0 * (nranks - 1) / nranks, "broadcast": 1.0, "allgather": (nranks - 1) / nranks}[collective]
+    return 2.0 * (nranks - 1) / nranks if collective == "allreduce" else 1.0 if collective == "broadcast" else (
+        (nranks - 1) / nranks
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class CollectiveResult(Result):
-    """A Result of broadcast or allgather: ``bytes`` is the per-rank input; algbw from the output."""
+    """A Result of a collective other than allreduce: ``bytes`` is the per-rank input, ``out_bytes``
+    rank 0's output; algbw from the output (allgather) or the input (the others, as nccl-tests)."""
 
     collective: str = "broadcast"
 
     @property
     def out_bytes(self) -> int:
-        return self.bytes * self.ranks if self.collective == "allgather" else self.bytes
+        if self.collective == "allgather":
+            return self.bytes * self.ranks
+        if self.collective in ("reduce_scatter", "alltoall"):
+            share = scatter_rows(self.elements, max(1, self.ranks))[0] * (self.bytes // max(1, self.elements))
+            return share if self.collective == "reduce_scatter" else share * self.ranks
+        return self.bytes
 
     @property
     def algbw_gbps(self) -> float:
-        return self.out_bytes / (self.time_us * 1e3) if self.time_us > 0 else 0.0
+        moved = self.out_bytes if self.collective == "allgather" else self.bytes
+        return moved / (self.time_us * 1e3) if self.time_us > 0 else 0.0
 
     @property
     def busbw_gbps(self) -> float:
@@ -80,11 +101,13 @@ class CollectiveResult(Result):
 
 
 def refuse_options(args: Any) -> list[str]:
-    """For --collective broadcast|allgather: raise InvalidArgument for options that have no meaning
+    """For --collective other than allreduce: raise InvalidArgument for options that have no meaning
     there (ops other than sum, persistent or prepared calls, --tune, the mode the collective has
     not); set ``args.calls`` and ``args.modes``; return lines saying what was set."""
     name = args.collective
     if args.ops != ["sum"]:
+        if name == "reduce_scatter":
+            raise InvalidArgument("--collective reduce_scatter is timed and verified with op sum: leave out --ops")
         raise InvalidArgument(f"--collective {name} reduces nothing: leave out --ops (only allreduce takes ops)")
     if args.calls is not None and args.calls != ["user"]:
         raise InvalidArgument(
@@ -93,7 +116,7 @@ def refuse_options(args: Any) -> list[str]:
         )
     if args.tune:
         raise InvalidArgument("--tune measures allreduce's crossover table: run it without --collective")
-    inplace = name == "broadcast"  # broadcast writes x in place; allgather returns a new array
+    inplace = name == "broadcast"  # broadcast writes x in place; the others return a new array
     if (args.out_of_place and inplace) or (args.inplace and not inplace):
         flag = "--out-of-place" if inplace else "--inplace"
         raise InvalidArgument(
@@ -101,17 +124,22 @@ def refuse_options(args: Any) -> list[str]:
             + ("in place only" if inplace else "out of place only (it returns a new array)")
         )
     args.calls, args.modes = ["user"], [inplace]
-    return [
-        f"# collective {name}: "
-        + (f"root rank {ROOT}, in place" if inplace else "sizes are each rank's input (the output is n times larger)"),
-        "# busbw as nccl-tests: "
-        + (
-            "broadcast busbw = algbw = bytes/time"
-            if inplace
-            else "allgather algbw = output bytes/time, busbw = algbw*(n-1)/n"
-        ),
-        "# verified byte for byte: every rank's input differs from every other's at every byte",
-    ]
+    setting = {
+        "broadcast": f"root rank {ROOT}, in place",
+        "allgather": "sizes are each rank's input (the output is n times larger)",
+        "reduce_scatter": "op sum; sizes are each rank's input, split as mpigpu.exchange.scatter_rows(count, n)",
+        "alltoall": "sizes are each rank's input; splits = mpigpu.exchange.scatter_rows(count, n)",
+    }[name]
+    busbw = {
+        "broadcast": "broadcast busbw = algbw = bytes/time",
+        "allgather": "allgather algbw = output bytes/time, busbw = algbw*(n-1)/n",
+    }.get(name, f"{name} algbw = input bytes/time, busbw = algbw*(n-1)/n")
+    checked = (
+        "exact small-integer sums, every element against the int64 reference"
+        if name == "reduce_scatter"
+        else "byte for byte: every rank's input differs from every other's at every byte"
+    )
+    return [f"# collective {name}: {setting}", f"# busbw as nccl-tests: {busbw}", f"# verified {checked}"]
 
 
 # -- the verified buffers ----------------------------------------------------------------------------
@@ -124,22 +152,30 @@ def _pattern(xp: Any, nbytes: int, rank: int, salt: int) -> Any:
 @dataclass
 class _Arenas:
     x: Any  # uint8, the largest input
-    out: Any  # uint8, nranks x the largest input (allgather), or None
+    out: Any  # uint8, the anchors' largest output (allgather, reduce_scatter, alltoall), or None
 
 
 class CollectiveWorkload:
-    """Buffers of one broadcast or allgather call: ``x`` (count elements of dtype), the anchors'
-    output ``out`` (allgather), and ``result``, the array the checked call produced (set by the call)."""
+    """Buffers of one call: ``x`` (count elements of dtype), the anchors' output ``out`` (allgather,
+    reduce_scatter, alltoall), and ``result``, the array the checked call produced (set by the call)."""
 
     def __init__(self, collective: str, arenas: _Arenas, count: int, dtype: DType, rank: int, nranks: int,
                  gpu: Any, stream: Any) -> None:  # fmt: skip
         self.collective, self.arenas, self.count, self.dtype = collective, arenas, count, dtype
         self.rank, self.nranks, self.gpu, self.stream = rank, nranks, gpu, stream  # stream: a CuPy stream
         nbytes = count * dtype.itemsize
+        self.splits = scatter_rows(count, nranks)  # reduce_scatter's shares, alltoall's splits
         self.x = self._view(arenas.x, nbytes, (count,))
-        self.out = self.x if arenas.out is None else self._view(arenas.out, nbytes * nranks, (count * nranks,))
+        out_count = self.out_count(collective, count, rank, nranks)
+        self.out = self.x if arenas.out is None else self._view(arenas.out, out_count * dtype.itemsize, (out_count,))
         self.result: Any = self.x if collective == "broadcast" else None
         self.salt = 0
+
+    @staticmethod
+    def out_count(collective: str, count: int, rank: int, nranks: int) -> int:
+        """Elements of rank ``rank``'s output."""
+        share = scatter_rows(count, nranks)[rank]
+        return {"allgather": count * nranks, "reduce_scatter": share, "alltoall": share * nranks}.get(collective, count)
 
     @classmethod
     def allocate(cls, collective: str, count: int, dtype: DType, rank: int, nranks: int, gpu: Any,
@@ -148,8 +184,9 @@ class CollectiveWorkload:
         xp = _xp(gpu)
         if gpu is not None:
             xp.cuda.Device(gpu.index).use()
+        out_bytes = max(1, cls.out_count(collective, count, rank, nranks) * dtype.itemsize)
         arenas = _Arenas(
-            xp.empty(nbytes, xp.uint8), xp.empty(nbytes * nranks, xp.uint8) if collective == "allgather" else None
+            xp.empty(nbytes, xp.uint8), xp.empty(out_bytes, xp.uint8) if collective in _NEW_OUTPUT else None
         )
         return cls(collective, arenas, count, dtype, rank, nranks, gpu, stream)
 
@@ -179,46 +216,66 @@ class CollectiveWorkload:
         self.salt = next(_checks)
         nbytes = self.count * self.dtype.itemsize
         with self._on_stream():
-            self._bytes(self.x)[:] = _pattern(_xp(self.gpu), nbytes, self.rank, self.salt)
+            if self.collective == "reduce_scatter":
+                values = _values(_xp(self.gpu), self.count, self.rank, self.salt)
+                self._bytes(self.x)[:] = values.astype(self.dtype.np).view(_xp(self.gpu).uint8)
+            else:
+                self._bytes(self.x)[:] = _pattern(_xp(self.gpu), nbytes, self.rank, self.salt)
 
     def poison(self) -> None:
-        """Allgather: the anchors' output, and a block the size of the user call's output, freed again."""
-        if self.collective != "allgather":
+        """The anchors' output, and a block the size of the user call's output, freed again (the
+        collectives that return a new array)."""
+        if self.collective not in _NEW_OUTPUT:
             return
         xp = _xp(self.gpu)
         self.result = None  # the previous call's output goes back to the allocator first...
         with self._on_stream():
             self._bytes(self.out)[:] = POISON
-            block = xp.full(self.count * self.dtype.itemsize * self.nranks, POISON, xp.uint8)  # ...and is poisoned
+            block = xp.full(self.out.nbytes, POISON, xp.uint8)  # ...and is poisoned
             del block  # back to the allocator, which a new array of the same size most likely reuses
 
     def corrupt(self, elements: int) -> None:
         """Testing aid: damage the first ``elements`` of the checked call's result on this rank."""
         if elements > 0 and self.result is not None:
             with self._on_stream():
-                self._bytes(self.result)[: min(elements, self.count) * self.dtype.itemsize] = POISON
+                limit = min(elements, self.out_count(self.collective, self.count, self.rank, self.nranks))
+                self._bytes(self.result)[: limit * self.dtype.itemsize] = POISON
 
     def wrong(self) -> int:
         """Wrong elements of the result on this rank (every one, when there is no result of the right size)."""
-        expected_count = self.count * (self.nranks if self.collective == "allgather" else 1)
+        expected_count = self.out_count(self.collective, self.count, self.rank, self.nranks)
         if self.result is None:
             return expected_count
         got = self._bytes(self.result)
-        item, nbytes = self.dtype.itemsize, self.count * self.dtype.itemsize
+        item = self.dtype.itemsize
         if got.size != expected_count * item:
             return expected_count
         xp = _xp(self.gpu)
-        ranks = range(self.nranks) if self.collective == "allgather" else [ROOT]
         wrong = 0
         with self._on_stream():
-            for block, rank in enumerate(ranks):
-                mine = got[block * nbytes : (block + 1) * nbytes]
-                want = _pattern(xp, nbytes, rank, self.salt)
+            for at, want, count in self._expected(xp):
+                mine = got[at * item : (at + count) * item]
                 if self.gpu is None:
-                    wrong += int((mine.reshape(self.count, item) != want.reshape(self.count, item)).any(axis=1).sum())
-                else:
-                    wrong += _device_wrong(xp, mine, want, item, self.count)  # waits for the stream
+                    wrong += int((mine.reshape(count, item) != want.reshape(count, item)).any(axis=1).sum())
+                elif count:
+                    wrong += _device_wrong(xp, mine, want, item, count)  # waits for the stream
         return wrong
+
+    def _expected(self, xp: Any) -> list[tuple[int, Any, int]]:
+        """(first element, expected bytes, elements) of each block of this rank's output."""
+        nbytes, share, item = self.count * self.dtype.itemsize, self.splits[self.rank], self.dtype.itemsize
+        start = sum(self.splits[: self.rank])
+        if self.collective == "broadcast":
+            return [(0, _pattern(xp, nbytes, ROOT, self.salt), self.count)]
+        if self.collective == "allgather":
+            return [(r * self.count, _pattern(xp, nbytes, r, self.salt), self.count) for r in range(self.nranks)]
+        if self.collective == "alltoall":
+            return [
+                (r * share, _pattern(xp, nbytes, r, self.salt)[start * item : (start + share) * item], share)
+                for r in range(self.nranks)
+            ]
+        total = sum(_values(xp, self.count, r, self.salt).astype(xp.int64) for r in range(self.nranks))
+        return [(0, total[start : start + share].astype(self.dtype.np).view(xp.uint8), share)]
 
     def _on_stream(self) -> Any:
         import contextlib
@@ -228,6 +285,11 @@ class CollectiveWorkload:
     def free(self) -> None:
         self.arenas.x = self.arenas.out = None
         self.x = self.out = self.result = None  # type: ignore[assignment]
+
+
+def _values(xp: Any, count: int, rank: int, salt: int) -> Any:
+    """Rank ``rank``'s reduce_scatter input for check ``salt``: small integers (0 to 7), int64."""
+    return (xp.arange(count, dtype=xp.int64) % 251 + 3 * rank + salt) % 8
 
 
 def _xp(gpu: Any) -> Any:
@@ -282,11 +344,19 @@ def bind_collective(
     if path.kind == "anchor":
         if work.collective == "broadcast":
             return Bound(partial(anchor.broadcast, work.x, ROOT), _nothing)
-        return Bound(partial(_store, work, lambda: anchor.allgather(work.x, work.out) or work.out), _nothing)
+        move = {
+            "allgather": lambda: anchor.allgather(work.x, work.out),
+            "reduce_scatter": lambda: anchor.reduce_scatter(work.x, work.out, work.splits),
+            "alltoall": lambda: anchor.alltoall(work.x, work.out, work.splits),
+        }[work.collective]
+        return Bound(partial(_store, work, lambda: move() or work.out), _nothing)
     problem, choice = None, None
     try:
         x, _ = user_arrays(work, framework)  # type: ignore[arg-type]
-        choice = choose_cached(ctx, as_view(x), Op.SUM, path.name, work.collective)
+        view = as_view(x)
+        if work.collective == "alltoall":  # chosen as the call chooses: without the first dimension
+            view = ArrayView(None, 0, (0,), view.dtype, view.device, False, view.framework)
+        choice = choose_cached(ctx, view, Op.SUM, path.name, work.collective)
     except MpigpuError as exc:
         problem = str(exc)
     problem = _agreed_problem(ctx, problem)
@@ -299,7 +369,12 @@ def bind_collective(
     if work.collective == "broadcast":
         work.result = x
         return Bound(partial(mpigpu.broadcast, x, ROOT, **kwargs), _nothing, choice.backend, choice.reason)
-    return Bound(partial(_store, work, partial(mpigpu.allgather, x, **kwargs)), _nothing, choice.backend, choice.reason)
+    call = {
+        "allgather": partial(mpigpu.allgather, x, **kwargs),
+        "reduce_scatter": partial(mpigpu.reduce_scatter, x, "sum", **kwargs),
+        "alltoall": partial(mpigpu.alltoall, x, work.splits, **kwargs),
+    }[work.collective]
+    return Bound(partial(_store, work, call), _nothing, choice.backend, choice.reason)
 
 
 def _store(work: CollectiveWorkload, call: Any) -> None:

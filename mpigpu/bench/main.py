@@ -11,7 +11,7 @@ anchors side by side, and can write JSON (--json), a plot (--plot) and a crossov
 
 This module is the command (options, header, the run, the JSON document, tuning); the sweep is in
 ``bench_sweep``, what is called and how it is timed in ``bench_calls``, the tables, summary, plot
-and compare in ``bench_report``; ``--collective broadcast|allgather`` in ``bench_collectives``.
+and compare in ``bench_report``; ``--collective broadcast|allgather|reduce_scatter|alltoall`` in ``bench_collectives``.
 """
 
 from __future__ import annotations
@@ -89,8 +89,9 @@ def build_parser() -> Parser:
             "Time allreduce over a range of message sizes for every available mpigpu backend, as users call it\n"
             "(allreduce(x)) and as a persistent request (req()), beside the raw anchors (nccl-raw, torch-nccl,\n"
             "seed-staging, mpi-device, mpi-host, torch-gloo). Every path is verified at every size before it is\n"
-            "timed. --collective broadcast|allgather times mpigpu.broadcast(x, root=0) or mpigpu.allgather(x)\n"
-            "instead, beside raw NCCL, torch.distributed and MPI. Run it under your launcher:\n"
+            "timed. --collective broadcast|allgather|reduce_scatter|alltoall times mpigpu.broadcast(x, root=0),\n"
+            "mpigpu.allgather(x), mpigpu.reduce_scatter(x, 'sum') or mpigpu.alltoall(x, splits) instead, beside\n"
+            "raw NCCL, torch.distributed and MPI. Run it under your launcher:\n"
             "  mpiexec -n 4 python -m mpigpu.bench --max-bytes 64M --json run.json --plot run.png\n"
             "  mpiexec -n 4 python -m mpigpu.bench --collective allgather --sizes 8,64K,1M"
         ),
@@ -98,7 +99,8 @@ def build_parser() -> Parser:
         "figure compared); spread = max - min of the repetitions' medians; all wall clock, the same harness for\n"
         "every row (--timing). busbw as nccl-tests: allreduce algbw = bytes/time, busbw = algbw * 2(n-1)/n;\n"
         "broadcast busbw = algbw = bytes/time; allgather algbw = OUTPUT bytes (n x the per-rank input)/time,\n"
-        "busbw = algbw * (n-1)/n. Sizes are per rank (allgather: each rank's input). exit status: 0 if\n"
+        "busbw = algbw * (n-1)/n; reduce_scatter and alltoall algbw = input bytes/time, busbw = algbw * (n-1)/n.\n"
+        "Sizes are per rank (allgather: each rank's input). exit status: 0 if\n"
         "every element was right, 1 if any was wrong, 2 for invalid options.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -63,10 +63,10 @@ def what(result: Any) -> str:
 
 
 def call_description(call: str, collective: str = "allreduce") -> str:
-    """What a call of ``collective`` times (broadcast and allgather have the user's call only)."""
+    """What a call of ``collective`` times (the collectives besides allreduce have the user's call only)."""
     if collective == "allreduce":
         return CALL_DESCRIPTION[call]
-    args = "x, root=0" if collective == "broadcast" else "x"
+    args = {"broadcast": "x, root=0", "reduce_scatter": 'x, "sum"', "alltoall": "x, splits"}.get(collective, "x")
     return f"mpigpu.{collective}({args}) as users call it: arguments validated and checked across ranks every call"
 
 

@@ -2,7 +2,7 @@
 called the ways ``--calls`` names; the raw anchor beside each backend; the torch.distributed
 anchors), and the measurement of each path at each size: verified first (fresh input, poisoned
 output, every element checked, through the very call that is then timed), then timed on the wall
-clock (``mpigpu.bench.calls``). ``--collective broadcast|allgather`` swaps in the buffers, calls
+clock (``mpigpu.bench.calls``). ``--collective broadcast|allgather|reduce_scatter|alltoall`` swaps in the buffers, calls
 and anchors of ``mpigpu.bench.collectives``. Collective: every rank runs the same sequence.
 """
 
@@ -100,8 +100,9 @@ def _unsupported(ctx: Any, path: PathSpec, dtype: DType, op: Op, collective: str
     from mpigpu.backends import backend_class
 
     if path.kind == "anchor":
-        return anchor_classes(collective)[path.name].supports(dtype, op)
-    if collective != "allreduce":  # data movement: bytes, any dtype
+        cls = anchor_classes(collective)[path.name]
+        return cls.supports(dtype, op) or (None if collective == "allreduce" else cls.refuses(collective, dtype))
+    if collective not in ("allreduce", "reduce_scatter"):  # data movement: bytes, any dtype
         return None
     if path.kind == "backend":
         return backend_class(path.name).supports(dtype, op)

@@ -223,3 +223,84 @@ def test_bus_bandwidth_follows_nccl_tests() -> None:
     assert gather.algbw_gbps == pytest.approx(4.0) and gather.busbw_gbps == pytest.approx(3.0)  # output bytes
     bcast = CollectiveResult(**fields, collective="broadcast")
     assert bcast.algbw_gbps == pytest.approx(1.0) and bcast.busbw_gbps == pytest.approx(1.0)
+
+
+# -- reduce_scatter and alltoall ----------------------------------------------------------------------
+SPLIT = ["reduce_scatter", "alltoall"]
+
+
+@serial
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("collective", SPLIT)
+def test_reduce_scatter_and_alltoall_run_verified_with_their_anchors(tmp_path: Path, n: int, collective: str) -> None:
+    out = tmp_path / "run.json"
+    done = ok(bench(n, tmp_path, "--collective", collective, "--sizes", "8,40,4K", "--dtypes", "float32,int8,float16",
+                    "--backends", "auto,cpu,host,ipc,mpi-host,torch-gloo", "--json", str(out)))  # fmt: skip
+    assert "# PASS: 0 wrong elements" in done.stdout
+    call = 'mpigpu.reduce_scatter(x, "sum")' if collective == "reduce_scatter" else "mpigpu.alltoall(x, splits)"
+    assert f"# call user: {call} as users call it" in done.stdout
+    assert "ipc: does not implement" in done.stdout
+    doc = json.loads(out.read_text())
+    assert doc["ok"] is True and doc["collective"] == collective
+    rows = doc["results"]
+    anchors = {"mpi-host", *(["torch-gloo"] if has_torch_gloo() and collective == "alltoall" else [])}
+    assert {r["column"] for r in rows} == {"cpu", "host", "auto", *anchors}
+    if collective == "reduce_scatter":  # MPI has no float16, gloo no reduce-scatter: said, not timed
+        assert "not timed: mpi-host (host) float16 sum: MPI has no float16 type" in done.stdout
+        if has_torch_gloo():
+            assert "gloo has no reduce-scatter" in done.stdout
+    for row in rows:
+        assert row["collective"] == collective and row["wrong"] == 0 and row["ok"] is True and not row["inplace"]
+        share = -(-row["elements"] // n) * DTYPES[row["dtype"]].itemsize  # rank 0's, the largest
+        assert row["out_bytes"] == (share if collective == "reduce_scatter" else share * n)
+        assert row["algbw_gbps"] == pytest.approx(row["bytes"] / (row["time_us"] * 1e3), abs=2e-4)
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * (n - 1) / n, abs=2e-4)
+
+
+@serial
+@pytest.mark.parametrize("collective", SPLIT)
+def test_a_wrong_reduce_scatter_or_alltoall_is_caught(tmp_path: Path, collective: str) -> None:
+    out = tmp_path / "bad.json"
+    done = ok(bench(2, tmp_path, "--collective", collective, "--sizes", "40,4K", "--corrupt", "2",
+                    "--backends", "cpu,host,mpi-host", "--json", str(out)), 1)  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert doc["ok"] is False and doc["results"]
+    assert all(r["wrong"] == 2 for r in doc["results"]), [(r["column"], r["wrong"]) for r in doc["results"]]
+    assert f"# FAIL: cpu (host) float32 {collective} out-of-place 40 B: 2 wrong elements" in done.stdout
+
+
+@serial
+def test_reduce_scatter_takes_sum_only(tmp_path: Path) -> None:
+    done = ok(bench(2, tmp_path, "--collective", "reduce_scatter", "--ops", "max"), 2)
+    assert "--collective reduce_scatter is timed and verified with op sum" in done.stderr
+
+
+def test_reduce_scatter_verifier_wants_this_ranks_share_of_the_sum() -> None:
+    from mpigpu.bench.collectives import _values
+
+    nranks, rank, count = 3, 1, 7  # shares 3, 2, 2: rank 1 has elements 3 and 4
+    work = _workload("reduce_scatter", rank=rank, nranks=nranks, count=count)
+    assert work.wrong() == 2, "no result"
+    total = sum(_values(np, count, r, work.salt) for r in range(nranks)).astype(np.float32)
+    work.result = total[3:5].copy()
+    assert work.wrong() == 0
+    work.result = total[0:2].copy()  # another rank's share
+    assert work.wrong() == 2
+    stale = sum(_values(np, count, r, work.salt - 1) for r in range(nranks)).astype(np.float32)
+    work.result = stale[3:5].copy()  # the previous check's sum
+    assert work.wrong() >= 1
+    work.result = total[3:6].copy()  # the wrong size
+    assert work.wrong() == 2
+
+
+def test_alltoall_verifier_wants_every_ranks_share_in_rank_order() -> None:
+    nranks, rank, count = 3, 2, 7  # splits 3, 2, 2: rank 2 receives bytes 5..6 of every rank's input, 2 each
+    work = _workload("alltoall", rank=rank, nranks=nranks, count=count)
+    item = work.dtype.itemsize
+    blocks = [_expected(work, r)[5 * item : 7 * item] for r in range(nranks)]
+    work.result = np.concatenate(blocks).view(np.float32).copy()
+    assert work.wrong() == 0
+    work.result = np.concatenate(blocks[::-1]).view(np.float32).copy()  # rank order reversed
+    assert work.wrong() == 4
+    work.result = np.concatenate([_expected(work, r)[0 : 2 * item] for r in range(nranks)]).view(np.float32)
+    assert work.wrong() == 6, "another rank's share"

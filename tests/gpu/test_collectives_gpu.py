@@ -178,3 +178,121 @@ def test_training_helpers_on_cuda(ctx, comm) -> None:
     torch.cuda.synchronize()
     weights = mpigpu.allgather_object(other.weight.detach().cpu().numpy().tobytes())
     assert len(set(weights)) == 1
+
+
+# -- reduce_scatter and alltoall ----------------------------------------------------------------------------
+# Every GPU backend and both frameworks: reduce_scatter with every op on exact inputs (NaN, signed zeros,
+# integer extremes from tests/semantics.py) against the Python reference and bit for bit against
+# allreduce's rows on the same backend; uneven rows (nccl: the padded ncclReduceScatter), even rows (the
+# plain one), fewer rows than ranks, float min/max and integer avg (nccl: keys and parts through its
+# allreduce); alltoall with uneven splits and zeros (nccl: grouped send/recv; host: pinned staging);
+# the async forms; inputs produced on a busy stream right before the call; outputs poisoned.
+RS_DTYPES = ["float32", "float64", "float16", "int8", "int64", "uint8"]
+
+
+def _scatter_span(rows: int, rank: int, size: int) -> tuple[int, int]:
+    from mpigpu.exchange import scatter_rows
+
+    counts = scatter_rows(rows, size)
+    return sum(counts[:rank]), counts[rank]
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reduce_scatter(ctx, comm, cp, backend: str, framework: str) -> None:
+    from semantics import expected, inputs, problems
+
+    from mpigpu.core.ops import Op
+
+    _need(ctx, backend)
+    frame = _Frame(framework, cp)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    failures = []
+    for dtype in RS_DTYPES:
+        for rows in (2 * size + 1, 2 * size, 1):
+            for op in Op:
+                table = inputs(dtype, rows * 3, size, seed=rows)
+                want = expected(table, op, dtype).reshape(rows, 3)
+                first, count = _scatter_span(rows, rank, size)
+                x = frame.produce(table[rank].reshape(rows, 3))
+                out = frame.poisoned((count, 3), dtype)
+                got = mpigpu.reduce_scatter(x, op, out=out, backend=backend, stream=frame.stream)
+                assert got is out
+                found = problems(frame.host(out), want[first : first + count].reshape(-1), op, dtype)
+                new = mpigpu.reduce_scatter(x, op, backend=backend, stream=frame.stream)
+                whole = mpigpu.allreduce(x, op, out=frame.poisoned((rows, 3), dtype), backend=backend,
+                                         stream=frame.stream)  # fmt: skip
+                if found:
+                    failures.append(f"{dtype} rows={rows} {op.value}: {found[:3]}")
+                if frame.host(new).tobytes() != frame.host(whole)[first : first + count].tobytes():
+                    failures.append(f"{dtype} rows={rows} {op.value}: not allreduce's rows")
+                if frame.host(x).tobytes() != table[rank].reshape(rows, 3).tobytes():
+                    failures.append(f"{dtype} rows={rows} {op.value}: input changed")
+    failures = [f for rank_failures in comm.allgather(failures) for f in rank_failures]
+    assert not failures, f"{backend}/{framework}: wrong on " + "; ".join(failures)
+
+
+def _a2a_rows(sender: int, receiver: int, trailing: tuple[int, ...], dtype: str) -> np.ndarray:
+    n = (sender + 2 * receiver) % 4  # zeros included
+    values = (np.arange(n * int(np.prod(trailing))) + 10 * sender + 3 * receiver) % 100 + 1
+    return values.astype(np.float64).astype(dtype).reshape(n, *trailing)
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_alltoall(ctx, comm, cp, backend: str, framework: str) -> None:
+    _need(ctx, backend)
+    frame = _Frame(framework, cp)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    splits = [(rank + 2 * j) % 4 for j in range(size)]
+    failures = []
+    for dtype in DTYPES:
+        for trailing in [(3,), (257, 1001)]:
+            mine = np.concatenate([_a2a_rows(rank, j, trailing, dtype) for j in range(size)])
+            x = frame.produce(mine)
+            got, received = mpigpu.alltoall(x, splits, backend=backend, stream=frame.stream, return_splits=True)
+            assert type(got) is type(x)
+            want = np.concatenate([_a2a_rows(j, rank, trailing, dtype) for j in range(size)])
+            host = frame.host(got)
+            if host.shape != want.shape or host.tobytes() != want.tobytes():
+                failures.append(f"{dtype} {trailing}")
+            if received != [(j + 2 * rank) % 4 for j in range(size)]:
+                failures.append(f"{dtype} {trailing}: received {received}")
+            if frame.host(x).tobytes() != mine.tobytes():
+                failures.append(f"{dtype} {trailing}: input changed")
+    failures = [f for rank_failures in comm.allgather(failures) for f in rank_failures]
+    assert not failures, f"{backend}/{framework}: wrong on " + "; ".join(failures)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reduce_scatter_and_alltoall_async(ctx, comm, cp, backend: str) -> None:
+    _need(ctx, backend)
+    frame = _Frame("cupy", cp)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    rows = 3 * size + 1
+    x = frame.produce(_pattern(rank, (rows, 1000), "float32"))
+    want = frame.host(mpigpu.reduce_scatter(x, "sum", backend=backend, stream=frame.stream))
+    handle = mpigpu.reduce_scatter_async(x, "sum", backend=backend, stream=frame.stream)
+    assert frame.host(handle.wait()).tobytes() == want.tobytes() and handle.done()
+    y = frame.produce(_pattern(rank, (2 * size, 1000), "int64"))
+    want = frame.host(mpigpu.alltoall(y, backend=backend, stream=frame.stream))
+    handle = mpigpu.alltoall_async(y, backend=backend, stream=frame.stream)
+    assert frame.host(handle.wait()).tobytes() == want.tobytes() and handle.done()
+
+
+def test_reduce_scatter_and_alltoall_placement_mismatch(ctx, comm, cp) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        pytest.skip("needs two ranks")
+    x = np.ones((size, 4), np.float32) if rank == 0 else cp.ones((size, 4), np.float32)
+    with pytest.raises((MismatchError, InvalidArgument)):
+        mpigpu.reduce_scatter(x, backend="host")
+    with pytest.raises((MismatchError, InvalidArgument)):
+        mpigpu.alltoall(x, backend="host")
+    z = cp.full((size, 2), rank, np.float32)  # in step afterwards
+    assert cp.asnumpy(mpigpu.alltoall(z, backend="host"))[:, 0].tolist() == list(range(size))
+
+
+def test_ipc_does_not_reduce_scatter(ctx, comm, cp) -> None:
+    with pytest.raises((InvalidArgument, mpigpu.BackendUnavailable), match=r"reduce_scatter|not available"):
+        mpigpu.reduce_scatter(cp.zeros((4, 2), np.float32), backend="ipc")

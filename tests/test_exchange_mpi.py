@@ -1,0 +1,417 @@
+"""reduce_scatter and alltoall (and their _async forms) on the host (NumPy, torch CPU, JAX CPU)
+under mpiexec (-n 1, 2, 4).
+
+Data: exact inputs (tests/semantics.py: sums and products exact; NaN, signed zeros, infinities), a
+reference computed in Python floats (float64) and integers, outputs poisoned beforehand, results
+compared bit for bit (reduce_scatter: also with allreduce's result, sliced). Rows: uneven splits,
+ranks with no rows, alltoall splits with zeros. Errors: a mismatch or a rank rejecting its own
+arguments raises on every rank, no array changes, and the calls after it pair correctly."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from semantics import expected, inputs, problems
+
+import mpigpu
+from mpigpu.core.dtypes import DTYPES
+from mpigpu.core.errors import InvalidArgument, MismatchError
+from mpigpu.core.ops import Op
+from mpigpu.exchange import scatter_rows
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+HOST_BACKENDS = ["auto", "cpu", "host"]
+POISON = 0xA5
+TRAILING = (3,)
+
+
+def _poisoned(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    arr = np.empty(shape, DTYPES[dtype].np)
+    arr.reshape(-1).view(np.uint8)[...] = POISON
+    return arr
+
+
+def _mine(rows: int, rank: int, size: int) -> tuple[int, int]:
+    """This rank's rows of a reduce_scatter of ``rows`` rows: (first, count)."""
+    counts = scatter_rows(rows, size)
+    return sum(counts[:rank]), counts[rank]
+
+
+def test_scatter_rows_is_horovods_split() -> None:
+    assert scatter_rows(7, 3) == [3, 2, 2]
+    assert scatter_rows(2, 4) == [1, 1, 0, 0]
+    assert scatter_rows(8, 4) == [2, 2, 2, 2]
+    assert scatter_rows(0, 2) == [0, 0]
+
+
+# -- reduce_scatter: every dtype and op against the reference -----------------------------------------
+@pytest.mark.parametrize("op", list(Op))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_reduce_scatter_every_dtype_and_op(comm, backend: str, dtype: str, op: Op) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    rows = 2 * size + 1  # uneven beyond one rank: the first rank gets a row more
+    for seed in (1, 2):
+        table = inputs(dtype, rows * TRAILING[0], size, seed)
+        want = expected(table, op, dtype).reshape(rows, *TRAILING)
+        first, count = _mine(rows, rank, size)
+        x = table[rank].reshape(rows, *TRAILING)
+        before = x.tobytes()
+        out = _poisoned((count, *TRAILING), dtype)
+        assert mpigpu.reduce_scatter(x, op, out=out, comm=comm, backend=backend) is out
+        found = problems(out, want[first : first + count].reshape(-1), op, dtype)
+        assert not found, (seed, found)
+        new = mpigpu.reduce_scatter(x, op, comm=comm, backend=backend)
+        assert type(new) is np.ndarray and new.shape == (count, *TRAILING) and new.dtype == x.dtype
+        assert new.tobytes() == out.tobytes()
+        assert x.tobytes() == before  # x is never written
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_reduce_scatter_is_allreduce_sliced_bit_for_bit(comm, backend: str, dtype: str) -> None:
+    """NaN (both signs), signed zeros and infinities: the rows are allreduce's rows, bit for bit."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    rows = 4 * size + 3
+    for op in Op:
+        for seed in (0, 3, 4):
+            x = inputs(dtype, rows * 2, size, seed)[rank].reshape(rows, 2)
+            whole = mpigpu.allreduce(x.copy(), op, comm=comm, backend=backend)
+            first, count = _mine(rows, rank, size)
+            got = mpigpu.reduce_scatter(x, op, comm=comm, backend=backend)
+            assert got.tobytes() == whole[first : first + count].tobytes(), (op, seed)
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+@pytest.mark.parametrize("rows", [0, 1, 3])
+def test_reduce_scatter_ranks_with_no_rows(comm, backend: str, rows: int) -> None:
+    """Fewer rows than ranks: the last ranks get none (and an empty array), the others theirs."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = np.arange(rows * 4, dtype=np.int64).reshape(rows, 4) * (rank + 1)
+    first, count = _mine(rows, rank, size)
+    got = mpigpu.reduce_scatter(x, "sum", comm=comm, backend=backend)
+    scale = size * (size + 1) // 2
+    assert got.shape == (count, 4)
+    assert np.array_equal(got, np.arange(rows * 4, dtype=np.int64).reshape(rows, 4)[first : first + count] * scale)
+
+
+def test_reduce_scatter_large_through_the_host_pipeline(comm) -> None:
+    """Above the host backend's latency route: the chunked pipeline copies back only this rank's rows."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    rows = 1_000_003  # 12 MB of float32, several chunks, uneven
+    x = ((np.arange(rows * 3, dtype=np.int64) * 7 + rank) % 101).astype(np.float32).reshape(rows, 3)
+    first, count = _mine(rows, rank, size)
+    want = sum(((np.arange(rows * 3, dtype=np.int64) * 7 + r) % 101) for r in range(size)).reshape(rows, 3)
+    for backend in ("host", "cpu"):
+        out = _poisoned((count, 3), "float32")
+        mpigpu.reduce_scatter(x, "sum", out=out, comm=comm, backend=backend)
+        assert np.array_equal(out, want[first : first + count].astype(np.float32)), backend
+
+
+def test_reduce_scatter_torch_cpu(comm) -> None:
+    torch = pytest.importorskip("torch")
+    rank, size = comm.Get_rank(), comm.Get_size()
+    rows = size + 1
+    first, count = _mine(rows, rank, size)
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        x = torch.arange(rows * 2, dtype=dtype).reshape(rows, 2) * (rank + 1)
+        got = mpigpu.reduce_scatter(x, "sum", comm=comm)
+        want = torch.arange(rows * 2, dtype=dtype).reshape(rows, 2)[first : first + count] * (size * (size + 1) // 2)
+        assert isinstance(got, torch.Tensor) and got.dtype == dtype and torch.equal(got, want)
+        out = torch.full((count, 2), -7, dtype=dtype)
+        assert mpigpu.reduce_scatter(x, "sum", out=out, comm=comm) is out and torch.equal(out, want)
+
+
+def test_reduce_scatter_jax_returns_a_jax_array(comm) -> None:
+    jnp = pytest.importorskip("jax.numpy")
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = jnp.full((size, 2), float(rank + 1), jnp.float32)
+    got = mpigpu.reduce_scatter(x, "avg", comm=comm)
+    assert type(got).__module__.startswith("jax") and got.shape == (1, 2)
+    assert np.array_equal(np.asarray(got), np.full((1, 2), (size + 1) / 2, np.float32))
+
+
+# -- reduce_scatter: refusals on every rank ---------------------------------------------------------------
+def _in_step(comm, calls: int = 10) -> None:
+    """The next calls pair correctly: each result is right (a call paired with another would not be)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    for i in range(calls):
+        if i % 2:
+            x = np.full((size, 2), float(rank + i), np.float64)
+            got = mpigpu.reduce_scatter(x, "sum", comm=comm)
+            assert np.array_equal(got, np.full((1, 2), float(sum(r + i for r in range(size)))))
+        else:
+            x = np.full((size * (i + 1), 1), rank, np.int32)
+            got = mpigpu.alltoall(x, comm=comm)
+            assert np.array_equal(got[:, 0], np.repeat(np.arange(size, dtype=np.int32), i + 1))
+
+
+def _raises_everywhere(comm, bad: bool, call, match: str = "") -> None:
+    """``bad`` ranks raise InvalidArgument, the others MismatchError naming them (one rank: InvalidArgument)."""
+    expected = InvalidArgument if bad or comm.Get_size() == 1 else MismatchError
+    with pytest.raises(expected, match=match if bad else None):
+        call()
+    _in_step(comm)
+
+
+def test_reduce_scatter_refuses_a_0d_array_on_every_rank(comm) -> None:
+    rank = comm.Get_rank()
+    x = np.float32(3.0) if rank == 0 else np.ones(comm.Get_size(), np.float32)
+    _raises_everywhere(comm, rank == 0, lambda: mpigpu.reduce_scatter(x, comm=comm), "first dimension")
+
+
+def test_reduce_scatter_out_of_the_wrong_shape(comm) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = np.ones((size, 2), np.float32)
+    bad = rank == size - 1
+    out = _poisoned((2, 2) if bad else (1, 2), "float32")
+    before = out.tobytes()
+    _raises_everywhere(comm, bad, lambda: mpigpu.reduce_scatter(x, out=out, comm=comm), "shape")
+    assert out.tobytes() == before
+
+
+@pytest.mark.parametrize(
+    "arg", ["op", "out_dtype", "out_overlaps", "out_read_only", "backend", "not_an_array"]
+)  # fmt: skip
+def test_reduce_scatter_a_rank_rejecting_its_arguments(comm, arg: str) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    bad = rank == size - 1
+    x = np.ones((size, 2), np.float32)
+    kwargs: dict = {"out": np.empty((1, 2), np.float32)}
+    if bad:
+        if arg == "op":
+            kwargs["op"] = "mean"
+        elif arg == "out_dtype":
+            kwargs["out"] = np.empty((1, 2), np.float64)
+        elif arg == "out_overlaps":
+            kwargs["out"] = x[:1]
+        elif arg == "out_read_only":
+            kwargs["out"].flags.writeable = False
+        elif arg == "backend":
+            kwargs["backend"] = "nope"
+        else:
+            x = "not an array"  # type: ignore[assignment]
+    _raises_everywhere(comm, bad, lambda: mpigpu.reduce_scatter(x, comm=comm, **kwargs))
+
+
+def _mismatch(comm, call, arrays: list) -> None:
+    if comm.Get_size() == 1:
+        return
+    before = [a.tobytes() for a in arrays]
+    with pytest.raises(MismatchError):
+        call()
+    assert [a.tobytes() for a in arrays] == before
+    _in_step(comm)
+
+
+def test_reduce_scatter_shape_mismatch(comm) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = np.ones((2 * size, 3) if rank == 0 else (3 * size, 2), np.float32)  # the same element count
+    _mismatch(comm, lambda: mpigpu.reduce_scatter(x, comm=comm), [x])
+
+
+def test_reduce_scatter_dtype_op_and_backend_mismatch(comm) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = np.ones((size, 2), np.float32 if rank == 0 else np.int32)
+    _mismatch(comm, lambda: mpigpu.reduce_scatter(x, comm=comm), [x])
+    y = np.ones((size, 2), np.float32)
+    _mismatch(comm, lambda: mpigpu.reduce_scatter(y, "sum" if rank == 0 else "max", comm=comm), [y])
+    _mismatch(comm, lambda: mpigpu.reduce_scatter(y, comm=comm, backend="cpu" if rank == 0 else "host"), [y])
+
+
+def test_reduce_scatter_beside_another_collective(comm) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = np.ones((size, 2), np.float32)
+    call = (lambda: mpigpu.reduce_scatter(x, comm=comm)) if rank == 0 else (lambda: mpigpu.allreduce(x, comm=comm))
+    _mismatch(comm, call, [x])
+
+
+# -- alltoall -------------------------------------------------------------------------------------------
+def _splits(rank: int, size: int) -> list[int]:
+    """Uneven, with zeros: rank r sends (r + 2j) % 4 rows to rank j."""
+    return [(rank + 2 * j) % 4 for j in range(size)]
+
+
+def _rows_from(sender: int, receiver: int, trailing: tuple[int, ...], dtype: str) -> np.ndarray:
+    """The rows ``sender`` sends ``receiver``: values that name both and the row, exact in every dtype."""
+    n = (sender + 2 * receiver) % 4
+    values = (np.arange(n * int(np.prod(trailing))) + 10 * sender + 3 * receiver) % 100 + 1
+    return values.astype(np.float64).astype(DTYPES[dtype].np).reshape(n, *trailing)
+
+
+def _send_buffer(rank: int, size: int, trailing: tuple[int, ...], dtype: str) -> np.ndarray:
+    return np.concatenate([_rows_from(rank, j, trailing, dtype) for j in range(size)])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_alltoall_uneven_splits_every_dtype(comm, backend: str, dtype: str) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    trailing = (2, 3)
+    x = _send_buffer(rank, size, trailing, dtype)
+    before = x.tobytes()
+    got, received = mpigpu.alltoall(x, _splits(rank, size), comm=comm, backend=backend, return_splits=True)
+    want = np.concatenate([_rows_from(j, rank, trailing, dtype) for j in range(size)])
+    assert type(got) is np.ndarray and got.dtype == x.dtype and got.shape == want.shape
+    assert got.tobytes() == want.tobytes()
+    assert received == [_splits(j, size)[rank] for j in range(size)]
+    assert x.tobytes() == before
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_alltoall_even_split_and_1d(comm, backend: str) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = np.arange(3 * size, dtype=np.int32) + 100 * rank
+    got = mpigpu.alltoall(x, comm=comm, backend=backend)
+    want = np.concatenate([np.arange(3 * rank, 3 * rank + 3, dtype=np.int32) + 100 * j for j in range(size)])
+    assert np.array_equal(got, want)
+
+
+def test_alltoall_splits_as_arrays_and_nothing_to_move(comm) -> None:
+    torch = pytest.importorskip("torch")
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = _send_buffer(rank, size, (2,), "float32")
+    for splits in (np.array(_splits(rank, size)), torch.tensor(_splits(rank, size)), tuple(_splits(rank, size))):
+        got = mpigpu.alltoall(x, splits, comm=comm)
+        assert got.tobytes() == np.concatenate([_rows_from(j, rank, (2,), "float32") for j in range(size)]).tobytes()
+    empty, received = mpigpu.alltoall(np.empty((0, 2), np.float32), [0] * size, comm=comm, return_splits=True)
+    assert empty.shape == (0, 2) and received == [0] * size
+
+
+def test_alltoall_torch_cpu(comm) -> None:
+    torch = pytest.importorskip("torch")
+    rank, size = comm.Get_rank(), comm.Get_size()
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+        x = torch.cat([torch.full(((rank + 2 * j) % 4, 2), rank * 10 + j, dtype=dtype) for j in range(size)])
+        got = mpigpu.alltoall(x, _splits(rank, size), comm=comm)
+        want = torch.cat([torch.full(((j + 2 * rank) % 4, 2), j * 10 + rank, dtype=dtype) for j in range(size)])
+        assert isinstance(got, torch.Tensor) and got.dtype == dtype and torch.equal(got, want)
+
+
+def test_alltoall_uneven_rows_without_splits(comm) -> None:
+    size = comm.Get_size()
+    x = np.ones((size + 1, 2), np.float32)
+    if size == 1:
+        return
+    with pytest.raises(InvalidArgument, match="splits"):  # every rank rejects it: its own error everywhere
+        mpigpu.alltoall(x, comm=comm)
+    _in_step(comm)
+
+
+@pytest.mark.parametrize("problem", ["length", "negative", "sum", "float", "bool", "not_a_sequence", "0d"])
+def test_alltoall_a_rank_rejecting_its_splits(comm, problem: str) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    bad = rank == size - 1
+    x = np.ones((2 * size, 2), np.float32)
+    splits: object = [2] * size
+    if bad:
+        splits = {
+            "length": [2] * (size + 1),
+            "negative": [-1, 2 * size + 1] if size > 1 else [-1],
+            "sum": [2] * (size - 1) + [3],
+            "float": [2.0] * size,
+            "bool": [True] * size,
+            "not_a_sequence": 2,
+            "0d": splits,
+        }[problem]
+        if problem == "0d":
+            x = np.float32(1.0)  # type: ignore[assignment]
+    _raises_everywhere(comm, bad, lambda: mpigpu.alltoall(x, splits, comm=comm))
+
+
+def test_alltoall_trailing_and_dtype_mismatch(comm) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = np.ones((size, 2) if rank == 0 else (size, 3), np.float32)
+    _mismatch(comm, lambda: mpigpu.alltoall(x, comm=comm), [x])
+    y = np.ones((size, 2), np.float32 if rank == 0 else np.uint32)
+    _mismatch(comm, lambda: mpigpu.alltoall(y, comm=comm), [y])
+    _mismatch(comm, lambda: mpigpu.alltoall(y, comm=comm, backend="cpu" if rank == 0 else "host"), [y])
+
+
+def test_alltoall_first_dimensions_may_differ_and_auto_agrees(comm, monkeypatch) -> None:
+    """Ranks sending very different amounts choose the same backend under auto (no size rule splits them)."""
+    from mpigpu.backends import host
+
+    monkeypatch.setattr(host, "AUTO_HOST_MIN_BYTES", 1000)  # a 1000-byte host crossover: rank sizes straddle it
+    rank, size = comm.Get_rank(), comm.Get_size()
+    rows = 100 if rank == 0 else 1
+    x = np.full((rows * size, 2), rank, np.float64)
+    got, received = mpigpu.alltoall(x, [rows] * size, comm=comm, return_splits=True)
+    assert received == [100 if j == 0 else 1 for j in range(size)]
+    assert np.array_equal(got[:, 0], np.repeat(np.arange(size, dtype=np.float64), received))
+
+
+# -- the async forms --------------------------------------------------------------------------------
+def test_async_forms_match_the_calls(comm) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = inputs("float32", (size + 1) * 2, size, 1)[rank].reshape(size + 1, 2)
+    want = mpigpu.reduce_scatter(x, "sum", comm=comm)
+    out = _poisoned(want.shape, "float32")
+    handle = mpigpu.reduce_scatter_async(x, "sum", out=out, comm=comm)
+    assert handle.wait() is out and out.tobytes() == want.tobytes()
+    assert handle.done()
+    y = _send_buffer(rank, size, (3,), "int16")
+    got, received = mpigpu.alltoall_async(y, _splits(rank, size), comm=comm, return_splits=True).wait()
+    assert got.tobytes() == mpigpu.alltoall(y, _splits(rank, size), comm=comm).tobytes()
+    assert received == [_splits(j, size)[rank] for j in range(size)]
+
+
+@pytest.mark.parametrize("name", ["reduce_scatter", "alltoall"])
+def test_async_is_in_flight_until_it_runs(comm, monkeypatch, name: str) -> None:
+    """The call returns before the data moves: done() is False while the backend is held back, and a
+    synchronous call after it waits for it (the queue's order is the program's order)."""
+    from mpigpu.backends.cpu import CpuBackend
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    release, original = threading.Event(), getattr(CpuBackend, name)
+
+    def held(self, *args):
+        assert release.wait(60), "never released"
+        return original(self, *args)
+
+    monkeypatch.setattr(CpuBackend, name, held)
+    x = np.full((size, 2), float(rank + 1), np.float32)
+    start = mpigpu.reduce_scatter_async if name == "reduce_scatter" else mpigpu.alltoall_async
+    handle = start(x, comm=comm, backend="cpu")
+    if size > 1:  # one rank copies, without the backend
+        assert not handle.done()
+    release.set()
+    got = handle.wait()
+    want = np.full((1, 2), float(sum(range(1, size + 1))) / size) if name == "reduce_scatter" else None
+    if want is not None:
+        assert np.array_equal(got, want)
+    else:
+        assert np.array_equal(got[:, 0], np.arange(1, size + 1, dtype=np.float32))
+    _in_step(comm)
+
+
+def test_async_mismatch_raises_at_wait_on_every_rank(comm) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        return
+    x = np.ones((size, 2) if rank == 0 else (size, 3), np.float32)
+    with pytest.raises(MismatchError):
+        mpigpu.alltoall_async(x, comm=comm, backend="cpu").wait()
+    with pytest.raises(MismatchError):
+        mpigpu.reduce_scatter_async(x, comm=comm, backend="cpu").wait()
+    _in_step(comm)
+
+
+def test_async_a_rank_rejecting_its_arguments(comm) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    bad = rank == size - 1
+    x = np.ones((size, 2), np.float32)
+    if bad:
+        with pytest.raises(InvalidArgument, match="op"):
+            mpigpu.reduce_scatter_async(x, "mean", comm=comm)
+        with pytest.raises(InvalidArgument, match="splits"):
+            mpigpu.alltoall_async(x, [1] * (size + 1), comm=comm)
+    else:
+        with pytest.raises(MismatchError):
+            mpigpu.reduce_scatter_async(x, comm=comm).wait()
+        with pytest.raises(MismatchError):
+            mpigpu.alltoall_async(x, comm=comm).wait()
+    _in_step(comm)
