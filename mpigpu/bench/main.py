@@ -112,7 +112,7 @@ def build_parser() -> Parser:
     )  # fmt: skip
     sizes.add_argument(
         "--step-factor", "-f", type=positive_int, default=None, metavar="F",
-        help=f"size step (default 2 with GPUs; {QUICK_STEP} where only host arrays are timed)",
+        help=f"size step (default 2; {QUICK_STEP} where only host arrays are timed and --max-bytes is not given)",
     )  # fmt: skip
     sizes.add_argument(
         "--sizes", type=comma_list(count_arg, "sizes"), default=None, metavar="LIST",
@@ -396,10 +396,10 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     rank = ctx.rank
     args.given_sizes = args.sizes
     host_only = args.placement == "host" or (args.placement == "auto" and not ctx.all_have_gpus)
+    if args.step_factor is None:  # the quick steps only where the largest size is the quick default too
+        args.step_factor = QUICK_STEP if host_only and args.max_bytes is None else 2
     if args.max_bytes is None:
         args.max_bytes = max(args.min_bytes, QUICK_MAX_BYTES if host_only else 1 << 30)
-    if args.step_factor is None:
-        args.step_factor = QUICK_STEP if host_only else 2
     if args.sizes is None:
         args.sizes = size_list(args.min_bytes, args.max_bytes, args.step_factor)
     else:

@@ -180,7 +180,8 @@ def abort_for_exception(exc: BaseException, tb: TracebackType | None = None) -> 
     """Report ``exc`` (with its traceback, from ``tb`` if given) and end every rank of the job: together
     and reported once where every rank raised for the same call, else with MPI_Abort."""
     code = exit_code_of(exc)
-    if _raised_everywhere(exc) and _previous_hook is None:
+    # the main thread only: MPI_Finalize from another thread could cut off the main thread's own MPI calls
+    if _raised_everywhere(exc) and _previous_hook is None and threading.current_thread() is threading.main_thread():
         _end_together(exc, tb if tb is not None else exc.__traceback__, code)
     if isinstance(exc, SystemExit):
         if isinstance(exc.code, str):

@@ -97,6 +97,18 @@ def test_gpu_array_to_cpu_backend_refused(ctx, cp) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.mpi(min_size=1)
+def test_fortran_order_gpu_array_refused_naming_the_order(ctx, cp) -> None:
+    """Host arrays in Fortran order are reduced elementwise; GPU arrays are refused, saying why."""
+    x = cp.asfortranarray(cp.arange(12, dtype=cp.float32).reshape(3, 4))
+    before = _bytes(x)
+    with pytest.raises(InvalidArgument, match=r"Fortran \(column-major\) order \(cupy\).*cupy\.ascontiguousarray"):
+        mpigpu.allreduce(x)
+    assert _bytes(x) == before
+    _still_works(ctx, cp)
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi(min_size=1)
 def test_not_contiguous_gpu_arrays_refused(ctx, cp) -> None:
     x = cp.arange(32, dtype=cp.float32).reshape(4, 8)[:, ::2]
     before = _bytes(x)
