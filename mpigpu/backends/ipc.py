@@ -34,7 +34,7 @@ from mpigpu.backends.ipc_plan import (
 from mpigpu.core._cuda import core_stream, cupy, require_cuda_core
 from mpigpu.core._mpi import MPI
 from mpigpu.core.errors import BackendUnavailable, CollectiveTimeout, DeviceError, MismatchError
-from mpigpu.core.exchange import allgather_text, allreduce_int
+from mpigpu.core.typed import allgather_text, allreduce_int
 
 if TYPE_CHECKING:
     from mpigpu.core._cuda import StreamRef

@@ -15,7 +15,7 @@ from mpigpu.backends.base import Availability, Backend, CommContext
 from mpigpu.backends.device_scratch import DeviceScratch, by_keys_or_parts, needs_keys_or_parts
 from mpigpu.backends.mpi_moves import byte_counts, row_bytes
 from mpigpu.core.errors import BackendUnavailable, InvalidArgument
-from mpigpu.core.exchange import allgather_text
+from mpigpu.core.typed import allgather_text
 from mpigpu.job.check import fail_together
 
 if TYPE_CHECKING:

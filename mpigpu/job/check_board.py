@@ -27,7 +27,7 @@ from typing import Any
 
 from mpigpu.core._mpi import MPI
 from mpigpu.core.errors import MpigpuError
-from mpigpu.core.exchange import allreduce_int
+from mpigpu.core.typed import allreduce_int
 from mpigpu.job.shm import SharedSegment
 
 __all__ = ["CheckBoard", "board_for", "open_board"]

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from mpigpu.core.exchange import allreduce_int
+from mpigpu.core.typed import allreduce_int
 
 __all__ = ["exclusive"]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from mpigpu.core._cuda import visible_device_count
 from mpigpu.core.errors import DeviceError
-from mpigpu.core.exchange import allgather_ints, allgather_text
+from mpigpu.core.typed import allgather_ints, allgather_text
 from mpigpu.job.topology import Layout
 
 __all__ = ["GpuInfo", "map_device"]

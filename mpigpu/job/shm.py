@@ -16,7 +16,7 @@ import numpy as np
 
 from mpigpu.core._mpi import MPI
 from mpigpu.core.errors import BackendUnavailable, MpigpuError
-from mpigpu.core.exchange import allgather_ints
+from mpigpu.core.typed import allgather_ints
 
 __all__ = ["SharedSegment"]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpigpu.core._mpi import MPI
-from mpigpu.core.exchange import allgather_ints, allgather_text, allreduce_int
+from mpigpu.core.typed import allgather_ints, allgather_text, allreduce_int
 
 __all__ = ["Layout", "build_layout"]
 

@@ -30,7 +30,7 @@ from mpigpu.backends import BACKEND_NAMES, Availability, Backend, backend_class
 from mpigpu.core._mpi import MPI, LibraryInfo, library_info, world
 from mpigpu.core.config import DEFAULT_STALL_S, DEFAULT_TIMEOUT_S, ENV_VARS, Settings, disagreement
 from mpigpu.core.errors import BackendUnavailable, ConfigError, DeviceError, InvalidArgument, MismatchError, MpigpuError
-from mpigpu.core.exchange import allgather_ints, allreduce_int
+from mpigpu.core.typed import allgather_ints, allreduce_int
 from mpigpu.job.check import Signature, check_signature, fail_together, mark_raised_everywhere
 from mpigpu.job.check_board import CheckBoard, open_board
 from mpigpu.job.creation import exclusive

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from mpigpu.backends import BACKEND_NAMES
 from mpigpu.core.config import size_label
 from mpigpu.core.errors import ConfigError
-from mpigpu.core.exchange import bcast_text
 from mpigpu.core.privatefs import UntrustedPath, read_file, write_file
+from mpigpu.core.typed import bcast_text
 
 if TYPE_CHECKING:
     from mpigpu.backends import Availability
