@@ -40,6 +40,7 @@ from mpigpu.backends.mpi_moves import allgather_bytes, alltoall_bytes, broadcast
 from mpigpu.core.config import size_label
 from mpigpu.core.errors import BackendUnavailable, ConfigError, InvalidArgument, MpigpuError
 from mpigpu.core.ops import Op
+from mpigpu.core.typed import allreduce_int
 
 if TYPE_CHECKING:
     from mpigpu.core._cuda import StreamRef
@@ -281,10 +282,8 @@ class HostBackend(Backend):
             send, recv = x.host.reshape(-1).view(np.uint8), out.host.reshape(-1).view(np.uint8)
             alltoall_bytes(comm, send, recv, send_rows, recv_rows, size)
             return
-        from mpigpu.core._mpi import MPI
-
         split = round_up(x.nbytes, PAGE)
-        stage = self._pinned_buffer(comm.allreduce(split + out.nbytes, op=MPI().MAX))
+        stage = self._pinned_buffer(allreduce_int(comm, split + out.nbytes, "max"))  # typed: releases the GIL
         runtime, handle = self._runtime(), 0 if stream is None else stream.handle
         if x.nbytes:
             runtime.memcpyAsync(stage.ctypes.data, x.ptr, x.nbytes, runtime.memcpyDeviceToHost, handle)

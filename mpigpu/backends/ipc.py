@@ -34,7 +34,7 @@ from mpigpu.backends.ipc_plan import (
 from mpigpu.core._cuda import core_stream, cupy, require_cuda_core
 from mpigpu.core._mpi import MPI
 from mpigpu.core.errors import BackendUnavailable, CollectiveTimeout, DeviceError, MismatchError
-from mpigpu.core.typed import allgather_text, allreduce_int
+from mpigpu.core.typed import allgather_ints, allgather_text, allreduce_int
 
 if TYPE_CHECKING:
     from mpigpu.core._cuda import StreamRef
@@ -223,7 +223,7 @@ class IpcBackend(Backend):
         every rank registers the same sizes in the same order). allreduce reads arrays that lie in
         it directly, without the copy into the staging buffer."""
         self._check_open()
-        sizes = self._comm.allgather(int(nbytes))
+        sizes = [size for (size,) in allgather_ints(self._comm, [int(nbytes)])]
         if len(set(sizes)) > 1:
             shown = ", ".join(f"{size} B on rank {rank}" for rank, size in enumerate(sizes))
             raise MismatchError(

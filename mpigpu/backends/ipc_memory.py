@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from mpigpu.core._cuda import cupy
 from mpigpu.core.errors import BackendUnavailable, DeviceError, MpigpuError
+from mpigpu.core.typed import allgather_bytes, allgather_ints, allgather_text
 
 __all__ = ["SharedAllocation", "collective_step"]
 
@@ -40,7 +41,7 @@ def collective_step(
         value = step()
     except Exception as exc:
         problem = f"{type(exc).__name__}: {exc}".strip()
-    problems = comm.allgather(problem)
+    problems = allgather_text(comm, problem or "")  # typed, never pickled: "" where the step succeeded
     failed = [(rank, text) for rank, text in enumerate(problems) if text]
     if not failed:
         return value
@@ -81,7 +82,7 @@ class SharedAllocation:
                 raise
 
         ptr, handle = collective_step(comm, f"allocating {what} ({nbytes} B)", allocate, undo=lambda v: rt.free(v[0]))
-        handles = comm.allgather(handle)
+        handles = allgather_bytes(comm, bytes(handle))
 
         def open_peers() -> tuple[int, ...]:
             opened: list[int] = []
@@ -103,7 +104,7 @@ class SharedAllocation:
         except BackendUnavailable:
             rt.free(ptr)
             raise
-        views = comm.allgather(peers)
+        views = allgather_ints(comm, list(peers))
         return cls(base=ptr, nbytes=nbytes, rank=me, peers=peers, seen_by=tuple(v[me] for v in views))
 
     def contains(self, ptr: int, nbytes: int) -> bool:

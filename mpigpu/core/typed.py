@@ -14,7 +14,7 @@ import numpy as np
 
 from mpigpu.core._mpi import MPI
 
-__all__ = ["allgather_ints", "allgather_text", "allreduce_int", "bcast_text"]
+__all__ = ["allgather_bytes", "allgather_ints", "allgather_text", "allreduce_int", "bcast_text"]
 
 
 def allreduce_int(comm: Any, value: int, op: str) -> int:
@@ -34,15 +34,20 @@ def allgather_ints(comm: Any, values: Sequence[int]) -> list[tuple[int, ...]]:
     return [tuple(int(v) for v in row) for row in everyone]
 
 
-def allgather_text(comm: Any, text: str) -> list[str]:
-    """Every rank's ``text``, in rank order (collective: the lengths, then the UTF-8 bytes)."""
+def allgather_bytes(comm: Any, data: bytes) -> list[bytes]:
+    """Every rank's ``data``, in rank order (collective: the lengths, then the bytes)."""
     mpi = MPI()
-    mine = np.frombuffer(text.encode(), np.uint8)
+    mine = np.frombuffer(data, np.uint8)
     counts = np.array([n for (n,) in allgather_ints(comm, [mine.size])], np.int64)
     offsets = np.concatenate(([0], np.cumsum(counts)[:-1]))
     everyone = np.empty(max(1, int(counts.sum())), np.uint8)
     comm.Allgatherv([mine, mpi.BYTE], [everyone, (counts.tolist(), offsets.tolist()), mpi.BYTE])
-    return [everyone[o : o + n].tobytes().decode() for o, n in zip(offsets.tolist(), counts.tolist(), strict=True)]
+    return [everyone[o : o + n].tobytes() for o, n in zip(offsets.tolist(), counts.tolist(), strict=True)]
+
+
+def allgather_text(comm: Any, text: str) -> list[str]:
+    """Every rank's ``text``, in rank order (collective)."""
+    return [data.decode() for data in allgather_bytes(comm, text.encode())]
 
 
 def bcast_text(comm: Any, text: str | None, root: int = 0) -> str | None:

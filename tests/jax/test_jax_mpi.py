@@ -340,10 +340,9 @@ def test_compiled_calls_name_the_backend(comm) -> None:
     """mpigpu.jax.compiled_calls() records each collective a program was compiled with: dtype, count,
     bytes, the requested and the chosen backend (what scripts/jax_step_bench.py prints per row)."""
     mj = _mj()
-    before = len(mj.compiled_calls())
     tree = {"a": _cpu(np.ones((3, 4), np.float32)), "b": _cpu(np.ones(5, np.int32)), "c": _cpu(np.ones(2, np.float32))}
     jax.block_until_ready(jax.jit(lambda t: mj.average_tree(t, backend="cpu"))(tree))
-    new = mj.compiled_calls()[before:]
+    new = mj.compiled_calls()[-2:]  # the record keeps the last 256: a long session (the GPU suite) fills it
     assert [(c.dtype, c.count, c.nbytes, c.op, c.requested, c.backend, c.platform) for c in new] == [
         ("float32", 14, 56, "avg", "cpu", "cpu", "cpu"),
         ("int32", 5, 20, "avg", "cpu", "cpu", "cpu"),
