@@ -49,6 +49,9 @@ export MPIGPU_CACHE_DIR
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 [ "$NGPU" -ge 1 ] || { echo "no GPU visible (nvidia-smi -L)"; exit 1; }
 PY=${PYTHON:-python3}
+# result files are named by the GPU model (h100x1, h200x2, ...): the machines lent differ from day to day
+GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | grep -oiE '[ABHL][0-9]{2,3}' | head -n 1 | tr '[:upper:]' '[:lower:]')
+GPU_TAG=${GPU_TAG:-gpu}
 failures=0
 # shellcheck disable=SC1091
 declare -F use_impi >/dev/null || { [ -f .gpu-carry/env.sh ] && source .gpu-carry/env.sh; }
@@ -147,7 +150,7 @@ stage_sanitize() {
 }
 
 stage_bench() {
-  local tag="h200x$NGPU"
+  local tag="${GPU_TAG}x$NGPU"
   local date
   date=$(date -u +%F)
   step "bench-ompi" 300 0 "MPIGPU_TUNE_FILE=$OUT/tune.json $OMPI -n $NGPU $PY -m mpigpu.bench --placement gpu --inplace --time-limit 6 --autotune --json $OUT/$tag-ompi-$date.json --plot $OUT/$tag-ompi-$date.png"
@@ -155,12 +158,12 @@ stage_bench() {
 }
 
 stage_bench_impi() {
-  local tag="h200x$NGPU"
+  local tag="${GPU_TAG}x$NGPU"
   step "bench-impi" 150 0 "$IMPI -n $NGPU $PY -m mpigpu.bench --placement gpu --backends cuda-aware --inplace -b 16M --time-limit 6 --json $OUT/$tag-impi-$(date -u +%F).json"
 }
 
 stage_usercall() {
-  local tag="h200x$NGPU" date tune="$OUT/tune-usercall.json"
+  local tag="${GPU_TAG}x$NGPU" date tune="$OUT/tune-usercall.json"
   date=$(date -u +%F)
   # auto follows the table the bench stage just measured, else this machine's committed one (a copy: the
   # benchmark writes nothing without --tune, and the header says whether the table applies)
@@ -171,7 +174,7 @@ stage_usercall() {
 }
 
 stage_collectives() {  # issue 16: broadcast and allgather beside raw NCCL and torch.distributed (NCCL)
-  local tag="h200x$NGPU" date tune="$OUT/tune-collectives.json" c
+  local tag="${GPU_TAG}x$NGPU" date tune="$OUT/tune-collectives.json" c
   date=$(date -u +%F)
   # auto follows the table the bench stage measured, else this machine's committed one (as in usercall)
   if [ -f "$OUT/tune.json" ]; then cp "$OUT/tune.json" "$tune"
@@ -198,7 +201,7 @@ stage_jax() {  # issue 23: JAX bound to each rank's GPU under Open MPI (every ra
   for mpi in ompi impi; do
     step "jax-sample-$mpi" 75 0 "${LAUNCH[$mpi]} -n $NGPU $PY samples/jax_step.py"
   done
-  step "jax-step-ompi" 170 0 "$OMPI -n $NGPU $PY scripts/jax_step_bench.py --json $OUT/jax-step-h200x$NGPU-$(date -u +%F).json"
+  step "jax-step-ompi" 170 0 "$OMPI -n $NGPU $PY scripts/jax_step_bench.py --json $OUT/jax-step-${GPU_TAG}x$NGPU-$(date -u +%F).json"
 }
 
 stage_retest() {  # RETEST="pytest paths" under Open MPI with all GPUs and Intel MPI with 2
