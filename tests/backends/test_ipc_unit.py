@@ -128,18 +128,32 @@ def test_plan_refuses_impossible_shapes(kwargs: dict) -> None:
 
 # -- collective_step: a step failing on one rank fails on all -----------------------------------------------
 class _Comm:
-    """A stand-in node communicator: ``allgather`` returns ``others`` around this rank's value."""
+    """A stand-in node communicator for text exchanges (mpigpu.core.typed.allgather_text): the other
+    ranks hold ``others`` (text, or None for the empty text), placed around this rank's value."""
 
     def __init__(self, rank: int, others: list) -> None:
-        self.rank, self.others = rank, others
+        self.rank = rank
+        self.others = [(value or "").encode() for value in others]
 
     def Get_rank(self) -> int:
         return self.rank
 
-    def allgather(self, value):
-        gathered = list(self.others)
-        gathered.insert(self.rank, value)
-        return gathered
+    def Get_size(self) -> int:
+        return len(self.others) + 1
+
+    def _everyone(self, mine: bytes) -> list[bytes]:
+        everyone = list(self.others)
+        everyone.insert(self.rank, mine)
+        return everyone
+
+    def Allgather(self, send, recv) -> None:  # the text lengths
+        lengths = [len(data) for data in self._everyone(b"")]
+        lengths[self.rank] = int(send[0][0])
+        recv[0][...] = np.array(lengths, np.int64).reshape(recv[0].shape)
+
+    def Allgatherv(self, send, recv) -> None:  # the UTF-8 bytes
+        data = b"".join(self._everyone(send[0].tobytes()))
+        recv[0][: len(data)] = np.frombuffer(data, np.uint8)
 
 
 def test_agree_returns_the_value_when_every_rank_succeeds() -> None:
