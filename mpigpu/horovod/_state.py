@@ -28,6 +28,7 @@ __all__ = [
     "mpi_threads_supported",
     "rank",
     "remove_process_set",
+    "set_rank_of",
     "shutdown",
     "size",
 ]
@@ -223,6 +224,18 @@ def comm_of(process_set: ProcessSet) -> Any:
     if process_set.comm is None:
         raise ValueError(f"rank {rank()} is not in {process_set!r}: only its ranks may call collectives on it")
     return process_set.comm
+
+
+def set_rank_of(process_set: ProcessSet, root_rank: int) -> int:
+    """The rank within ``process_set`` of the job's rank ``root_rank``: Horovod's ``root_rank`` is a rank of
+    the job (``hvd.rank()``), in a process set too. ValueError if that rank is not in the set."""
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
+        raise ValueError(f"root_rank must be an integer rank of the job, not {type(root_rank).__name__}")
+    world = global_process_set.ranks or []
+    members = [world.index(r) for r in process_set.ranks or []]  # the set's ranks as ranks of the job
+    if root_rank not in members:
+        raise ValueError(f"root_rank {root_rank} is not a rank of {process_set!r} (ranks of the job: {members})")
+    return members.index(root_rank)
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:

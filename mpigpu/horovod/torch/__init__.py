@@ -38,6 +38,18 @@ from mpigpu.horovod.torch._broadcast import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from mpigpu.horovod.torch._gather import (
+    allgather,
+    allgather_async,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
+    sparse_allreduce_async,
+)
+from mpigpu.horovod.torch._handles import poll, synchronize
 from mpigpu.horovod.torch._ops import (
     Adasum,
     Average,
@@ -47,24 +59,24 @@ from mpigpu.horovod.torch._ops import (
     Product,
     ReduceOp,
     Sum,
-    allgather,
-    allgather_async,
     allreduce,
     allreduce_,
     allreduce_async,
     allreduce_async_,
-    broadcast,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
-    poll,
-    synchronize,
 )
 from mpigpu.horovod.torch._optimizer import DistributedOptimizer
+from mpigpu.horovod.torch._scatter import (
+    alltoall,
+    alltoall_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter,
+    reducescatter_async,
+)
 
 __all__ = [
     "Adasum",
@@ -87,6 +99,8 @@ __all__ = [
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
     "barrier",
     "broadcast",
     "broadcast_",
@@ -104,10 +118,14 @@ __all__ = [
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
     "is_initialized",
     "join",
@@ -119,10 +137,13 @@ __all__ = [
     "nccl_built",
     "poll",
     "rank",
+    "reducescatter",
+    "reducescatter_async",
     "remove_process_set",
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
     "synchronize",
@@ -149,15 +170,21 @@ def gloo_enabled() -> bool:
     return False
 
 
-def nccl_built() -> bool:
-    """True if NCCL loads on every rank (after init; before it, whether it loads here)."""
+def nccl_built() -> int:
+    """The NCCL version code (e.g. 22304 for 2.23.4) if NCCL loads on every rank, else 0, as Horovod
+    returns it (after init; before it, whether it loads here)."""
     if is_initialized():
         from mpigpu.runtime.context import Context
 
-        return bool(Context.get(comm_of(global_process_set)).nccl.available)
-    from mpigpu.job.detect import detect_nccl
+        info = Context.get(comm_of(global_process_set)).nccl
+    else:
+        from mpigpu.job.detect import detect_nccl
 
-    return bool(detect_nccl(1).available)
+        info = detect_nccl(1)
+    if not info.available:
+        return 0
+    major, minor, patch = (int(part) for part in info.version.split("."))
+    return major * 10000 + minor * 100 + patch
 
 
 def cuda_built() -> bool:
@@ -183,12 +210,9 @@ def ccl_built() -> bool:
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Wait until every rank of the process set has arrived (and its queued allreduces have run)."""
-    from mpigpu.runtime.context import Context
-
-    comm = comm_of(process_set)
-    Context.get(comm).wait_async()
-    comm.Barrier()
+    """Wait until every rank of the process set has arrived. As in Horovod, calls still in flight
+    (async handles not yet synchronized) go on in the background: they are not waited for."""
+    comm_of(process_set).Barrier()
 
 
 _JOIN_TAG = 0x4A4F  # "JO"
