@@ -77,8 +77,9 @@ class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, args: tuple[Any, ...], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         name, process_set = args
-        ctx.args = (name, process_set, [t.shape[0] if t.dim() else 0 for t in tensors])
-        return tuple(synchronize(grouped_allgather_async(tensors, name, process_set)))
+        gathered = tuple(synchronize(grouped_allgather_async(tensors, name, process_set)))
+        ctx.args = (name, process_set, [t.shape[0] for t in tensors])  # checked by the call
+        return gathered
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:

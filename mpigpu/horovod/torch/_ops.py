@@ -209,8 +209,9 @@ def allreduce(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """A new tensor: ``tensor`` reduced across the process set (differentiable; ``tensor`` untouched)."""
-    op_ = resolve_op(op, average)
-    sent, state = compression.compress(tensor)
+    with rejecting(comm_of(process_set), "allreduce"):
+        op_ = resolve_op(op, average)
+        sent, state = compression.compress(tensor)
     result = _Allreduce.apply(sent, op_, prescale_factor, postscale_factor, process_set, name)
     return compression.decompress(result, state)
 
@@ -290,8 +291,9 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:  # fmt: skip
     """New tensors: ``tensors`` reduced with one fused allreduce (differentiable)."""
-    op_ = resolve_op(op, average)
-    sent = [compression.compress(t) for t in tensors]
+    with rejecting(comm_of(process_set), "grouped_allreduce"):
+        op_ = resolve_op(op, average)
+        sent = [compression.compress(t) for t in tensors]
     args = (op_, prescale_factor, postscale_factor, process_set, name)
     results = _GroupedAllreduce.apply(args, *(t for t, _ in sent))
     return [compression.decompress(r, state) for r, (_, state) in zip(results, sent, strict=True)]

@@ -177,7 +177,8 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:  # fmt: skip
     """New tensors: this rank's rows of each tensor reduced across the set (differentiable)."""
-    sent = [compression.compress(t) for t in tensors]
+    with rejecting(comm_of(process_set), "grouped_reducescatter"):
+        sent = [compression.compress(t) for t in tensors]
     args = (name, op, process_set, prescale_factor, postscale_factor)
     results = _GroupedReducescatter.apply(args, *(t for t, _ in sent))
     return [compression.decompress(r, state) for r, (_, state) in zip(results, sent, strict=True)]
