@@ -49,6 +49,7 @@ class ProcessSet:
             self.ranks = sorted({int(r) for r in ranks_or_comm})
         self.process_set_id: int | None = None
         self.comm: Any = None  # this set's communicator (mpigpu works on its own duplicate); None outside
+        self.control: Any = None  # a duplicate of comm for hvd.join's exchange before each call
 
     def _check(self) -> None:
         if not _State.initialized:
@@ -111,7 +112,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         base = world.Create_group(group)  # collective over the listed ranks only
         group.Free()
     _State.comm = base
-    _State.owned = [base]
+    global_process_set.control = base.Dup()
+    _State.owned = [base, global_process_set.control]
     _any_thread(Context.get(base))  # mpigpu's start-up (collective): topology, GPU binding, backends
     global_process_set.ranks = _global_ranks(base)
     global_process_set.comm = base
@@ -149,8 +151,8 @@ def shutdown() -> None:
     _State.initialized = False
     for process_set in _State.sets.values():
         if process_set is not global_process_set:
-            process_set.process_set_id, process_set.comm = None, None
-    global_process_set.comm = None
+            process_set.process_set_id, process_set.comm, process_set.control = None, None, None
+    global_process_set.comm = global_process_set.control = None
     if not MPI().Is_finalized():
         for comm in _State.owned:
             comm.Free()
@@ -272,7 +274,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     base_group.Free()
     process_set.comm = None if sub == mpi.COMM_NULL else sub
     if process_set.comm is not None:
-        _State.owned.append(sub)
+        process_set.control = sub.Dup()
+        _State.owned += [sub, process_set.control]
         _any_thread(Context.get(sub))  # mpigpu's start-up on the set (collective over its ranks)
     process_set.process_set_id = _State.next_id
     _State.sets[_State.next_id] = process_set
@@ -291,8 +294,10 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     _State.comm.Barrier()  # collective like add_process_set: no rank frees while another still uses it
     del _State.sets[process_set.process_set_id]  # type: ignore[arg-type]
-    comm, process_set.comm, process_set.process_set_id = process_set.comm, None, None
+    comm, control = process_set.comm, process_set.control
+    process_set.comm, process_set.control, process_set.process_set_id = None, None, None
     if comm is not None:
-        _State.owned.remove(comm)
-        comm.Free()
+        for owned in (control, comm):
+            _State.owned.remove(owned)
+            owned.Free()
     return True

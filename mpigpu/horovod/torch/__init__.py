@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpigpu.core._mpi import MPI
 from mpigpu.horovod._errors import HorovodInternalError, HostsUpdatedInterrupt, unsupported
 from mpigpu.horovod._state import (
     ProcessSet,
@@ -32,6 +31,7 @@ from mpigpu.horovod._state import (
     shutdown,
     size,
 )
+from mpigpu.horovod.torch import _handles
 from mpigpu.horovod.torch._broadcast import (
     allgather_object,
     broadcast_object,
@@ -50,6 +50,7 @@ from mpigpu.horovod.torch._gather import (
     sparse_allreduce_async,
 )
 from mpigpu.horovod.torch._handles import poll, synchronize
+from mpigpu.horovod.torch._join import join
 from mpigpu.horovod.torch._ops import (
     Adasum,
     Average,
@@ -210,38 +211,10 @@ def ccl_built() -> bool:
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Wait until every rank of the process set has arrived. As in Horovod, calls still in flight
-    (async handles not yet synchronized) go on in the background: they are not waited for."""
-    comm_of(process_set).Barrier()
-
-
-_JOIN_TAG = 0x4A4F  # "JO"
-
-
-def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
-    """Wait until every rank of the process set has called join; return the rank that joined last.
-
-    Supported as a synchronisation point only: a rank that has joined does not take part (with zeros)
-    in allreduces the other ranks still issue, as Horovod's does for uneven data; make every rank run
-    the same number of steps (e.g. drop the last partial batch) instead. ``device`` is accepted."""
-    from mpigpu.runtime.context import Context
-
-    comm = comm_of(process_set)
-    Context.get(comm).wait_async()
-    me, n = comm.Get_rank(), comm.Get_size()
-    last = me
-    if me == 0:
-        status = MPI().Status()
-        early = 0
-        while early < n - 1 and comm.Iprobe(source=MPI().ANY_SOURCE, tag=_JOIN_TAG):
-            comm.recv(source=MPI().ANY_SOURCE, tag=_JOIN_TAG)
-            early += 1
-        for _ in range(n - 1 - early):  # the ranks that arrive after rank 0, in arrival order
-            comm.recv(source=MPI().ANY_SOURCE, tag=_JOIN_TAG, status=status)
-            last = status.Get_source()
-    else:
-        comm.send(None, dest=0, tag=_JOIN_TAG)
-    return int(comm.bcast(last, root=0))
+    """Wait until every rank of the process set has arrived. As in Horovod, the calls every rank had
+    issued before are then complete; a call some rank has not issued yet stays in flight."""
+    comm_of(process_set)  # not initialized, or a rank outside the set: ValueError here
+    _handles.barrier(process_set)
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

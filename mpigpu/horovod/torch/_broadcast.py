@@ -22,8 +22,8 @@ def broadcast_parameters(params: Mapping[str, Any] | Iterable[Any], root_rank: i
                          process_set: ProcessSet = global_process_set) -> None:  # fmt: skip
     """Overwrite every tensor of ``params`` with root_rank's, in place: a ``state_dict()`` (sorted by
     name, as Horovod does), ``named_parameters()`` (pairs, in their order) or tensors. Collective."""
-    comm = comm_of(process_set)
-    with rejecting(comm, "broadcast_parameters"):
+    comm_of(process_set)  # not initialized, or outside the set: ValueError on this rank alone
+    with rejecting(process_set, "broadcast_parameters"):
         items = sorted(params.items()) if isinstance(params, Mapping) else list(params)
         tensors = [item[1] if isinstance(item, tuple) else item for item in items]
         for i, t in enumerate(tensors):
@@ -98,7 +98,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     process set too. Collective."""
     comm = comm_of(process_set)
     what = f"broadcast_object {name or ''}".strip()
-    with rejecting(comm, what):
+    with rejecting(process_set, what, exchange=False):  # objects skip join's exchange
         root = set_rank_of(process_set, root_rank)
     with translated(what):
         return mpigpu.broadcast_object(obj, root, comm=comm)

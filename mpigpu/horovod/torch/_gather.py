@@ -15,6 +15,7 @@ import torch
 import mpigpu
 from mpigpu.horovod._state import ProcessSet, comm_of, global_process_set, rank, set_rank_of
 from mpigpu.horovod.torch._handles import claim, queue, register, rejecting, synchronize
+from mpigpu.horovod.torch._join import OTHER, joined_check
 from mpigpu.horovod.torch._ops import Average, ReduceOp, Sum, grouped_allreduce_async, resolve_op
 
 __all__ = [
@@ -44,12 +45,17 @@ def _start_allgather(tensors: Sequence[Any], name: str | None, process_set: Proc
     comm = comm_of(process_set)
     key = claim(name, process_set)
     what = f"{what} {name or ''}".strip()
-    with rejecting(comm, what):
+    with rejecting(process_set, what):
         sent = [t.detach() for t in _tensors(tensors, what)]
         if not sent:
             raise ValueError(f"{what} needs at least one tensor")
-    inner = queue(comm, what, lambda: [mpigpu.allgather(t, comm=comm) for t in sent], sent)
-    return register(inner, finish, key, what)
+
+    def call() -> list[Any]:
+        joined_check(process_set, OTHER)
+        return [mpigpu.allgather(t, comm=comm) for t in sent]
+
+    inner = queue(comm, what, call, sent)
+    return register(inner, finish, key, what, process_set)
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -111,19 +117,24 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     comm = comm_of(process_set)
     key = claim(name, process_set)
     what = f"broadcast {name or ''}".strip()
-    with rejecting(comm, what):
+    with rejecting(process_set, what):
         root = set_rank_of(process_set, root_rank)
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"broadcast needs a torch.Tensor, not {type(tensor).__name__}")
         buffer = tensor.data if tensor.is_contiguous() else tensor.data.contiguous()
-    inner = queue(comm, what, lambda: mpigpu.broadcast(buffer, root, comm=comm), [buffer])
+
+    def call() -> Any:
+        joined_check(process_set, OTHER)
+        return mpigpu.broadcast(buffer, root, comm=comm)
+
+    inner = queue(comm, what, call, [buffer])
 
     def finish(_: Any) -> torch.Tensor:
         if buffer.data_ptr() != tensor.data_ptr():
             tensor.data.copy_(buffer)
         return tensor
 
-    return register(inner, finish, key, what)
+    return register(inner, finish, key, what, process_set)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -166,7 +177,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
     """Start reducing a sparse COO tensor by gathering every rank's indices and values (op Average or
     Sum). Returns a function, as Horovod does: calling it waits and returns the reduced sparse tensor
     (uncoalesced: an index several ranks hold appears once per rank)."""
-    with rejecting(comm_of(process_set), f"sparse_allreduce {name or ''}".strip()):
+    with rejecting(process_set, f"sparse_allreduce {name or ''}".strip()):
         op_: ReduceOp = resolve_op(op, None)
         if op_ not in (Average, Sum):
             raise ValueError(f"sparse_allreduce supports hvd.Average and hvd.Sum, not {op_.name}")

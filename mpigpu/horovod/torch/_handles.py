@@ -23,13 +23,15 @@ from typing import Any
 
 import torch
 
+from mpigpu.core._mpi import MPI
 from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError, MpigpuError
-from mpigpu.handles import Handle, reject, run_queued
-from mpigpu.horovod._errors import translated
+from mpigpu.handles import Handle, run_queued
+from mpigpu.horovod._errors import HorovodInternalError, translated
 from mpigpu.horovod._state import ProcessSet
-from mpigpu.runtime.context import Context
+from mpigpu.horovod.torch._join import take_part_in_exchange
+from mpigpu.runtime.context import Context, announce_rejection
 
-__all__ = ["Failed", "Group", "claim", "poll", "queue", "register", "rejecting", "synchronize"]
+__all__ = ["Failed", "Group", "barrier", "claim", "poll", "queue", "register", "rejecting", "synchronize"]
 
 
 @dataclass
@@ -82,13 +84,32 @@ def claim(name: str | None, process_set: ProcessSet) -> tuple[int | None, str] |
 
 
 def register(inner: Handle | Group | None, finish: Callable[[Any], Any], key: tuple[int | None, str] | None = None,
-             what: str = "collective") -> int:  # fmt: skip
-    """A new handle for ``inner``; ``synchronize`` returns ``finish(inner.wait())``."""
+             what: str = "collective", process_set: ProcessSet | None = None) -> int:  # fmt: skip
+    """A new handle for ``inner`` (a call on ``process_set``); ``synchronize`` returns
+    ``finish(inner.wait())``."""
     number = next(_numbers)
     _pending[number] = _Entry(inner, finish, key, what)
     if key is not None:
         _named[key] = number
+    if inner is not None and process_set is not None:
+        issued = _issued.setdefault(process_set.process_set_id, [0, []])
+        issued[0] += 1
+        issued[1] = [(seq, h) for seq, h in issued[1] if not h.done()] + [(issued[0], inner)]
     return number
+
+
+_issued: dict[int | None, list[Any]] = {}  # process set id -> [calls issued, [(call number, inner) in flight]]
+
+
+def barrier(process_set: ProcessSet) -> None:
+    """Horovod's barrier: every rank of the set arrives; the calls every rank had issued before it are
+    complete when it returns, those some rank has not issued yet stay in flight (not waited for)."""
+    issued = _issued.setdefault(process_set.process_set_id, [0, []])
+    everyone = process_set.comm.allreduce(issued[0], op=MPI().MIN)  # the calls issued on every rank
+    for seq, inner in issued[1]:
+        if seq <= everyone:
+            with contextlib.suppress(Exception):  # its error is synchronize's to raise
+                inner.wait()
 
 
 def _entry(handle: int) -> _Entry:
@@ -118,20 +139,23 @@ def synchronize(handle: int) -> Any:
 
 
 @contextlib.contextmanager
-def rejecting(comm: Any, what: str) -> Iterator[None]:
-    """Whatever this rank raises inside (before the call reaches mpigpu) joins the call's cross-rank
-    check, so the other ranks raise for this call instead of waiting; then it is raised here."""
+def rejecting(process_set: ProcessSet, what: str, exchange: bool = True) -> Iterator[None]:
+    """Whatever this rank raises inside (before the call reaches mpigpu) takes the call's place in the
+    order: join's exchange (``exchange``: the calls that make one), then the call's cross-rank check
+    with this error, so the other ranks raise for this call instead of waiting; then it is raised here."""
     try:
         yield
     except Exception as exc:
         if isinstance(exc, MpigpuError):  # raised by mpigpu itself, which has told the other ranks
             raise
-        ctx = Context.get(comm)
-        ctx.enter(what)
-        try:
-            reject(ctx, exc)
-        finally:
-            ctx.leave()
+        ctx = Context.get(process_set.comm)
+
+        def take_part(error: Exception = exc) -> None:
+            if exchange:
+                take_part_in_exchange(process_set)
+            announce_rejection(ctx, error)
+
+        run_queued(take_part, comm=process_set.comm, what=what)
         raise
 
 
@@ -155,7 +179,7 @@ def queue(comm: Any, what: str, call: Callable[[], Any], tensors: Sequence[torch
                 result = call()
                 stream.synchronize()
                 return result
-        except (MismatchError, InvalidArgument, DeviceError) as exc:  # raised on every rank of the call
+        except (MismatchError, InvalidArgument, DeviceError, HorovodInternalError) as exc:  # on every rank
             return Failed(exc)
 
     return run_queued(task, comm=comm, what=what)

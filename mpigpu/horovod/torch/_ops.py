@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 import mpigpu
-from mpigpu.horovod._errors import translated, unsupported
+from mpigpu.horovod._errors import unsupported
 from mpigpu.horovod._state import ProcessSet, comm_of, global_process_set
-from mpigpu.horovod.torch._handles import claim, register, rejecting, synchronize
+from mpigpu.horovod.torch._handles import claim, queue, register, rejecting, synchronize
+from mpigpu.horovod.torch._join import ALLREDUCE, joined_check
 
 __all__ = [
     "Adasum",
@@ -126,10 +127,16 @@ def scale(t: torch.Tensor, factor: float) -> None:
             t.copy_(t * factor)
 
 
-def _start(buffer: torch.Tensor, op: ReduceOp, prescale: float, comm: Any, what: str) -> Any:
+def _start(buffer: torch.Tensor, op: ReduceOp, prescale: float, process_set: ProcessSet, what: str) -> Any:
+    """Queue the allreduce of ``buffer`` (contiguous) in place; ranks that joined add zeros."""
     scale(buffer, prescale)
-    with translated(what):
-        return mpigpu.allreduce_async(buffer, _MPIGPU_OPS[op], comm=comm)
+    comm, flat, name = process_set.comm, buffer.view(-1), _MPIGPU_OPS[op]
+
+    def call() -> Any:
+        joined_check(process_set, ALLREDUCE, flat, name)
+        return mpigpu.allreduce(flat, name, comm=comm)
+
+    return queue(comm, what, call, [flat])
 
 
 # -- allreduce -------------------------------------------------------------------------------------
@@ -144,15 +151,15 @@ def allreduce_async_(
 ) -> int:
     """Start reducing ``tensor`` in place across the process set; returns a handle. The result is
     ``postscale_factor * op(prescale_factor * tensor)``."""
-    comm = comm_of(process_set)
+    comm_of(process_set)  # not initialized, or outside the set: ValueError on this rank alone
     key = claim(name, process_set)
     what = f"allreduce {name or ''}".strip()
-    with rejecting(comm, what):
+    with rejecting(process_set, what):
         op_ = resolve_op(op, average)
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"allreduce needs a torch.Tensor, not {type(tensor).__name__}")
         buffer = tensor.data if tensor.is_contiguous() else tensor.data.contiguous()
-    inner = _start(buffer, op_, prescale_factor, comm, what)
+    inner = _start(buffer, op_, prescale_factor, process_set, what)
 
     def finish(_: Any) -> torch.Tensor:
         scale(buffer, postscale_factor)
@@ -160,7 +167,7 @@ def allreduce_async_(
             tensor.data.copy_(buffer)
         return tensor
 
-    return register(inner, finish, key, what)
+    return register(inner, finish, key, what, process_set)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
@@ -209,7 +216,7 @@ def allreduce(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """A new tensor: ``tensor`` reduced across the process set (differentiable; ``tensor`` untouched)."""
-    with rejecting(comm_of(process_set), "allreduce"):
+    with rejecting(process_set, "allreduce"):
         op_ = resolve_op(op, average)
         sent, state = compression.compress(tensor)
     result = _Allreduce.apply(sent, op_, prescale_factor, postscale_factor, process_set, name)
@@ -231,17 +238,17 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
     """Start reducing every tensor of ``tensors`` in place with one fused allreduce (the tensors are
     concatenated flat, reduced once, and split back); they must share one dtype and device."""
-    comm = comm_of(process_set)
+    comm_of(process_set)  # not initialized, or outside the set: ValueError on this rank alone
     key = claim(name, process_set)
     what = f"grouped_allreduce {name or ''}".strip()
-    with rejecting(comm, what):
+    with rejecting(process_set, what):
         op_ = resolve_op(op, average)
         tensors = list(tensors)
         problem = _group_problem(tensors)
         if problem is not None:
             raise ValueError(f"grouped_allreduce needs {problem}")
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    inner = _start(flat, op_, prescale_factor, comm, what)
+    inner = _start(flat, op_, prescale_factor, process_set, what)
 
     def finish(_: Any) -> list[torch.Tensor]:
         scale(flat, postscale_factor)
@@ -249,7 +256,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
             t.data.copy_(part.view_as(t))
         return tensors
 
-    return register(inner, finish, key, what)
+    return register(inner, finish, key, what, process_set)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -291,7 +298,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:  # fmt: skip
     """New tensors: ``tensors`` reduced with one fused allreduce (differentiable)."""
-    with rejecting(comm_of(process_set), "grouped_allreduce"):
+    with rejecting(process_set, "grouped_allreduce"):
         op_ = resolve_op(op, average)
         sent = [compression.compress(t) for t in tensors]
     args = (op_, prescale_factor, postscale_factor, process_set, name)

@@ -1,5 +1,5 @@
 """Horovod's alltoall, reducescatter and grouped reducescatter on PyTorch tensors, through
-``mpigpu.alltoall_async`` and ``mpigpu.reduce_scatter_async`` (looked up when called: see
+``mpigpu.alltoall`` and ``mpigpu.reduce_scatter`` queued on the background thread (looked up when called: see
 ``mpigpu.horovod._collectives``).
 
 Rows of dimension 0 are split as Horovod splits them: a reducescatter gives the first N % size ranks
@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from mpigpu.horovod._collectives import collective
-from mpigpu.horovod._errors import translated
 from mpigpu.horovod._state import ProcessSet, comm_of, global_process_set
 from mpigpu.horovod.torch._gather import grouped_allgather
-from mpigpu.horovod.torch._handles import Group, claim, register, rejecting, synchronize
+from mpigpu.horovod.torch._handles import claim, queue, register, rejecting, synchronize
+from mpigpu.horovod.torch._join import OTHER, joined_check
 from mpigpu.horovod.torch._ops import Average, Compression, Compressor, ReduceOp, Sum, resolve_op, scale
 
 __all__ = [
@@ -64,21 +64,26 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     """Start sending ``splits[r]`` rows of ``tensor`` (dimension 0, in order) to each rank r of the set
     (equal parts without ``splits``); ``synchronize`` returns (received tensor, received splits as an
     int32 tensor)."""
+    alltoall_ = collective("alltoall")  # the same mpigpu on every rank: each raises here alike
     comm = comm_of(process_set)
     key = claim(name, process_set)
     what = f"alltoall {name or ''}".strip()
-    with rejecting(comm, what):
+    with rejecting(process_set, what):
         counts = _splits(tensor, splits, process_set.size())
         sent = tensor.detach()
         splits_device = splits.device if isinstance(splits, torch.Tensor) else torch.device("cpu")
-    with translated(what):
-        inner = collective("alltoall_async")(sent, counts, comm=comm, return_splits=True)
+
+    def call() -> Any:
+        joined_check(process_set, OTHER)
+        return alltoall_(sent, counts, comm=comm, return_splits=True)
+
+    inner = queue(comm, what, call, [sent])
 
     def finish(result: Any) -> tuple[torch.Tensor, torch.Tensor]:
         received, received_splits = result
         return received, torch.tensor(received_splits, dtype=torch.int32, device=splits_device)
 
-    return register(inner, finish, key, what)
+    return register(inner, finish, key, what, process_set)
 
 
 class _Alltoall(torch.autograd.Function):
@@ -115,10 +120,11 @@ def _reducescatter_op(op: Any) -> ReduceOp:
 
 def _start_reducescatter(tensors: Sequence[Any], name: str | None, op: Any, process_set: ProcessSet,
                          pre: float, post: float, finish: Any) -> int:  # fmt: skip
+    reduce_scatter = collective("reduce_scatter")  # the same mpigpu on every rank: each raises here alike
     comm = comm_of(process_set)
     key = claim(name, process_set)
     what = f"reducescatter {name or ''}".strip()
-    with rejecting(comm, what):
+    with rejecting(process_set, what):
         op_ = _reducescatter_op(op)
         buffers = []
         for t in tensors:
@@ -129,16 +135,19 @@ def _start_reducescatter(tensors: Sequence[Any], name: str | None, op: Any, proc
             buffers.append(buffer)
         if not buffers:
             raise ValueError("grouped_reducescatter needs at least one tensor")
-    start = collective("reduce_scatter_async")
-    with translated(what):
-        inner = Group([start(b, _MPIGPU_OPS[op_], comm=comm) for b in buffers])
+
+    def call() -> list[Any]:
+        joined_check(process_set, OTHER)
+        return [reduce_scatter(b, _MPIGPU_OPS[op_], comm=comm) for b in buffers]
+
+    inner = queue(comm, what, call, buffers)
 
     def scaled(results: list[torch.Tensor]) -> Any:
         for result in results:
             scale(result, post)
         return finish(results)
 
-    return register(inner, scaled, key, what)
+    return register(inner, scaled, key, what, process_set)
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: Any = Average,
@@ -177,7 +186,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:  # fmt: skip
     """New tensors: this rank's rows of each tensor reduced across the set (differentiable)."""
-    with rejecting(comm_of(process_set), "grouped_reducescatter"):
+    with rejecting(process_set, "grouped_reducescatter"):
         sent = [compression.compress(t) for t in tensors]
     args = (name, op, process_set, prescale_factor, postscale_factor)
     results = _GroupedReducescatter.apply(args, *(t for t, _ in sent))
