@@ -193,3 +193,29 @@ def test_alltoall_uneven_splits_and_gradient() -> None:
     assert torch.equal(x.grad, torch.cat([torch.full((k + 1, 2), float(k + 1)) for k in range(n)]).double())
     with pytest.raises(ValueError, match="32-bit"):
         hvd.alltoall(x.detach(), splits.float())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_join_stands_in_with_zeros_for_the_ranks_still_reducing() -> None:
+    r, n = hvd.rank(), hvd.size()
+    steps = r + 1  # uneven data: rank r has r + 1 batches
+    for step in range(steps):
+        x = torch.full((2, 3), float(r + 1), dtype=torch.float64)
+        got = hvd.allreduce(x, op=hvd.Sum, name=f"step{step}")
+        still = [k for k in range(n) if k + 1 > step]  # the ranks with a batch at this step
+        assert torch.equal(got, torch.full((2, 3), float(sum(k + 1 for k in still)), dtype=torch.float64))
+        averaged = hvd.allreduce(x, op=hvd.Average)  # divided by the set's size, as in Horovod
+        assert torch.equal(averaged, torch.full((2, 3), sum(k + 1.0 for k in still) / n, dtype=torch.float64))
+    if r == n - 1:  # the last rank to run out of data: the others have joined
+        with pytest.raises(hvd.HorovodInternalError, match="join"):
+            hvd.allgather(torch.ones(1))
+    assert hvd.join() == n - 1  # the rank that joined last, on every rank
+    assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))  # all back
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allreduce_shapes_are_still_checked() -> None:
+    r = hvd.rank()
+    x = torch.ones(6) if r == 0 else torch.ones(2, 3)  # the same element count, another shape
+    with pytest.raises(hvd.HorovodInternalError, match="shape"):
+        hvd.allreduce(x)

@@ -38,9 +38,10 @@ def _exchange(process_set: ProcessSet, mine: list[int]) -> np.ndarray:
     return result
 
 
-def joined_check(process_set: ProcessSet, kind: int, flat: torch.Tensor | None = None, op: str = "sum") -> None:
-    """This rank's side of the exchange before a call (on the background thread). An allreduce goes on
-    (joined ranks add zeros); another collective raises HorovodInternalError if a rank has joined."""
+def joined_check(process_set: ProcessSet, kind: int, flat: torch.Tensor | None = None, op: str = "sum") -> bool:
+    """This rank's side of the exchange before a call (on the background thread); True if a rank has
+    joined. An allreduce goes on (joined ranks add zeros of ``flat``'s size: reduce ``flat`` then);
+    another collective raises HorovodInternalError if a rank has joined."""
     described = [0, 0, 0] if flat is None else [_DTYPES.index(flat.dtype) + 1, flat.numel(), _OPS.index(op) + 1]
     result = _exchange(process_set, [0, 0, 0, kind, *described])
     if result[0] and kind != ALLREDUCE:
@@ -48,6 +49,7 @@ def joined_check(process_set: ProcessSet, kind: int, flat: torch.Tensor | None =
             "a rank of the process set has called hvd.join(): only allreduces continue until every rank has "
             "joined (Horovod's rule); make this call before join, on every rank"
         )
+    return bool(result[0])
 
 
 def take_part_in_exchange(process_set: ProcessSet) -> None:

@@ -132,9 +132,9 @@ def _start(buffer: torch.Tensor, op: ReduceOp, prescale: float, process_set: Pro
     scale(buffer, prescale)
     comm, flat, name = process_set.comm, buffer.view(-1), _MPIGPU_OPS[op]
 
-    def call() -> Any:
-        joined_check(process_set, ALLREDUCE, flat, name)
-        return mpigpu.allreduce(flat, name, comm=comm)
+    def call() -> Any:  # the tensor's shape is checked across ranks, unless a rank stands in with zeros
+        someone_joined = joined_check(process_set, ALLREDUCE, flat, name)
+        return mpigpu.allreduce(flat if someone_joined else buffer, name, comm=comm)
 
     return queue(comm, what, call, [flat])
 
