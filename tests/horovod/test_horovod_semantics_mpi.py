@@ -219,3 +219,20 @@ def test_allreduce_shapes_are_still_checked() -> None:
     x = torch.ones(6) if r == 0 else torch.ones(2, 3)  # the same element count, another shape
     with pytest.raises(hvd.HorovodInternalError, match="shape"):
         hvd.allreduce(x)
+
+
+def test_sync_batch_norm_matches_batch_norm_on_the_whole_batch() -> None:
+    r, n = hvd.rank(), hvd.size()
+    everyone = torch.arange(n * 4 * 3 * 2, dtype=torch.float64).reshape(n * 4, 3, 2) % 7  # small integers
+    mine = everyone[4 * r : 4 * r + 4].clone().requires_grad_()
+    sync = hvd.SyncBatchNorm(3).double()
+    out = sync(mine)
+    (out * (r + 1)).sum().backward()
+    whole = everyone.clone().requires_grad_()
+    reference = torch.nn.BatchNorm1d(3).double()
+    expect = reference(whole)
+    weights = torch.cat([torch.full((4, 3, 2), k + 1.0, dtype=torch.float64) for k in range(n)])
+    (expect * weights).sum().backward()
+    assert torch.allclose(out, expect[4 * r : 4 * r + 4], rtol=0, atol=1e-12)
+    assert torch.allclose(mine.grad, whole.grad[4 * r : 4 * r + 4], rtol=0, atol=1e-10)
+    assert torch.allclose(sync.running_var, reference.running_var, rtol=0, atol=1e-12)

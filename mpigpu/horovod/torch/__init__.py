@@ -78,6 +78,7 @@ from mpigpu.horovod.torch._scatter import (
     reducescatter,
     reducescatter_async,
 )
+from mpigpu.horovod.torch._sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "Adasum",
@@ -92,6 +93,7 @@ __all__ = [
     "Product",
     "ReduceOp",
     "Sum",
+    "SyncBatchNorm",
     "add_process_set",
     "allgather",
     "allgather_async",
