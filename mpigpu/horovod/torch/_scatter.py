@@ -64,7 +64,6 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     """Start sending ``splits[r]`` rows of ``tensor`` (dimension 0, in order) to each rank r of the set
     (equal parts without ``splits``); ``synchronize`` returns (received tensor, received splits as an
     int32 tensor)."""
-    alltoall_ = collective("alltoall")  # the same mpigpu on every rank: each raises here alike
     comm = comm_of(process_set)
     key = claim(name, process_set)
     what = f"alltoall {name or ''}".strip()
@@ -72,6 +71,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
         counts = _splits(tensor, splits, process_set.size())
         sent = tensor.detach()
         splits_device = splits.device if isinstance(splits, torch.Tensor) else torch.device("cpu")
+    alltoall_ = collective("alltoall")  # the same mpigpu on every rank: each raises here alike, nothing sent
 
     def call() -> Any:
         joined_check(process_set, OTHER)
@@ -120,7 +120,6 @@ def _reducescatter_op(op: Any) -> ReduceOp:
 
 def _start_reducescatter(tensors: Sequence[Any], name: str | None, op: Any, process_set: ProcessSet,
                          pre: float, post: float, finish: Any) -> int:  # fmt: skip
-    reduce_scatter = collective("reduce_scatter")  # the same mpigpu on every rank: each raises here alike
     comm = comm_of(process_set)
     key = claim(name, process_set)
     what = f"reducescatter {name or ''}".strip()
@@ -135,6 +134,7 @@ def _start_reducescatter(tensors: Sequence[Any], name: str | None, op: Any, proc
             buffers.append(buffer)
         if not buffers:
             raise ValueError("grouped_reducescatter needs at least one tensor")
+    reduce_scatter = collective("reduce_scatter")  # the same mpigpu on every rank: each raises here alike
 
     def call() -> list[Any]:
         joined_check(process_set, OTHER)
