@@ -43,7 +43,7 @@ from mpigpu.core.ops import Op
 from mpigpu.job.failsafe import report_background_failure
 from mpigpu.runtime.context import Context, announce_rejection
 
-__all__ = ["Handle", "Worker", "allreduce_async", "reject", "start"]
+__all__ = ["Handle", "Worker", "allreduce_async", "reject", "run_queued", "start"]
 
 
 class Worker:
@@ -100,13 +100,17 @@ class Worker:
             "End the job (run scripts under `python -m mpigpu.run` so that one rank's error stops all ranks)."
         )
 
+    def runs_here(self) -> bool:
+        """True when called from this worker's thread (one of its tasks)."""
+        return threading.current_thread() is self._thread
+
     @property
     def idle(self) -> bool:
         return self._pending == 0
 
     def drain(self) -> None:
         """Block until every queued task has run; raise if one broke the communicator's order."""
-        if threading.current_thread() is self._thread:
+        if self.runs_here():
             return
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0)
@@ -298,3 +302,21 @@ def _submit(ctx: Context, x: Any, op: Any, out: Any, comm: Any, backend: str, st
         ctx.activate_gpu()
         ready = core_stream(prepared.stream.handle).record()
     return Handle(name, future=worker.submit(partial(_on_worker, worker, prepared, ready)))
+
+
+def run_queued(task: Callable[[], Any], *, comm: Any = None, what: str = "a queued call") -> Handle:
+    """Run ``task()`` on ``comm``'s background thread, after the calls queued before it, and return its
+    Handle (``wait()`` returns what ``task`` returns). The task's own mpigpu calls on ``comm`` run there
+    as part of this call, so a layer above mpigpu can make any collective asynchronous in the program's
+    order. A task that raises other than MismatchError breaks the queue's order, as a failed
+    ``allreduce_async`` does: return an error raised on every rank instead of raising it. Below
+    MPI_THREAD_MULTIPLE the task runs now and the handle is complete when returned."""
+    ctx = Context.get(comm)
+    ctx.enter(what)
+    try:
+        worker = _worker(ctx)
+        if worker is None:
+            return Handle("queued", result=task())
+        return Handle("queued", future=worker.submit(task))
+    finally:
+        ctx.leave()

@@ -28,6 +28,7 @@ __all__ = [
     "mpi_threads_supported",
     "rank",
     "remove_process_set",
+    "set_rank_of",
     "shutdown",
     "size",
 ]
@@ -48,6 +49,7 @@ class ProcessSet:
             self.ranks = sorted({int(r) for r in ranks_or_comm})
         self.process_set_id: int | None = None
         self.comm: Any = None  # this set's communicator (mpigpu works on its own duplicate); None outside
+        self.control: Any = None  # a duplicate of comm for hvd.join's exchange before each call
 
     def _check(self) -> None:
         if not _State.initialized:
@@ -110,7 +112,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         base = world.Create_group(group)  # collective over the listed ranks only
         group.Free()
     _State.comm = base
-    _State.owned = [base]
+    global_process_set.control = base.Dup()
+    _State.owned = [base, global_process_set.control]
     _any_thread(Context.get(base))  # mpigpu's start-up (collective): topology, GPU binding, backends
     global_process_set.ranks = _global_ranks(base)
     global_process_set.comm = base
@@ -148,8 +151,8 @@ def shutdown() -> None:
     _State.initialized = False
     for process_set in _State.sets.values():
         if process_set is not global_process_set:
-            process_set.process_set_id, process_set.comm = None, None
-    global_process_set.comm = None
+            process_set.process_set_id, process_set.comm, process_set.control = None, None, None
+    global_process_set.comm = global_process_set.control = None
     if not MPI().Is_finalized():
         for comm in _State.owned:
             comm.Free()
@@ -225,6 +228,18 @@ def comm_of(process_set: ProcessSet) -> Any:
     return process_set.comm
 
 
+def set_rank_of(process_set: ProcessSet, root_rank: int) -> int:
+    """The rank within ``process_set`` of the job's rank ``root_rank``: Horovod's ``root_rank`` is a rank of
+    the job (``hvd.rank()``), in a process set too. ValueError if that rank is not in the set."""
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
+        raise ValueError(f"root_rank must be an integer rank of the job, not {type(root_rank).__name__}")
+    world = global_process_set.ranks or []
+    members = [world.index(r) for r in process_set.ranks or []]  # the set's ranks as ranks of the job
+    if root_rank not in members:
+        raise ValueError(f"root_rank {root_rank} is not a rank of {process_set!r} (ranks of the job: {members})")
+    return members.index(root_rank)
+
+
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Register a process set and build its communicator. Collective: every rank of the job calls it
     with the same ranks, in the same order as the other add/remove calls (as in Horovod with MPI)."""
@@ -259,7 +274,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     base_group.Free()
     process_set.comm = None if sub == mpi.COMM_NULL else sub
     if process_set.comm is not None:
-        _State.owned.append(sub)
+        process_set.control = sub.Dup()
+        _State.owned += [sub, process_set.control]
         _any_thread(Context.get(sub))  # mpigpu's start-up on the set (collective over its ranks)
     process_set.process_set_id = _State.next_id
     _State.sets[_State.next_id] = process_set
@@ -278,8 +294,10 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     _State.comm.Barrier()  # collective like add_process_set: no rank frees while another still uses it
     del _State.sets[process_set.process_set_id]  # type: ignore[arg-type]
-    comm, process_set.comm, process_set.process_set_id = process_set.comm, None, None
+    comm, control = process_set.comm, process_set.control
+    process_set.comm, process_set.control, process_set.process_set_id = None, None, None
     if comm is not None:
-        _State.owned.remove(comm)
-        comm.Free()
+        for owned in (control, comm):
+            _State.owned.remove(owned)
+            owned.Free()
     return True

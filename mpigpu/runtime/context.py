@@ -184,6 +184,8 @@ class Context:
         the wrong calls of the other ranks. Each refusal joins the cross-rank check with its error
         (between two calls of the owner, after the queued ones), so the other ranks raise
         MismatchError instead of waiting or pairing their data with another call."""
+        if self._on_worker():  # a task queued by the owner: the queue already orders it
+            return
         self.calls += 1
         ident = threading.get_ident()
         owner = self.owner
@@ -204,7 +206,14 @@ class Context:
 
     def leave(self) -> None:
         """End a call started with ``enter``."""
-        self._calls.release()
+        if not self._on_worker():
+            self._calls.release()
+
+    def _on_worker(self) -> bool:
+        """True on this communicator's background thread (``mpigpu.handles.Worker``): a call made by one
+        of its queued tasks belongs to the call that queued it, which held the communicator then."""
+        worker = self.async_worker
+        return worker is not None and worker.runs_here()
 
     def _where(self) -> str:
         """Which call this rank waits in and which ranks have not reached it (read by the watchdog's

@@ -1,8 +1,8 @@
 """mpigpu.horovod.torch on CUDA tensors (scripts/gpu-check.sh, under mpirun): allreduce in every form
 with exact references, grouped and async calls with the GPU-side scale factors, autograd, the
 DistributedOptimizer (overlapped and at-synchronize paths, fp16) against averaging by hand, broadcast
-and allgather (NotImplementedError naming mpigpu.broadcast / mpigpu.allgather until mpigpu has them),
-and samples/horovod_train.py in-process on the GPU."""
+and allgather (sync and async, in stream order), SyncBatchNorm against torch's BatchNorm over every
+rank's batch, and samples/horovod_train.py in-process on the GPU."""
 
 from __future__ import annotations
 
@@ -80,16 +80,41 @@ def test_autograd(device) -> None:
 def test_broadcast_allgather(device) -> None:
     r = hvd.rank()
     x = _input(r, (3, 4), device)
-    if getattr(mpigpu, "broadcast", None) is None:
-        with pytest.raises(NotImplementedError, match=r"mpigpu\.broadcast"):
-            hvd.broadcast_(x, 0)
-    else:
-        assert torch.equal(hvd.broadcast(x, 0), _input(0, (3, 4), device))
-    if getattr(mpigpu, "allgather", None) is None:
-        with pytest.raises(NotImplementedError, match=r"mpigpu\.allgather"):
-            hvd.allgather(x)
-    else:
-        assert torch.equal(hvd.allgather(x), torch.cat([_input(k, (3, 4), device) for k in range(hvd.size())]))
+    assert torch.equal(hvd.broadcast(x, 0), _input(0, (3, 4), device))
+    assert torch.equal(hvd.allgather(x), torch.cat([_input(k, (3, 4), device) for k in range(hvd.size())]))
+
+
+def test_async_gpu_calls_are_complete_when_synchronized(device) -> None:
+    """Allgather and broadcast run on the background thread: inputs as they stand on the caller's stream
+    at the call, results complete on the GPU when synchronize returns."""
+    r, n = hvd.rank(), hvd.size()
+    x = torch.empty(1 << 20, device=device)
+    x.fill_(float(r + 1))  # enqueued on the caller's stream just before the call
+    gather, bcast = hvd.allgather_async(x), hvd.broadcast_async(x, root_rank=n - 1)
+    gathered, broadcast = hvd.synchronize(gather), hvd.synchronize(bcast)
+    assert torch.equal(gathered, torch.cat([torch.full((1 << 20,), k + 1.0, device=device) for k in range(n)]))
+    assert torch.equal(broadcast, torch.full((1 << 20,), float(n), device=device))
+
+
+def test_sync_batch_norm_on_gpu(device) -> None:
+    """hvd.SyncBatchNorm on CUDA tensors against torch's BatchNorm over every rank's batch (float64)."""
+    r, n = hvd.rank(), hvd.size()
+    everyone = (torch.arange(n * 8 * 4 * 5, dtype=torch.float64, device=device).reshape(n * 8, 4, 5) % 11) - 5
+    mine = everyone[8 * r : 8 * r + 8].clone().requires_grad_()
+    sync = hvd.SyncBatchNorm(4).double().to(device)
+    out = sync(mine)
+    (out * (r + 1)).sum().backward()
+    whole = everyone.clone().requires_grad_()
+    reference = torch.nn.BatchNorm1d(4).double().to(device)
+    expect = reference(whole)
+    weights = torch.cat([torch.full((8, 4, 5), k + 1.0, dtype=torch.float64, device=device) for k in range(n)])
+    (expect * weights).sum().backward()
+    assert torch.allclose(out, expect[8 * r : 8 * r + 8], rtol=0, atol=1e-12)
+    assert torch.allclose(mine.grad, whole.grad[8 * r : 8 * r + 8], rtol=0, atol=1e-10)
+    assert torch.allclose(sync.running_mean, reference.running_mean, rtol=0, atol=1e-12)
+    assert torch.allclose(sync.running_var, reference.running_var, rtol=0, atol=1e-12)
+    sync.eval()
+    assert torch.allclose(sync(mine.detach()), reference.eval()(mine.detach()), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("passes", [1, 2])

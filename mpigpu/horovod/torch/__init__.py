@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpigpu.core._mpi import MPI
 from mpigpu.horovod._errors import HorovodInternalError, HostsUpdatedInterrupt, unsupported
 from mpigpu.horovod._state import (
     ProcessSet,
@@ -32,12 +31,26 @@ from mpigpu.horovod._state import (
     shutdown,
     size,
 )
+from mpigpu.horovod.torch import _handles
 from mpigpu.horovod.torch._broadcast import (
     allgather_object,
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from mpigpu.horovod.torch._gather import (
+    allgather,
+    allgather_async,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
+    sparse_allreduce_async,
+)
+from mpigpu.horovod.torch._handles import poll, synchronize
+from mpigpu.horovod.torch._join import join
 from mpigpu.horovod.torch._ops import (
     Adasum,
     Average,
@@ -47,24 +60,25 @@ from mpigpu.horovod.torch._ops import (
     Product,
     ReduceOp,
     Sum,
-    allgather,
-    allgather_async,
     allreduce,
     allreduce_,
     allreduce_async,
     allreduce_async_,
-    broadcast,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
-    poll,
-    synchronize,
 )
 from mpigpu.horovod.torch._optimizer import DistributedOptimizer
+from mpigpu.horovod.torch._scatter import (
+    alltoall,
+    alltoall_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter,
+    reducescatter_async,
+)
+from mpigpu.horovod.torch._sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "Adasum",
@@ -79,6 +93,7 @@ __all__ = [
     "Product",
     "ReduceOp",
     "Sum",
+    "SyncBatchNorm",
     "add_process_set",
     "allgather",
     "allgather_async",
@@ -87,6 +102,8 @@ __all__ = [
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
     "barrier",
     "broadcast",
     "broadcast_",
@@ -104,10 +121,14 @@ __all__ = [
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
     "is_initialized",
     "join",
@@ -119,10 +140,13 @@ __all__ = [
     "nccl_built",
     "poll",
     "rank",
+    "reducescatter",
+    "reducescatter_async",
     "remove_process_set",
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
     "synchronize",
@@ -149,15 +173,21 @@ def gloo_enabled() -> bool:
     return False
 
 
-def nccl_built() -> bool:
-    """True if NCCL loads on every rank (after init; before it, whether it loads here)."""
+def nccl_built() -> int:
+    """The NCCL version code (e.g. 22304 for 2.23.4) if NCCL loads on every rank, else 0, as Horovod
+    returns it (after init; before it, whether it loads here)."""
     if is_initialized():
         from mpigpu.runtime.context import Context
 
-        return bool(Context.get(comm_of(global_process_set)).nccl.available)
-    from mpigpu.job.detect import detect_nccl
+        info = Context.get(comm_of(global_process_set)).nccl
+    else:
+        from mpigpu.job.detect import detect_nccl
 
-    return bool(detect_nccl(1).available)
+        info = detect_nccl(1)
+    if not info.available:
+        return 0
+    major, minor, patch = (int(part) for part in info.version.split("."))
+    return major * 10000 + minor * 100 + patch
 
 
 def cuda_built() -> bool:
@@ -183,41 +213,10 @@ def ccl_built() -> bool:
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Wait until every rank of the process set has arrived (and its queued allreduces have run)."""
-    from mpigpu.runtime.context import Context
-
-    comm = comm_of(process_set)
-    Context.get(comm).wait_async()
-    comm.Barrier()
-
-
-_JOIN_TAG = 0x4A4F  # "JO"
-
-
-def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
-    """Wait until every rank of the process set has called join; return the rank that joined last.
-
-    Supported as a synchronisation point only: a rank that has joined does not take part (with zeros)
-    in allreduces the other ranks still issue, as Horovod's does for uneven data; make every rank run
-    the same number of steps (e.g. drop the last partial batch) instead. ``device`` is accepted."""
-    from mpigpu.runtime.context import Context
-
-    comm = comm_of(process_set)
-    Context.get(comm).wait_async()
-    me, n = comm.Get_rank(), comm.Get_size()
-    last = me
-    if me == 0:
-        status = MPI().Status()
-        early = 0
-        while early < n - 1 and comm.Iprobe(source=MPI().ANY_SOURCE, tag=_JOIN_TAG):
-            comm.recv(source=MPI().ANY_SOURCE, tag=_JOIN_TAG)
-            early += 1
-        for _ in range(n - 1 - early):  # the ranks that arrive after rank 0, in arrival order
-            comm.recv(source=MPI().ANY_SOURCE, tag=_JOIN_TAG, status=status)
-            last = status.Get_source()
-    else:
-        comm.send(None, dest=0, tag=_JOIN_TAG)
-    return int(comm.bcast(last, root=0))
+    """Wait until every rank of the process set has arrived. As in Horovod, the calls every rank had
+    issued before are then complete; a call some rank has not issued yet stays in flight."""
+    comm_of(process_set)  # not initialized, or a rank outside the set: ValueError here
+    _handles.barrier(process_set)
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

@@ -1,27 +1,23 @@
-"""Horovod's tensor collectives on PyTorch tensors (CPU and CUDA), through mpigpu's public API.
+"""Horovod's reduction ops, compression and allreduces on PyTorch tensors (CPU and CUDA).
 
 Allreduces go through ``mpigpu.allreduce_async`` (a grouped allreduce is one fused call: the group is
-concatenated flat, reduced once and split); broadcast and allgather through ``_collectives``. Handles
-are integers, as Horovod's are: ``poll(handle)`` says whether it is done, ``synchronize(handle)``
-waits and returns the result. Broadcasts and allgathers complete before their async form returns.
+concatenated flat, reduced once and split); handles, names and rejections are ``_handles``'s.
 mpigpu's errors are raised as ``HorovodInternalError`` (a RuntimeError)."""
 
 from __future__ import annotations
 
 import enum
-import itertools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 import mpigpu
-from mpigpu.handles import reject
-from mpigpu.horovod import _collectives
-from mpigpu.horovod._errors import translated, unsupported
+from mpigpu.horovod._errors import unsupported
 from mpigpu.horovod._state import ProcessSet, comm_of, global_process_set
-from mpigpu.runtime.context import Context
+from mpigpu.horovod.torch._handles import claim, queue, register, rejecting, synchronize
+from mpigpu.horovod.torch._join import ALLREDUCE, joined_check
 
 __all__ = [
     "Adasum",
@@ -32,23 +28,16 @@ __all__ = [
     "Product",
     "ReduceOp",
     "Sum",
-    "allgather",
-    "allgather_async",
     "allreduce",
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
-    "broadcast",
-    "broadcast_",
-    "broadcast_async",
-    "broadcast_async_",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
-    "poll",
     "resolve_op",
-    "synchronize",
+    "scale",
 ]
 
 
@@ -129,56 +118,25 @@ class Compression:
     fp16 = FP16Compressor
 
 
-# -- handles ---------------------------------------------------------------------------------------
-_pending: dict[int, tuple[Any, Callable[[], Any]]] = {}  # handle -> (mpigpu Handle or None, finish)
-_numbers = itertools.count(1)
-
-
-def _register(handle: Any, finish: Callable[[], Any]) -> int:
-    number = next(_numbers)
-    _pending[number] = (handle, finish)
-    return number
-
-
-def _entry(handle: int) -> tuple[Any, Callable[[], Any]]:
-    try:
-        return _pending[handle]
-    except KeyError:
-        raise ValueError(f"handle {handle!r} is unknown or was already synchronized") from None
-
-
-def poll(handle: int) -> bool:
-    """True if the operation of ``handle`` is complete (never blocks)."""
-    inner, _ = _entry(handle)
-    return inner is None or inner.done()
-
-
-def synchronize(handle: int) -> Any:
-    """Wait for the operation of ``handle`` and return its result tensor (or list, for grouped calls)."""
-    inner, finish = _entry(handle)
-    del _pending[handle]
-    with translated("synchronize"):
-        if inner is not None:
-            inner.wait()
-        return finish()
-
-
-def _scale(t: torch.Tensor, factor: float) -> None:
+def scale(t: torch.Tensor, factor: float) -> None:
+    """Multiply ``t`` in place by ``factor`` (integers: scaled, then truncated toward zero)."""
     if factor != 1.0:
         if t.dtype.is_floating_point or t.dtype.is_complex:
             t.mul_(factor)
         else:
-            t.copy_(t * factor)  # integers: scaled, then truncated toward zero
+            t.copy_(t * factor)
 
 
-def _start(buffer: torch.Tensor, op: ReduceOp, prescale: float, comm: Any, what: str) -> Any:
-    _scale(buffer, prescale)
-    with translated(what):
-        return mpigpu.allreduce_async(buffer, _MPIGPU_OPS[op], comm=comm)
+def _start(buffer: torch.Tensor, op: ReduceOp, prescale: float, process_set: ProcessSet, what: str) -> Any:
+    """Queue the allreduce of ``buffer`` (contiguous) in place; ranks that joined add zeros."""
+    scale(buffer, prescale)
+    comm, flat, name = process_set.comm, buffer.view(-1), _MPIGPU_OPS[op]
 
+    def call() -> Any:  # the tensor's shape is checked across ranks, unless a rank stands in with zeros
+        someone_joined = joined_check(process_set, ALLREDUCE, flat, name)
+        return mpigpu.allreduce(flat if someone_joined else buffer, name, comm=comm)
 
-def _no_gradient(op: ReduceOp) -> NotImplementedError:
-    return NotImplementedError(f"the gradient of an allreduce is defined for hvd.Sum and hvd.Average, not {op.name}")
+    return queue(comm, what, call, [flat])
 
 
 # -- allreduce -------------------------------------------------------------------------------------
@@ -192,18 +150,24 @@ def allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Start reducing ``tensor`` in place across the process set; returns a handle. The result is
-    ``postscale_factor * op(prescale_factor * tensor)``. ``name`` is accepted and only used in errors."""
-    op_, comm = resolve_op(op, average), comm_of(process_set)
-    buffer = tensor.data if tensor.is_contiguous() else tensor.data.contiguous()
-    inner = _start(buffer, op_, prescale_factor, comm, f"allreduce {name or ''}".strip())
+    ``postscale_factor * op(prescale_factor * tensor)``."""
+    comm_of(process_set)  # not initialized, or outside the set: ValueError on this rank alone
+    key = claim(name, process_set)
+    what = f"allreduce {name or ''}".strip()
+    with rejecting(process_set, what):
+        op_ = resolve_op(op, average)
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"allreduce needs a torch.Tensor, not {type(tensor).__name__}")
+        buffer = tensor.data if tensor.is_contiguous() else tensor.data.contiguous()
+    inner = _start(buffer, op_, prescale_factor, process_set, what)
 
-    def finish() -> torch.Tensor:
-        _scale(buffer, postscale_factor)
+    def finish(_: Any) -> torch.Tensor:
+        scale(buffer, postscale_factor)
         if buffer.data_ptr() != tensor.data_ptr():
             tensor.data.copy_(buffer)
         return tensor
 
-    return _register(inner, finish)
+    return register(inner, finish, key, what, process_set)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
@@ -217,7 +181,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
     """Start reducing a copy of ``tensor``; ``synchronize(handle)`` returns the new tensor."""
-    copy = tensor.detach().clone(memory_format=torch.contiguous_format)
+    copy = tensor.detach().clone(memory_format=torch.contiguous_format) if isinstance(tensor, torch.Tensor) else tensor
     return allreduce_async_(copy, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
@@ -252,8 +216,9 @@ def allreduce(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """A new tensor: ``tensor`` reduced across the process set (differentiable; ``tensor`` untouched)."""
-    op_ = resolve_op(op, average)
-    sent, state = compression.compress(tensor)
+    with rejecting(process_set, "allreduce"):
+        op_ = resolve_op(op, average)
+        sent, state = compression.compress(tensor)
     result = _Allreduce.apply(sent, op_, prescale_factor, postscale_factor, process_set, name)
     return compression.decompress(result, state)
 
@@ -273,28 +238,25 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
     """Start reducing every tensor of ``tensors`` in place with one fused allreduce (the tensors are
     concatenated flat, reduced once, and split back); they must share one dtype and device."""
-    op_, comm = resolve_op(op, average), comm_of(process_set)
-    tensors = list(tensors)
-    problem = _group_problem(tensors)
-    if problem is not None:
-        error = ValueError(f"grouped_allreduce needs {problem}")
-        ctx = Context.get(comm)
-        ctx.enter("grouped_allreduce")
-        try:
-            reject(ctx, error)  # the other ranks raise MismatchError for this call instead of waiting
-        finally:
-            ctx.leave()
-        raise error
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    inner = _start(flat, op_, prescale_factor, comm, f"grouped_allreduce {name or ''}".strip())
+    comm_of(process_set)  # not initialized, or outside the set: ValueError on this rank alone
+    key = claim(name, process_set)
+    what = f"grouped_allreduce {name or ''}".strip()
+    with rejecting(process_set, what):
+        op_ = resolve_op(op, average)
+        tensors = list(tensors)
+        problem = _group_problem(tensors)
+        if problem is not None:
+            raise ValueError(f"grouped_allreduce needs {problem}")
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    inner = _start(flat, op_, prescale_factor, process_set, what)
 
-    def finish() -> list[torch.Tensor]:
-        _scale(flat, postscale_factor)
+    def finish(_: Any) -> list[torch.Tensor]:
+        scale(flat, postscale_factor)
         for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
             t.data.copy_(part.view_as(t))
         return tensors
 
-    return _register(inner, finish)
+    return register(inner, finish, key, what, process_set)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -336,90 +298,9 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:  # fmt: skip
     """New tensors: ``tensors`` reduced with one fused allreduce (differentiable)."""
-    op_ = resolve_op(op, average)
-    sent = [compression.compress(t) for t in tensors]
+    with rejecting(process_set, "grouped_allreduce"):
+        op_ = resolve_op(op, average)
+        sent = [compression.compress(t) for t in tensors]
     args = (op_, prescale_factor, postscale_factor, process_set, name)
     results = _GroupedAllreduce.apply(args, *(t for t, _ in sent))
     return [compression.decompress(r, state) for r, (_, state) in zip(results, sent, strict=True)]
-
-
-# -- allgather and broadcast -----------------------------------------------------------------------
-def _allgather(tensor: torch.Tensor, process_set: ProcessSet, name: str | None) -> torch.Tensor:
-    comm = comm_of(process_set)
-    with translated(f"allgather {name or ''}".strip()):
-        return _collectives.allgather(tensor.detach(), comm)
-
-
-class _Allgather(torch.autograd.Function):
-    """The gradient of an allgather is this rank's rows of the sum of every rank's gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, process_set: ProcessSet, name: str | None) -> torch.Tensor:
-        ctx.args = (process_set, name, tensor.shape[0] if tensor.dim() else 0)
-        return _allgather(tensor, process_set, name)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        process_set, name, rows = ctx.args
-        summed = synchronize(allreduce_async(grad, None, name, Sum, 1.0, 1.0, process_set))
-        everyone = _allgather(torch.tensor([rows], dtype=torch.int64), process_set, name)
-        start = int(everyone[: process_set.rank()].sum())
-        return summed.narrow(0, start, rows), None, None
-
-
-def allgather(
-    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
-) -> torch.Tensor:
-    """A new tensor: every rank's ``tensor`` concatenated along dimension 0, in rank order (the first
-    dimension may differ between ranks). Differentiable."""
-    return _Allgather.apply(tensor, process_set, name)
-
-
-def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set) -> int:
-    """``allgather`` behind a handle (complete when returned)."""
-    result = _allgather(tensor, process_set, name)
-    return _register(None, lambda: result)
-
-
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-               process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
-    """Overwrite ``tensor`` with root_rank's (a rank of the process set) and return it."""
-    comm = comm_of(process_set)
-    with translated(f"broadcast {name or ''}".strip()):
-        _collectives.broadcast_(tensor.data, root_rank, comm)
-    return tensor
-
-
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
-    """``broadcast_`` behind a handle (complete when returned)."""
-    result = broadcast_(tensor, root_rank, name, process_set)
-    return _register(None, lambda: result)
-
-
-class _Broadcast(torch.autograd.Function):
-    """The gradient of a broadcast: the sum of every rank's gradient on the root, zeros elsewhere."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root: int, process_set: ProcessSet, name: str | None) -> torch.Tensor:
-        ctx.args = (root, process_set, name)
-        return broadcast_(tensor.detach().clone(memory_format=torch.contiguous_format), root, name, process_set)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        root, process_set, name = ctx.args
-        summed = synchronize(allreduce_async(grad, None, name, Sum, 1.0, 1.0, process_set))
-        return (summed if process_set.rank() == root else torch.zeros_like(summed)), None, None, None
-
-
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
-    """A new tensor holding root_rank's ``tensor`` (differentiable; ``tensor`` untouched)."""
-    return _Broadcast.apply(tensor, root_rank, process_set, name)
-
-
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
-    """``broadcast`` of a copy behind a handle (complete when returned)."""
-    copy = tensor.detach().clone(memory_format=torch.contiguous_format)
-    return broadcast_async_(copy, root_rank, name, process_set)

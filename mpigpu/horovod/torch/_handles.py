@@ -1,0 +1,185 @@
+"""Horovod's integer handles, its names, and how the layer keeps every rank on the same call.
+
+- A handle is an ``int``: ``poll(handle)`` says whether the call is complete (never blocks),
+  ``synchronize(handle)`` waits and returns the result. Allreduces run through
+  ``mpigpu.allreduce_async``; the other collectives are queued on the communicator's background
+  thread (``mpigpu.handles.run_queued``), after the calls made before them, so all are asynchronous
+  and reach MPI in the program's order.
+- ``name=``: two calls in flight on one process set may not share a name (Horovod keys calls by it).
+  The second raises ValueError on the rank that makes it, before anything is sent: in a program that
+  makes the same calls on every rank, every rank raises, and no rank is left one call ahead.
+- A call the layer rejects (a bad argument, a Python error before the call reaches mpigpu) joins the
+  call's cross-rank check with its error (``rejecting``): the other ranks raise HorovodInternalError
+  for that call instead of waiting, and the next call pairs correctly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mpigpu.core._mpi import MPI
+from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError, MpigpuError
+from mpigpu.handles import Handle, run_queued
+from mpigpu.horovod._errors import HorovodInternalError, translated
+from mpigpu.horovod._state import ProcessSet
+from mpigpu.horovod.torch._join import take_part_in_exchange
+from mpigpu.runtime.context import Context, announce_rejection
+
+__all__ = ["Failed", "Group", "barrier", "claim", "poll", "queue", "register", "rejecting", "synchronize"]
+
+
+@dataclass
+class _Entry:
+    inner: Handle | Group | None  # None: complete when registered
+    finish: Callable[[Any], Any]  # the inner handle's result -> what synchronize returns
+    key: tuple[int | None, str] | None  # (process set id, name) while in flight
+    what: str
+
+
+@dataclass
+class Failed:
+    """An error raised on every rank of a queued call (returned by the task, raised by synchronize):
+    the ranks stay paired, so the background thread goes on with the next call."""
+
+    error: Exception
+
+
+class Group:
+    """Several inner handles as one: done when all are, ``wait()`` returns their results in order."""
+
+    def __init__(self, handles: Sequence[Handle]) -> None:
+        self._handles = list(handles)
+
+    def done(self) -> bool:
+        return all(h.done() for h in self._handles)
+
+    def wait(self) -> list[Any]:
+        return [h.wait() for h in self._handles]
+
+
+_pending: dict[int, _Entry] = {}
+_named: dict[tuple[int | None, str], int] = {}  # (process set id, name) -> handle of the call in flight
+_numbers = itertools.count(1)
+
+
+def claim(name: str | None, process_set: ProcessSet) -> tuple[int | None, str] | None:
+    """The key of a call named ``name``; ValueError (on this rank, nothing sent) if a call of that name
+    is still in flight on the process set."""
+    if name is None:
+        return None
+    key = (process_set.process_set_id, str(name))
+    number = _named.get(key)
+    if number is not None and number in _pending and not poll(number):
+        raise ValueError(
+            f"a collective named {name!r} is still in flight on {process_set!r}: two calls in flight may not "
+            "share a name (synchronize the first one, or give the second another name)"
+        )
+    return key
+
+
+def register(inner: Handle | Group | None, finish: Callable[[Any], Any], key: tuple[int | None, str] | None = None,
+             what: str = "collective", process_set: ProcessSet | None = None) -> int:  # fmt: skip
+    """A new handle for ``inner`` (a call on ``process_set``); ``synchronize`` returns
+    ``finish(inner.wait())``."""
+    number = next(_numbers)
+    _pending[number] = _Entry(inner, finish, key, what)
+    if key is not None:
+        _named[key] = number
+    if inner is not None and process_set is not None:
+        issued = _issued.setdefault(process_set.process_set_id, [0, []])
+        issued[0] += 1
+        issued[1] = [(seq, h) for seq, h in issued[1] if not h.done()] + [(issued[0], inner)]
+    return number
+
+
+_issued: dict[int | None, list[Any]] = {}  # process set id -> [calls issued, [(call number, inner) in flight]]
+
+
+def barrier(process_set: ProcessSet) -> None:
+    """Horovod's barrier: every rank of the set arrives; the calls every rank had issued before it are
+    complete when it returns, those some rank has not issued yet stay in flight (not waited for)."""
+    issued = _issued.setdefault(process_set.process_set_id, [0, []])
+    everyone = process_set.comm.allreduce(issued[0], op=MPI().MIN)  # the calls issued on every rank
+    for seq, inner in issued[1]:
+        if seq <= everyone:
+            with contextlib.suppress(Exception):  # its error is synchronize's to raise
+                inner.wait()
+
+
+def _entry(handle: int) -> _Entry:
+    try:
+        return _pending[handle]
+    except KeyError:
+        raise ValueError(f"handle {handle!r} is unknown or was already synchronized") from None
+
+
+def poll(handle: int) -> bool:
+    """True if the operation of ``handle`` is complete (never blocks)."""
+    inner = _entry(handle).inner
+    return inner is None or inner.done()
+
+
+def synchronize(handle: int) -> Any:
+    """Wait for the operation of ``handle`` and return its result (a tensor, a list for grouped calls)."""
+    entry = _entry(handle)
+    del _pending[handle]
+    if entry.key is not None and _named.get(entry.key) == handle:
+        del _named[entry.key]
+    with translated(entry.what):
+        result = entry.inner.wait() if entry.inner is not None else None
+        if isinstance(result, Failed):
+            raise result.error
+        return entry.finish(result)
+
+
+@contextlib.contextmanager
+def rejecting(process_set: ProcessSet, what: str, exchange: bool = True) -> Iterator[None]:
+    """Whatever this rank raises inside (before the call reaches mpigpu) takes the call's place in the
+    order: join's exchange (``exchange``: the calls that make one), then the call's cross-rank check
+    with this error, so the other ranks raise for this call instead of waiting; then it is raised here."""
+    try:
+        yield
+    except Exception as exc:
+        if isinstance(exc, MpigpuError):  # raised by mpigpu itself, which has told the other ranks
+            raise
+        ctx = Context.get(process_set.comm)
+
+        def take_part(error: Exception = exc) -> None:
+            if exchange:
+                take_part_in_exchange(process_set)
+            announce_rejection(ctx, error)
+
+        run_queued(take_part, comm=process_set.comm, what=what)
+        raise
+
+
+def queue(comm: Any, what: str, call: Callable[[], Any], tensors: Sequence[torch.Tensor]) -> Handle:
+    """Run ``call()`` (mpigpu collectives on ``comm``) on the communicator's background thread, after the
+    calls queued before it. CUDA tensors are read as they stand on the caller's stream now, and the
+    result is complete on the GPU when the handle is done."""
+    device = next((t.device for t in tensors if t.is_cuda), None)
+    ready = None
+    if device is not None:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+
+    def task() -> Any:
+        try:
+            if device is None:
+                return call()
+            with torch.cuda.device(device):
+                stream = torch.cuda.current_stream(device)
+                stream.wait_event(ready)
+                result = call()
+                stream.synchronize()
+                return result
+        except (MismatchError, InvalidArgument, DeviceError, HorovodInternalError) as exc:  # on every rank
+            return Failed(exc)
+
+    return run_queued(task, comm=comm, what=what)
