@@ -84,6 +84,8 @@ class _State:
     comm: Any = None  # the global set's communicator (a duplicate: mpigpu.horovod owns and frees it)
     owned: ClassVar[list[Any]] = []  # communicators to free at shutdown
     sets: ClassVar[dict[int, ProcessSet]] = {}
+    # more ProcessSet objects registered with the ranks of an existing set: they share its id (Horovod's)
+    aliases: ClassVar[dict[int, list[ProcessSet]]] = {}
     next_id = 1
 
 
@@ -149,9 +151,10 @@ def shutdown() -> None:
     if not _State.initialized:
         return
     _State.initialized = False
-    for process_set in _State.sets.values():
+    for process_set in [*_State.sets.values(), *(a for same in _State.aliases.values() for a in same)]:
         if process_set is not global_process_set:
             process_set.process_set_id, process_set.comm, process_set.control = None, None, None
+    _State.aliases = {}
     global_process_set.comm = global_process_set.control = None
     if not MPI().Is_finalized():
         for comm in _State.owned:
@@ -217,11 +220,19 @@ def mpi_threads_supported() -> bool:
     return bool(mpi.Query_thread() >= mpi.THREAD_MULTIPLE)
 
 
+def _registered(process_set: ProcessSet) -> bool:
+    """Whether ``process_set`` is registered: the set of its id, or one that shares the id."""
+    number = process_set.process_set_id
+    if number is None:
+        return False
+    return _State.sets.get(number) is process_set or any(a is process_set for a in _State.aliases.get(number, []))
+
+
 def comm_of(process_set: ProcessSet) -> Any:
     """The communicator collectives on ``process_set`` run on; ValueError if this rank is outside it."""
     if not _State.initialized:
         raise not_initialized()
-    if process_set.process_set_id is None or _State.sets.get(process_set.process_set_id) is not process_set:
+    if not _registered(process_set):
         raise ValueError(f"{process_set!r} is not registered: call hvd.add_process_set first")
     if process_set.comm is None:
         raise ValueError(f"rank {rank()} is not in {process_set!r}: only its ranks may call collectives on it")
@@ -262,10 +273,15 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     if any(other != ranks for other in everyone):
         raise ValueError(f"add_process_set: the ranks differ between processes: {everyone}")
     known = set(global_process_set.ranks or [])
-    if not ranks or not set(ranks) <= known:
-        raise ValueError(f"add_process_set: ranks {ranks} must be a non-empty subset of {sorted(known)}")
-    if any(other.ranks == ranks for other in _State.sets.values()):
-        raise ValueError(f"a process set with ranks {ranks} is already registered")
+    if not set(ranks) <= known:
+        raise ValueError(f"add_process_set: ranks {ranks} must be a subset of {sorted(known)}")
+    same = next((other for other in _State.sets.values() if other.ranks == ranks), None)
+    if same is not None:  # the ranks of a registered set (the global one, at one rank): share its id
+        process_set.process_set_id, process_set.comm, process_set.control = (
+            same.process_set_id, same.comm, same.control,
+        )  # fmt: skip
+        _State.aliases.setdefault(same.process_set_id, []).append(process_set)  # type: ignore[arg-type]
+        return process_set
     world_ranks = global_process_set.ranks or []
     base_group = base.Get_group()
     group = base_group.Incl([world_ranks.index(r) for r in ranks])
@@ -290,8 +306,11 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         raise not_initialized()
     if process_set is global_process_set:
         raise ValueError("the global process set cannot be removed")
-    if _State.sets.get(process_set.process_set_id) is not process_set:  # type: ignore[arg-type]
+    if not _registered(process_set) or process_set.process_set_id == 0:
         return False
+    process_set = _State.sets[process_set.process_set_id]  # type: ignore[index]  # an alias removes its set
+    for alias in _State.aliases.pop(process_set.process_set_id, []):  # type: ignore[arg-type]
+        alias.comm, alias.control, alias.process_set_id = None, None, None
     _State.comm.Barrier()  # collective like add_process_set: no rank frees while another still uses it
     del _State.sets[process_set.process_set_id]  # type: ignore[arg-type]
     comm, control = process_set.comm, process_set.control

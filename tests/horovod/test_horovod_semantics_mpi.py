@@ -5,21 +5,15 @@ Outputs are poisoned (NaN) where a call writes into a given tensor."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (the CI test script installs it)")
 
-import mpigpu  # noqa: E402
 import mpigpu.horovod.torch as hvd  # noqa: E402
 
 pytestmark = pytest.mark.mpi
-
-needs_reduce_scatter = pytest.mark.skipif(
-    not hasattr(mpigpu, "reduce_scatter"), reason="mpigpu.reduce_scatter lands with the collectives branch"
-)
-needs_alltoall = pytest.mark.skipif(
-    not hasattr(mpigpu, "alltoall"), reason="mpigpu.alltoall lands with the collectives branch"
-)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -162,7 +156,6 @@ def test_sparse_embedding_gradients_in_the_optimizer(sparse_as_dense: bool) -> N
     assert embedding.weight.grad.is_sparse  # the optimizer saw a sparse gradient, as Horovod gives it
 
 
-@needs_reduce_scatter
 def test_reducescatter_rows_values_and_gradient() -> None:
     r, n = hvd.rank(), hvd.size()
     rows = 2 * n + 1  # uneven: the first rank gets one row more
@@ -180,7 +173,6 @@ def test_reducescatter_rows_values_and_gradient() -> None:
     assert torch.equal(grouped[1], everyone.sum(0)[start : start + counts[r]] * 2)
 
 
-@needs_alltoall
 def test_alltoall_uneven_splits_and_gradient() -> None:
     r, n = hvd.rank(), hvd.size()
     splits = torch.tensor([k + 1 for k in range(n)], dtype=torch.int32)  # k + 1 rows to rank k
@@ -236,3 +228,25 @@ def test_sync_batch_norm_matches_batch_norm_on_the_whole_batch() -> None:
     assert torch.allclose(out, expect[4 * r : 4 * r + 4], rtol=0, atol=1e-12)
     assert torch.allclose(mine.grad, whole.grad[4 * r : 4 * r + 4], rtol=0, atol=1e-10)
     assert torch.allclose(sync.running_var, reference.running_var, rtol=0, atol=1e-12)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_name_is_held_until_synchronized_or_a_barrier_finds_its_call_complete() -> None:
+    """Horovod's duplicate-name pattern: rank 0 starts a named broadcast before a barrier, the others
+    after it; on every rank a second call of that name raises (whether or not the first one's data has
+    already moved), and after the next barrier the name is free again."""
+    x = torch.arange(6, dtype=torch.float32) * (hvd.rank() + 1)
+    if hvd.rank() == 0:
+        hvd.broadcast_async(x, root_rank=0, name="held")
+        with pytest.raises(ValueError, match="still in flight"):
+            hvd.broadcast_async(x, root_rank=0, name="held")
+    hvd.barrier()
+    if hvd.rank() > 0:
+        first = hvd.broadcast_async(x, root_rank=0, name="held")  # pairs with rank 0's: its data moves at once
+        while not hvd.poll(first):  # complete, not synchronized: the name is still held
+            time.sleep(0.001)
+        with pytest.raises(ValueError, match="still in flight"):
+            hvd.broadcast_async(x, root_rank=0, name="held")
+    hvd.barrier()
+    again = hvd.broadcast_async(x.clone(), root_rank=0, name="held")  # free on every rank after the barrier
+    assert torch.equal(hvd.synchronize(again), torch.arange(6, dtype=torch.float32))

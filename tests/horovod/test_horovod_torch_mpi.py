@@ -291,9 +291,14 @@ def test_fp16_compression() -> None:
 
 def test_process_set_of_a_subset() -> None:
     r, n = hvd.rank(), hvd.size()
-    if n == 1:
-        with pytest.raises(ValueError, match="already registered"):  # the global set has the same ranks
-            hvd.add_process_set([0])
+    if n == 1:  # Horovod's tests make these at one rank: the global set's ranks (shares its id), and none
+        same = hvd.add_process_set([0])
+        assert same.process_set_id == hvd.global_process_set.process_set_id and same.included()
+        assert torch.equal(hvd.allreduce(_input(r), op=hvd.Sum, process_set=same), _input(r))
+        empty = hvd.add_process_set([])
+        assert empty.size() == 0 and not empty.included() and empty.rank() == -1
+        assert not hvd.remove_process_set(same)  # the global set's id is never removed
+        assert hvd.remove_process_set(empty)
         return
     evens = hvd.add_process_set(hvd.ProcessSet(range(0, n, 2)))
     assert evens.ranks == list(range(0, n, 2)) and evens.size() == len(evens.ranks)

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from mpigpu.core._mpi import MPI
 from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError, MpigpuError
+from mpigpu.core.typed import allreduce_int
 from mpigpu.handles import Handle, run_queued
 from mpigpu.horovod._errors import HorovodInternalError, translated
 from mpigpu.horovod._state import ProcessSet
@@ -75,7 +75,9 @@ def claim(name: str | None, process_set: ProcessSet) -> tuple[int | None, str] |
         return None
     key = (process_set.process_set_id, str(name))
     number = _named.get(key)
-    if number is not None and number in _pending and not poll(number):
+    # held until synchronize (or a barrier that finds the call complete), not only while the data moves:
+    # whether a call is complete when the next one comes would otherwise depend on timing
+    if number is not None and number in _pending:
         raise ValueError(
             f"a collective named {name!r} is still in flight on {process_set!r}: two calls in flight may not "
             "share a name (synchronize the first one, or give the second another name)"
@@ -105,11 +107,14 @@ def barrier(process_set: ProcessSet) -> None:
     """Horovod's barrier: every rank of the set arrives; the calls every rank had issued before it are
     complete when it returns, those some rank has not issued yet stay in flight (not waited for)."""
     issued = _issued.setdefault(process_set.process_set_id, [0, []])
-    everyone = process_set.comm.allreduce(issued[0], op=MPI().MIN)  # the calls issued on every rank
+    everyone = allreduce_int(process_set.comm, issued[0], "min")  # the calls issued on every rank
     for seq, inner in issued[1]:
         if seq <= everyone:
             with contextlib.suppress(Exception):  # its error is synchronize's to raise
                 inner.wait()
+    for key, number in list(_named.items()):  # complete calls give their names back (every rank alike)
+        if key[0] == process_set.process_set_id and (number not in _pending or poll(number)):
+            del _named[key]
 
 
 def _entry(handle: int) -> _Entry:
