@@ -58,6 +58,23 @@ def test_allreduce_ops(device, op, reduce) -> None:
     assert torch.equal(hvd.allreduce(x, op=op), reduce(_everyone((3, 5), device)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_prescale_and_postscale_on_the_gpu_round_the_factor_to_the_tensors_type(device, dtype) -> None:
+    """Horovod scales GPU tensors in their own type, the factor rounded to it first: Horovod's
+    test_horovod_allreduce_prescale compares bit for bit (it failed by one ulp on float16 before)."""
+    x = (torch.arange(17 * 17, dtype=torch.float32).reshape(17, 17) % 201 - 100).to(dtype).to(device)
+    pre, post = 0.1915194503788923, 0.6221087710398319  # not representable in any of the types
+    got = hvd.allreduce(x, op=hvd.Sum, prescale_factor=pre, postscale_factor=post)
+    n = hvd.size()
+    want = x * torch.tensor(pre, dtype=dtype, device=device)  # every rank's input is x
+    want = want.double() * n if n > 1 else want  # the sum of n equal values, exact in float64 ...
+    want = want.to(dtype) * torch.tensor(post, dtype=dtype, device=device)  # ... then the post-scale
+    if n == 1:
+        assert torch.equal(got, want)
+    else:  # the sum is rounded once to the type before the post-scale
+        assert torch.allclose(got.double(), want.double(), rtol=2e-2 if dtype != torch.float32 else 1e-6)
+
+
 def test_async_grouped(device) -> None:
     r = hvd.rank()
     tensors = [_input(r, (1000,), device), _input(r, (7, 3), device)]

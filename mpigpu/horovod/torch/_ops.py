@@ -119,12 +119,17 @@ class Compression:
 
 
 def scale(t: torch.Tensor, factor: float) -> None:
-    """Multiply ``t`` in place by ``factor`` (integers: scaled, then truncated toward zero)."""
-    if factor != 1.0:
-        if t.dtype.is_floating_point or t.dtype.is_complex:
-            t.mul_(factor)
-        else:
-            t.copy_(t * factor)
+    """Multiply ``t`` in place by ``factor`` as Horovod does: on a GPU in the tensor's own type (the factor
+    rounded to it first), half types on the CPU in float32, integers scaled in float64 then truncated
+    toward zero."""
+    if factor == 1.0:
+        return
+    if not (t.dtype.is_floating_point or t.dtype.is_complex):
+        t.copy_(t * factor)
+    elif t.is_cuda or t.dtype not in (torch.float16, torch.bfloat16):
+        t.mul_(torch.tensor(factor, dtype=t.dtype, device=t.device))
+    else:
+        t.copy_(t.float() * torch.tensor(factor, dtype=torch.float32))
 
 
 def _start(buffer: torch.Tensor, op: ReduceOp, prescale: float, process_set: ProcessSet, what: str) -> Any:
@@ -245,8 +250,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
         op_ = resolve_op(op, average)
         tensors = list(tensors)
         problem = _group_problem(tensors)
-        if problem is not None:
-            raise ValueError(f"grouped_allreduce needs {problem}")
+        if problem is not None:  # Horovod: a RuntimeError for tensors of several devices or dtypes
+            raise (ValueError if not tensors else RuntimeError)(f"grouped_allreduce needs {problem}")
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     inner = _start(flat, op_, prescale_factor, process_set, what)
 
