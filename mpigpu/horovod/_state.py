@@ -157,6 +157,10 @@ def shutdown() -> None:
     _State.aliases = {}
     global_process_set.comm = global_process_set.control = None
     if not MPI().Is_finalized():
+        for comm in _State.owned:  # the layer's queued calls finish before their communicators go
+            ctx = Context.existing(comm)
+            if ctx is not None:
+                ctx.wait_async()
         for comm in _State.owned:
             comm.Free()
     _State.owned, _State.sets, _State.comm = [], {}, None

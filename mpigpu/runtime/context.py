@@ -276,6 +276,12 @@ class Context:
             )
 
     # -- ordering -------------------------------------------------------------------------------
+    @classmethod
+    def existing(cls, comm: Any) -> Context | None:
+        """The context mpigpu made for ``comm``, or None (local; never makes one)."""
+        known = cls._known.get(id(comm))
+        return known[1] if known is not None and known[0] is comm else None
+
     def wait_async(self) -> None:
         """Block until the calls allreduce_async queued on this communicator have run, so that a
         following collective reaches MPI after them, in the same order on every rank."""
