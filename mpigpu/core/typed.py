@@ -1,9 +1,9 @@
 """Fixed-format exchanges between ranks: integers and UTF-8 text in typed MPI buffers, never pickle.
 
 mpi4py's lowercase calls (``comm.allgather(obj)``, ``comm.bcast(obj)``, ``comm.allreduce(int)``)
-pickle their objects; what mpigpu exchanges to start on a communicator (settings, layout, devices,
-capabilities, the tuning table) goes through these instead, so that only the ``*_object`` calls
-unpickle anything (README)."""
+pickle their objects and hold the GIL while they wait; what mpigpu exchanges to start on a
+communicator (settings, layout, devices, capabilities, the tuning table, ipc handles) goes through
+these instead. What still pickles is listed in docs/troubleshooting.md."""
 
 from __future__ import annotations
 
