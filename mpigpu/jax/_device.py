@@ -4,10 +4,18 @@ The rank's GPU is mpigpu's (node-local rank modulo the visible GPUs: mpigpu.job.
 one torch and CuPy are bound to. Two ways to make it JAX's, depending on whether JAX has started its
 backends yet:
 
-- not started: ``jax_cuda_visible_devices`` = that GPU's index. JAX then opens only that GPU (one CUDA
-  context, no memory taken on the others) and it is JAX's only GPU, hence its default device. It changes
-  nothing for CUDA itself: CUDA_VISIBLE_DEVICES and the numbering torch, CuPy and mpigpu use stay as
-  they were, and JAX's device keeps the index as its ``local_hardware_id``.
+- not started, and the rank's GPU is GPU 0 of those the process sees, or ``init(distributed=True)``:
+  ``jax_cuda_visible_devices`` = that GPU's index. JAX then opens only that GPU (one CUDA context, no
+  memory taken on the others). It changes nothing for CUDA itself: CUDA_VISIBLE_DEVICES and the
+  numbering torch, CuPy and mpigpu use stay as they were, and JAX's device keeps the index as its
+  ``local_hardware_id``.
+- not started, the rank's GPU is GPU 1 or later, one process per rank: JAX opens every GPU it sees and
+  the rank's becomes the default device. Restricting JAX to a lone GPU k > 0 is broken in JAX 0.11
+  (measured on 2 x H100: the device keeps id k in a list of one, and every computation fails with
+  "Device id 1 is out of range [0, 1)"); JAX's distributed runtime numbers devices across processes, so
+  it is not affected. Since JAX would then preallocate 75% of every GPU it opens, other ranks' included,
+  init() turns preallocation off (XLA_PYTHON_CLIENT_PREALLOCATE=false) wherever a process sees more than
+  one GPU, unless you set XLA_PYTHON_CLIENT_PREALLOCATE, _MEM_FRACTION or _ALLOCATOR yourself.
 - started (JAX saw every GPU): ``jax_default_device`` = the rank's GPU, if JAX has it; else an error on
   every rank that says to call ``init`` before JAX starts.
 
@@ -19,6 +27,7 @@ XLA's own collectives need (mpigpu.jax._spmd).
 from __future__ import annotations
 
 import inspect
+import os
 import socket
 import threading
 from collections.abc import Sequence
@@ -58,15 +67,25 @@ def _backends_started() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
-def _restrict_to(index: int) -> None:
-    """Before JAX starts: let it open GPU ``index`` only (a setting the user chose is respected if it agrees)."""
+_MEMORY_SETTINGS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR")
+
+
+def _restrict_to(index: int, visible: int, distributed: bool) -> None:
+    """Before JAX starts: which GPUs it may open (a setting the user chose is respected if it agrees).
+
+    GPU ``index`` alone where JAX numbers it correctly (index 0, or the distributed runtime); every GPU
+    otherwise (see the module docstring). With several GPUs visible, preallocation off unless the user
+    chose a memory setting: a JAX that preallocates on a GPU another rank uses starves that rank."""
     chosen = jax.config.values["jax_cuda_visible_devices"]
     if chosen not in ("all", str(index)):
         raise DeviceError(
             f"jax_cuda_visible_devices is {chosen!r}, but this rank's GPU is {index} (mpigpu.select_device()): "
             "leave jax_cuda_visible_devices unset and let mpigpu.jax.init() choose"
         )
-    jax.config.update("jax_cuda_visible_devices", str(index))
+    if visible > 1 and not any(name in os.environ for name in _MEMORY_SETTINGS):
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    if index == 0 or distributed:
+        jax.config.update("jax_cuda_visible_devices", str(index))
 
 
 def _jax_devices(platform: str) -> list[Any]:
@@ -163,7 +182,7 @@ def init(comm: Any = None, *, distributed: bool = False) -> Any:
             if distributed and started:
                 raise DeviceError(f"JAX's distributed runtime cannot start: JAX has already started; {FIX}")
             if gpu is not None and not started and not _gpus_excluded():
-                _restrict_to(gpu.index)
+                _restrict_to(gpu.index, gpu.visible, distributed)
         except Exception as exc:  # every rank must hear of it: the others are about to collect
             error = exc
         fail_together(comm, error, "mpigpu.jax.init")

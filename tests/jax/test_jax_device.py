@@ -170,15 +170,20 @@ def test_distributed_after_jax_started_fails_on_every_rank(comm, fresh_init) -> 
 
 @mpi
 def test_before_jax_starts_only_the_ranks_gpu_is_opened(comm, fresh_init, monkeypatch) -> None:
-    """Each rank bound to its own (fake) GPU, JAX not started yet: init() sets jax_cuda_visible_devices to
-    that GPU's index, and a value set beforehand that names another GPU fails on every rank; with JAX
-    told to run on the CPU (JAX_PLATFORMS=cpu), the CPU is the rank's device and nothing is restricted."""
+    """Each rank bound to its own (fake) GPU of two, JAX not started yet: init() restricts JAX to GPU 0 on
+    the rank bound to it and leaves every GPU open on the others (JAX 0.11 misnumbers a lone GPU k > 0:
+    every computation fails "Device id 1 is out of range [0, 1)", seen on 2 x H100), and turns JAX's
+    preallocation off on every rank (two GPUs visible); a value set beforehand that names another GPU
+    fails on every rank; with JAX told to run on the CPU (JAX_PLATFORMS=cpu), the CPU is the rank's
+    device and nothing is restricted."""
     import mpigpu.api
     import mpigpu.jax as mj
 
     rank = comm.Get_rank()
     before, platforms = jax.config.values["jax_cuda_visible_devices"], jax.config.values["jax_platforms"]
     defaults = []
+    for name in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(mpigpu.api, "select_device", lambda comm=None: _gpu(rank))
     monkeypatch.setattr(fresh_init, "_backends_started", lambda: False)
     monkeypatch.setattr(fresh_init, "_jax_devices", lambda platform: [FakeDevice("gpu", rank)])
@@ -186,6 +191,7 @@ def test_before_jax_starts_only_the_ranks_gpu_is_opened(comm, fresh_init, monkey
     try:
         assert mj.init(comm) == FakeDevice("gpu", rank)
         seen = jax.config.values["jax_cuda_visible_devices"]
+        preallocate = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
         monkeypatch.setattr(fresh_init, "_bound", [])
         jax.config.update("jax_cuda_visible_devices", str(rank + 1))
         with pytest.raises(DeviceError, match=f"jax_cuda_visible_devices is '{rank + 1}'"):
@@ -198,7 +204,8 @@ def test_before_jax_starts_only_the_ranks_gpu_is_opened(comm, fresh_init, monkey
     finally:
         jax.config.update("jax_cuda_visible_devices", before)
         jax.config.update("jax_platforms", platforms)
-    assert seen == str(rank) and unrestricted == before
+    assert seen == ("0" if rank == 0 else before) and unrestricted == before
+    assert preallocate == "false"
     assert defaults == [FakeDevice("gpu", rank), FakeDevice("cpu", 0)]
 
 
