@@ -15,7 +15,7 @@ from typing import Any
 
 from mpigpu.core.errors import MissingDependency
 
-__all__ = ["MPI", "LibraryInfo", "launcher_rank", "libmpi_path", "library_info", "world"]
+__all__ = ["MPI", "LibraryInfo", "launcher_local_rank", "launcher_rank", "libmpi_path", "library_info", "world"]
 
 _FIX = (
     "Install an MPI: `pip install 'mpigpu[mpi]'` bundles MPICH (laptops, CI); on a cluster load the "
@@ -26,6 +26,17 @@ _FIX = (
 def launcher_rank() -> int:
     """This process's rank as the launcher announced it (-1 outside a launcher); starts no MPI."""
     for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return -1
+
+
+def launcher_local_rank() -> int:
+    """This process's rank among the job's processes on its node, as the launcher announced it (-1 if
+    none did); starts no MPI."""
+    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK",
+                "PALS_LOCAL_RANKID", "SLURM_LOCALID"):  # fmt: skip
         value = os.environ.get(var, "")
         if value.isdigit():
             return int(value)

@@ -3,6 +3,13 @@
 Counting visible GPUs (not the machine's) is what makes launchers that pin one GPU per rank work:
 Intel MPI with I_MPI_OFFLOAD=1, Slurm's --gpus-per-task and site wrappers set CUDA_VISIBLE_DEVICES
 so each rank sees one device, which is then its device 0.
+
+The GPU belongs to the process, not to a communicator: the first communicator mpigpu maps fixes it, and
+every later one (a Horovod process set, a Split of the world) uses the same GPU. Node-local rank means
+the rank among the job's processes on the node: from the world-sized communicator that is mapped
+first, else from the launcher (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, ...). Mapping by the
+rank inside a smaller communicator put rank 1 of 2, alone in its process set, on GPU 0 (seen on
+2 x H100: Horovod's process-set tests failed on rank 1 only).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import warnings
 from dataclasses import dataclass
 
 from mpigpu.core._cuda import visible_device_count
+from mpigpu.core._mpi import launcher_local_rank, world
 from mpigpu.core.errors import DeviceError
 from mpigpu.core.typed import allgather_ints, allgather_text
 from mpigpu.job.topology import Layout
@@ -56,6 +64,15 @@ def _describe(index: int, visible: int) -> GpuInfo:
 
 
 _warned_shared = False
+_process_gpu: list[int] = []  # this process's GPU index, fixed by the first mapping
+
+
+def _node_local_rank(layout: Layout) -> int:
+    """This process's rank among the job's processes on its node (see the module docstring)."""
+    if layout.size == world().Get_size():
+        return layout.phys_rank
+    local = launcher_local_rank()
+    return local if local >= 0 else layout.phys_rank
 
 
 def map_device(layout: Layout, allow_shared: bool) -> GpuInfo | None:
@@ -71,7 +88,9 @@ def map_device(layout: Layout, allow_shared: bool) -> GpuInfo | None:
                 f"({os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}) and the launcher's GPU binding."
             )
         return None
-    info = _describe(layout.phys_rank % visible, visible)
+    if not _process_gpu:
+        _process_gpu.append(_node_local_rank(layout) % visible)
+    info = _describe(_process_gpu[0], visible)
     bus_ids = allgather_text(layout.phys_comm, info.pci_bus_id)
     sharing = len(bus_ids) - len(set(bus_ids))
     if sharing:

@@ -151,6 +151,33 @@ def test_device_mapping(ctx, comm) -> None:
         assert sum("GPU" in line and "[" in line for line in lines) == comm.Get_size()
 
 
+def test_a_smaller_communicator_keeps_the_processs_gpu(ctx, comm) -> None:
+    """Each rank alone in a communicator of its own (a Horovod process set of one rank): its context is
+    bound to the GPU the world's mapped it to, not to GPU 0 (rank 1 of 2 was mapped to GPU 0 by its rank
+    inside the one-rank communicator, seen on 2 x H100), and a reduction there of a tensor on the rank's
+    GPU is exact; so is one over every even rank."""
+    import cupy
+
+    from mpigpu.runtime.context import Context
+
+    rank = comm.Get_rank()
+    alone = comm.Split(color=rank, key=0)
+    evens = comm.Split(color=rank % 2, key=rank)
+    try:
+        for sub in (alone, evens):
+            assert Context.get(sub).gpu == ctx.gpu, (Context.get(sub).gpu, ctx.gpu)
+            with cupy.cuda.Device(ctx.gpu.index):
+                x = cupy.arange(1000, dtype=cupy.float32) * (rank + 1)
+                out = cupy.full_like(x, np.nan)
+                mpigpu.allreduce(x, "sum", out=out, comm=sub)
+                members = [r for r in range(comm.Get_size()) if r % 2 == rank % 2] if sub is evens else [rank]
+                expect = np.arange(1000, dtype=np.float32) * sum(r + 1 for r in members)
+                assert np.array_equal(out.get(), expect)
+    finally:
+        alone.Free()  # the contexts go with their communicators
+        evens.Free()
+
+
 def test_auto_prefers_nccl_for_large_messages(ctx, comm) -> None:
     import cupy
 
