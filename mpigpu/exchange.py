@@ -12,8 +12,12 @@ splits inside the call.
 Backends: cpu (allreduce, then this rank's rows; MPI_Alltoallv), host (allreduce's node-shared
 reduction, each rank copying back only its own rows; MPI_Alltoallv, through pinned memory for GPU
 arrays), nccl (ncclReduceScatter, padded to equal counts; grouped
-ncclSend/ncclRecv), cuda-aware (allreduce, then the rows; MPI_Alltoallv on device pointers). ipc
-implements neither: ``auto`` passes over it.
+ncclSend/ncclRecv), cuda-aware and ipc (their allreduce, then the rows; cuda-aware: MPI_Alltoallv on
+device pointers; ipc has no alltoall).
+
+``auto``: reduce_scatter runs on the backend allreduce's ``auto`` picks for x, so its rows are the bits
+of ``allreduce(x, op)`` under ``auto`` as under a named backend (backends round float16 sums, averages
+and products differently: on 2 GPUs auto's reduce_scatter on nccl and auto's allreduce on ipc differed).
 """
 
 from __future__ import annotations
@@ -98,12 +102,20 @@ def _validate_reduce_scatter(ctx: Context, x: Any, op: Any, out: Any, backend: A
     shape = (scatter_rows(xv.shape[0], ctx.size)[ctx.rank], *xv.shape[1:])
     if out is not None:
         _check_out(as_view(out, name="out"), xv, shape)
-    choice = choose_cached(ctx, xv, op_, backend, "reduce_scatter")
+    choice = _reduce_scatter_choice(ctx, xv, op_, backend)
     signature = Signature(
         count=xv.size, dtype=xv.dtype.code, op=op_.code, backend=backend_code(choice.backend),
         placement=int(xv.on_device), shape=xv.shape, collective=_REDUCE_SCATTER,
     )  # fmt: skip
     return _Call(ctx, "reduce_scatter", xv, op_, choice, signature, out=out)
+
+
+def _reduce_scatter_choice(ctx: Context, xv: ArrayView, op: Op, backend: str) -> Choice:
+    """The named backend, or under ``auto`` the one allreduce's auto picks for x (module docstring)."""
+    if backend != "auto":
+        return choose_cached(ctx, xv, op, backend, "reduce_scatter")
+    picked = choose_cached(ctx, xv, op, "auto", "allreduce")
+    return Choice(picked.backend, f"allreduce's choice, so the rows are allreduce's bits: {picked.reason}")
 
 
 def _check_splits(splits: Any, rows: int, size: int) -> list[int]:

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mpigpu.backends.base import Availability, Backend, CommContext
-from mpigpu.backends.device_scratch import DeviceScratch, by_keys_or_parts
-from mpigpu.backends.mpi_moves import allgather_bytes, alltoall_bytes, broadcast_bytes, byte_counts, row_bytes
+from mpigpu.backends.device_scratch import DeviceScratch, by_keys_or_parts, reduce_scatter_by_allreduce
+from mpigpu.backends.mpi_moves import allgather_bytes, alltoall_bytes, broadcast_bytes, row_bytes
 from mpigpu.core._mpi import MPI
 from mpigpu.core.dtypes import DTYPES
 from mpigpu.core.ops import Op
@@ -142,17 +142,7 @@ class CudaAwareBackend(Backend):
     def reduce_scatter(self, x: ArrayView, out: ArrayView, op: Op, rows: list[int], stream: StreamRef | None) -> None:
         """This backend's allreduce into a scratch buffer, then this rank's rows, on the stream: not
         MPI_Reduce_scatter, whose operand order is its own per rank (see the cpu backend)."""
-        from mpigpu.core._cuda import StreamRef, cupy
-        from mpigpu.core.arrays import ArrayView
-
-        stream = stream or StreamRef(0)
-        rt, me = cupy().cuda.runtime, self.ctx.rank
-        full = self._rows.take(x.nbytes, stream.handle)
-        self.allreduce(x, ArrayView(None, full, x.shape, x.dtype, x.device, False, "cupy"), op, stream)
-        counts, displs = byte_counts(rows, row_bytes(x.shape, x.dtype.itemsize))
-        if counts[me]:
-            rt.memcpyAsync(out.ptr, full + displs[me], counts[me], rt.memcpyDeviceToDevice, stream.handle)
-        self._rows.give_back(stream.handle)
+        reduce_scatter_by_allreduce(self.allreduce, self._rows, x, out, op, rows, self.ctx.rank, stream)
 
     def alltoall(
         self, x: ArrayView, out: ArrayView, send_rows: list[int], recv_rows: list[int], stream: StreamRef | None

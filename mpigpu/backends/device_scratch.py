@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from mpigpu.core.arrays import ArrayView
     from mpigpu.core.dtypes import DType
 
-__all__ = ["DeviceScratch", "by_keys_or_parts", "needs_keys_or_parts"]
+__all__ = ["DeviceScratch", "by_keys_or_parts", "needs_keys_or_parts", "reduce_scatter_by_allreduce"]
 
 
 class DeviceScratch:
@@ -52,6 +52,32 @@ class DeviceScratch:
             cupy().cuda.runtime.eventDestroy(self._free)
             self._free = None
         self._buf = None
+
+
+def reduce_scatter_by_allreduce(
+    allreduce: Callable[[ArrayView, ArrayView, Op, StreamRef], None],
+    scratch: DeviceScratch,
+    x: ArrayView,
+    out: ArrayView,
+    op: Op,
+    rows: list[int],
+    rank: int,
+    stream: StreamRef | None,
+) -> None:
+    """reduce_scatter as the backend's ``allreduce`` into a scratch buffer, then ``rank``'s rows into
+    ``out``, on the stream: the rows are allreduce's bits."""
+    from mpigpu.backends.mpi_moves import byte_counts, row_bytes
+    from mpigpu.core._cuda import StreamRef, cupy
+    from mpigpu.core.arrays import ArrayView
+
+    stream = stream or StreamRef(0)
+    rt = cupy().cuda.runtime
+    full = scratch.take(x.nbytes, stream.handle)
+    allreduce(x, ArrayView(None, full, x.shape, x.dtype, x.device, False, "cupy"), op, stream)
+    counts, displs = byte_counts(rows, row_bytes(x.shape, x.dtype.itemsize))
+    if counts[rank]:
+        rt.memcpyAsync(out.ptr, full + displs[rank], counts[rank], rt.memcpyDeviceToDevice, stream.handle)
+    scratch.give_back(stream.handle)
 
 
 def needs_keys_or_parts(dtype: DType, op: Op) -> bool:

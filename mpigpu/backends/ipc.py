@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from mpigpu.backends.base import Availability, Backend, CommContext
+from mpigpu.backends.device_scratch import DeviceScratch, reduce_scatter_by_allreduce
 from mpigpu.backends.ipc_memory import SharedAllocation, collective_step
 from mpigpu.backends.ipc_plan import (
     DEFAULT_MAX_BLOCKS,
@@ -118,6 +119,10 @@ class IpcBackend(Backend):
     enqueues: ClassVar[bool] = True
     graphs: ClassVar[bool] = True
     anchors: ClassVar[Mapping[str, str]] = {"device": "nccl-raw"}
+    # reduce_scatter: the allreduce kernel into a scratch buffer, then this rank's rows (allreduce's bits;
+    # at the sizes auto gives ipc a reduction is latency-bound, so the whole allreduce costs what a
+    # reduce-scatter would)
+    collectives: ClassVar[frozenset[str]] = frozenset({"allreduce", "reduce_scatter"})
 
     @classmethod
     def auto_declines(cls, on_device: bool, nbytes: int) -> str | None:
@@ -172,6 +177,7 @@ class IpcBackend(Backend):
         self._stage_bytes = STAGE_BYTES
         self.two_shot_min_bytes: int | None = default_two_shot_min(self._nranks)
         self._timeout_ns = int(ctx.settings.timeout * 1e9)
+        self._rows = DeviceScratch()  # reduce_scatter's whole result
         gpu = ctx.gpu
         assert gpu is not None
         arch = f"{gpu.compute_capability[0]}{gpu.compute_capability[1]}"
@@ -267,6 +273,10 @@ class IpcBackend(Backend):
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
         self._check_open()
         self._enqueue(self._prepared(x, out, op), 0 if stream is None else stream.handle, graph=None)
+
+    def reduce_scatter(self, x: ArrayView, out: ArrayView, op: Op, rows: list[int], stream: StreamRef | None) -> None:
+        """The allreduce kernel into a scratch buffer, then this rank's rows, on the stream."""
+        reduce_scatter_by_allreduce(self.allreduce, self._rows, x, out, op, rows, self.ctx.rank, stream)
 
     def bind_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[[StreamRef | None], None]:
         """The launches built once (rebuilt only if ``two_shot_min_bytes`` changes): a call is the
@@ -406,6 +416,7 @@ class IpcBackend(Backend):
             except Exception as exc:
                 errors.append(f"freeing an address table: {exc}")
         self._regions.clear()
+        self._rows.close()
         try:
             self._free_host_side()
         except Exception as exc:

@@ -24,7 +24,7 @@ def test_auto_preference_is_the_registry_order() -> None:
     assert preference(False) == ("host", "cpu")
     assert preference(True, "broadcast") == ("nccl", "cuda-aware", "host")  # ipc implements allreduce only
     assert preference(False, "allgather") == ("host", "cpu")
-    assert preference(True, "reduce_scatter") == ("nccl", "cuda-aware", "host")  # ipc does not
+    assert preference(True, "reduce_scatter") == ("ipc", "nccl", "cuda-aware", "host")  # allreduce's order
     assert preference(False, "alltoall") == ("host", "cpu")
     assert preference(True, "reduce") == ()  # no backend implements it
 
@@ -45,7 +45,7 @@ def test_self_description() -> None:
     assert {n for n in BACKEND_NAMES if backend_class(n).graphs} == {"nccl", "ipc"}
     moves = frozenset({"allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall"})
     assert {n: backend_class(n).collectives for n in BACKEND_NAMES} == {
-        "ipc": frozenset({"allreduce"}), "nccl": moves, "cuda-aware": moves, "host": moves, "cpu": moves,
+        "ipc": frozenset({"allreduce", "reduce_scatter"}), "nccl": moves, "cuda-aware": moves, "host": moves, "cpu": moves,
     }  # fmt: skip
     assert moves <= set(COLLECTIVES)
     for name in BACKEND_NAMES:

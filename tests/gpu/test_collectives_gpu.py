@@ -198,7 +198,7 @@ def _scatter_span(rows: int, rank: int, size: int) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, "ipc"])
 def test_reduce_scatter(ctx, comm, cp, backend: str, framework: str) -> None:
     from semantics import expected, inputs, problems
 
@@ -293,6 +293,6 @@ def test_reduce_scatter_and_alltoall_placement_mismatch(ctx, comm, cp) -> None:
     assert cp.asnumpy(mpigpu.alltoall(z, backend="host"))[:, 0].tolist() == list(range(size))
 
 
-def test_ipc_does_not_reduce_scatter(ctx, comm, cp) -> None:
-    with pytest.raises((InvalidArgument, mpigpu.BackendUnavailable), match=r"reduce_scatter|not available"):
-        mpigpu.reduce_scatter(cp.zeros((4, 2), np.float32), backend="ipc")
+def test_ipc_does_not_alltoall(ctx, comm, cp) -> None:
+    with pytest.raises((InvalidArgument, mpigpu.BackendUnavailable), match=r"alltoall|not available"):
+        mpigpu.alltoall(cp.zeros((comm.Get_size(), 2), np.float32), [1] * comm.Get_size(), backend="ipc")
