@@ -27,6 +27,11 @@ def _under_mpi() -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # stall reports and a timeout's abort reach the terminal despite capture (mpigpu's pytest plugin does
+    # this where mpigpu is installed; the GPU machine runs the checkout from PYTHONPATH)
+    from mpigpu.core.console import follow_pytest_capture
+
+    follow_pytest_capture(config)
     # Under mpiexec every rank runs pytest; only rank 0 writes to the terminal, the others to a
     # log file that scripts/test.sh prints if their run fails.
     if _under_mpi():

@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Any, NoReturn
 
 from mpigpu.core._mpi import launcher_rank
+from mpigpu.core.console import report
 
 __all__ = [
     "Watchdog",
@@ -72,7 +73,7 @@ def abort_job(message: str, code: int = 1) -> NoReturn:
         while True:  # another thread is ending the process
             time.sleep(1)
     code = code if 0 < code < 256 else 1  # launchers report the exit status modulo 256; 0 is success
-    sys.stderr.write(f"{_prefix()} {message}\n")
+    report(f"{_prefix()} {message}\n")  # also to the terminal a test runner's capture hides
     for stream in (sys.stderr, sys.stdout):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -385,12 +386,10 @@ class Watchdog:
         then = (
             f"MPIGPU_TIMEOUT aborts the job at {self.timeout:g} s" if self.timeout > 0 else "MPIGPU_TIMEOUT=0: no abort"
         )
-        sys.stderr.write(
+        report(
             f"{_prefix()} stalled: waiting {waited:.0f} s in {_label(what)}{where}. Every rank must make the same "
             f"mpigpu calls in the same order; {then} (MPIGPU_STALL sets this report's delay).\n"
         )
-        with contextlib.suppress(Exception):
-            sys.stderr.flush()
 
     def _run(self) -> None:
         seen: dict[int, tuple[tuple[Any, ...], float, bool]] = {}  # thread id -> (what, first seen, reported)

@@ -45,7 +45,8 @@ def test_self_description() -> None:
     assert {n for n in BACKEND_NAMES if backend_class(n).graphs} == {"nccl", "ipc"}
     moves = frozenset({"allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall"})
     assert {n: backend_class(n).collectives for n in BACKEND_NAMES} == {
-        "ipc": frozenset({"allreduce", "reduce_scatter"}), "nccl": moves, "cuda-aware": moves, "host": moves, "cpu": moves,
+        "ipc": frozenset({"allreduce", "reduce_scatter"}),
+        "nccl": moves, "cuda-aware": moves, "host": moves, "cpu": moves,
     }  # fmt: skip
     assert moves <= set(COLLECTIVES)
     for name in BACKEND_NAMES:
