@@ -12,7 +12,7 @@ from mpigpu.cli import launcher_rank
 
 pytestmark = pytest.mark.skipif(launcher_rank() >= 0, reason="serial test: it launches mpiexec itself")
 
-STALLING_TEST = '''
+STALLING_TEST = """
 import time
 
 import numpy as np
@@ -27,7 +27,7 @@ def test_rank_1_skips_a_call():
         mpigpu.allreduce(np.ones(4))  # rank 1 never makes this call
     else:
         time.sleep(60)
-'''
+"""
 
 
 def _stall(tmp_path: Path, *plugin: str) -> str:
