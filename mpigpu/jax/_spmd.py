@@ -1,12 +1,13 @@
 """mpigpu.jax's calls inside ``jax.shard_map``: XLA's own collectives.
 
-Inside a ``shard_map`` over a mesh with one device per process and every process in it (what
-``mpigpu.jax.init(distributed=True)`` sets up), a reduction over the world is a reduction over the
-mesh's manual axes: ``lax.psum``/``pmin``/``pmax`` with mpigpu's semantics (avg: the sum divided once;
-float16 and bfloat16 summed in float32), which XLA compiles into its own collectives (NCCL on GPUs),
-scheduled with the rest of the program and dispatched on JAX's C++ path. mpigpu's FFI call cannot run
-there (one device per program), so anything else inside a ``shard_map`` (several devices of one
-process, a mesh over part of the processes, a communicator other than the world, an op XLA has no
+Inside a ``shard_map`` over a mesh of every device of every process (one process with its local
+devices; or, with ``mpigpu.jax.init(distributed=True)``, every process's devices, one or several each),
+a reduction over the world is a reduction over the mesh's manual axes: ``lax.psum``/``pmin``/``pmax``
+with mpigpu's semantics (avg: the sum divided once, by the number of devices in the mesh; float16 and
+bfloat16 summed in float32), which XLA compiles into its own collectives (NCCL on GPUs), scheduled with
+the rest of the program and dispatched on JAX's C++ path. mpigpu's FFI call cannot run there (one device
+per program), so anything else inside a ``shard_map`` (several processes whose JAX runtimes do not know
+each other, a mesh over part of the devices, a communicator other than the world, an op XLA has no
 collective for) is refused while tracing, on every rank alike.
 """
 
@@ -78,15 +79,16 @@ def mesh_reduction(op: Op, comm: Any, backend: str) -> Callable[[Any], Any] | No
         raise InvalidArgument(f"{where} runs XLA's own collective; backend must be 'auto', not {backend!r}")
     if op not in _XLA_OPS:
         raise InvalidArgument(f"{where}: XLA has no {op.value!r} collective; use 'sum', 'avg', 'min' or 'max'")
+    from mpigpu.core._mpi import world
+
     shape = jax.sharding.get_abstract_mesh().shape
     mapped = math.prod(shape[a] for a in axes)
-    processes = jax.process_count()
-    if jax.local_device_count() != 1 or mapped != processes:
+    processes, ranks = jax.process_count(), world().Get_size()
+    if processes != ranks or mapped != jax.device_count():
         raise InvalidArgument(
-            f"{where} needs a mesh of one device per process over every process (mapped over {dict(shape)}, "
-            f"{processes} process(es), {jax.local_device_count()} local device(s)): start JAX with "
-            "mpigpu.jax.init(distributed=True) and map over Mesh(jax.devices(), ...); several devices per "
-            "process are not supported"
+            f"{where} needs a mesh over every device of every process (mapped over {dict(shape)}; JAX knows "
+            f"{processes} of the {ranks} process(es) and {jax.device_count()} device(s)): with several processes "
+            "start JAX with mpigpu.jax.init(distributed=True), and map over Mesh(jax.devices(), ...)"
         )
     return lambda tree: jax.tree_util.tree_map(lambda x: _reduce_leaf(x, op, axes, mapped), tree)
 
