@@ -141,21 +141,23 @@ def _end_together(exc: BaseException, tb: TracebackType | None, code: int) -> No
     end with MPI_Finalize, not MPI_Abort (whose banner, one per rank, would bury the message).
 
     The rank whose own arguments failed prints its error; a rank that only learnt of it prints one
-    line naming it; where all ranks hold the same MismatchError, rank 0 prints it. If a rank does not
+    line naming it; where all ranks hold the same error (a MismatchError, or one marked ``same_text``:
+    a bad setting at start-up), rank 0 prints it. If a rank does not
     end after all (it caught the error), MPI_Finalize waits for it: the job is aborted after
     _FINALIZE_WAIT_S."""
     from mpigpu.core.errors import MismatchError
 
     rank = _rank()
     message = str(exc)
-    if not isinstance(exc, MismatchError):
+    same = isinstance(exc, MismatchError) or getattr(exc, "mpigpu_same_text", False) is True
+    if not same:
         sys.stderr.write(f"{_prefix()} {_format(type(exc), exc, tb)}\n")
-    elif " did not run: " in message.split("\n", 1)[0]:  # another rank failed: it prints its own error
-        sys.stderr.write(f"{_prefix()} {message.split(chr(10), 1)[0]}\n")
+    elif isinstance(exc, MismatchError) and " did not run: " in message.split("\n", 1)[0]:
+        sys.stderr.write(f"{_prefix()} {message.split(chr(10), 1)[0]}\n")  # the failing rank prints its own error
     elif rank <= 0:
         sys.stderr.write(f"{_prefix()} {_format(type(exc), exc, tb)}\n")
     else:
-        sys.stderr.write(f"{_prefix()} stopped by the same MismatchError (printed by rank 0)\n")
+        sys.stderr.write(f"{_prefix()} stopped by the same {type(exc).__name__} (printed by rank 0)\n")
     for stream in (sys.stderr, sys.stdout):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, run_mpi
 
-from mpigpu.core.config import ENV_VARS, Settings
+from mpigpu.core.config import ENV_VARS, INT_RANGES, Settings
 from mpigpu.core.errors import ConfigError
 
 END_WITHIN_S = 10  # the issue's bound for one rank's failure to end the job
@@ -372,6 +372,54 @@ def test_average_with_bad_setting_on_one_rank_ends_job(variable: str, value: str
     args = _mpmd(["-m", "mpigpu.average", "--size", "1K", "--iters", "2"], bad_env={variable: value})
     result, elapsed = timed(3, args)
     ended_with(result, elapsed, f"{variable}={value!r} is not valid", "rank 3 failed")
+
+
+# Every rank prints the ConfigError it raised at start-up, on one line.
+REPORTS_CONFIG_ERROR = """
+import os
+import numpy as np, mpigpu
+from mpigpu.core._mpi import world
+from mpigpu.core.errors import ConfigError
+try:
+    mpigpu.allreduce(np.ones(4))
+except ConfigError as exc:
+    os.write(1, f"rank {world().Get_rank()}: ConfigError: {' '.join(str(exc).split())}\\n".encode())
+"""
+HUGE = str(2**63)  # no int64 holds it
+
+
+def _config_errors(result: subprocess.CompletedProcess, n: int) -> list[str]:
+    """Each rank's ConfigError line, in rank order (the job's output when there are not ``n``)."""
+    lines = sorted(line for line in result.stdout.splitlines() if ": ConfigError: " in line)
+    assert [line.split(":")[0] for line in lines] == [f"rank {r}" for r in range(n)], result.stdout + result.stderr
+    return [line.split(": ConfigError: ", 1)[1] for line in lines]
+
+
+@pytest.mark.parametrize("variable", sorted(INT_RANGES))
+def test_a_huge_integer_setting_on_one_rank_fails_every_rank_alike(tmp_path: Path, variable: str) -> None:
+    """Issue 30: rank 1 raised a raw OverflowError before the start-up exchange and the others waited
+    in it until MPIGPU_TIMEOUT. Now every rank raises the same ConfigError naming the variable, at once."""
+    script = tmp_path / "config_error.py"
+    script.write_text(REPORTS_CONFIG_ERROR)
+    args = [str(script), ":", "-n", "1", "env", f"{variable}={HUGE}", sys.executable, str(script)]
+    result, elapsed = timed(1, args, env={"MPIGPU_TIMEOUT": "20"})  # bounds the old stall
+    assert elapsed < END_WITHIN_S and result.returncode == 0, f"{elapsed:.1f} s\n{result.stdout}{result.stderr}"
+    errors = _config_errors(result, 2)
+    assert errors[0] == errors[1], errors
+    assert "rank 1 failed" in errors[0] and f"{variable}='{HUGE}' is not valid" in errors[0], errors[0]
+    low, high = INT_RANGES[variable]
+    assert f"from {low} to {high}" in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("variable", ["MPIGPU_NODE_SIZE", "MPIGPU_HOST_POOL_MB"])
+def test_a_huge_integer_setting_on_every_rank_is_the_same_config_error(tmp_path: Path, variable: str) -> None:
+    """Set alike on every rank it was a raw OverflowError; now the ConfigError itself, everywhere."""
+    script = tmp_path / "config_error.py"
+    script.write_text(REPORTS_CONFIG_ERROR)
+    result, elapsed = timed(2, [str(script)], env={variable: HUGE, "MPIGPU_TIMEOUT": "20"})
+    assert elapsed < END_WITHIN_S and result.returncode == 0, f"{elapsed:.1f} s\n{result.stdout}{result.stderr}"
+    errors = _config_errors(result, 2)
+    assert errors[0] == errors[1] and errors[0].startswith(f"{variable}='{HUGE}' is not valid"), errors
 
 
 def test_average_with_bad_option_on_one_rank_ends_job() -> None:
