@@ -43,8 +43,9 @@ ENV_VARS: dict[str, str] = {
     "MPIGPU_STALL": "seconds: a rank waiting this long in a collective prints which call it waits in and which "
     f"ranks have not reached it (default {DEFAULT_STALL_S:g}; 0 = off)",
     "MPIGPU_CHECK": "1 (default) or 0: check on every call that all ranks pass the same count, dtype, op and backend",
-    "MPIGPU_ABORT_ON_EXCEPTION": "1 (default) or 0: an uncaught exception on one rank aborts the whole job "
-    "(from `import mpigpu` on, once MPI runs with more than one rank) instead of leaving the other ranks waiting",
+    "MPIGPU_ABORT_ON_EXCEPTION": "1 (default) or 0: an uncaught exception or sys.exit(n != 0) on one rank aborts the "
+    "whole job (from `import mpigpu` on, once MPI runs with more than one rank) instead of leaving the other ranks "
+    "waiting",
     "MPIGPU_ALLOW_SHARED_GPU": "1: allow more ranks on a node than visible GPUs (ranks then share GPUs)",
     "MPIGPU_HOST_POOL_MB": "MiB: cap on the host path's pinned staging memory per rank (default 1024)",
     "MPIGPU_HOST_CHUNK": "bytes (e.g. 4M): the host path's pipeline chunk (default 4 MiB on GPUs, 16 MiB for NumPy)",

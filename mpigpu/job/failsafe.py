@@ -44,6 +44,7 @@ _get_ident = threading.get_ident  # bound once: the watch runs on every call
 _abort_lock = threading.Lock()
 _previous_hook: Any = None  # a non-mpigpu sys.excepthook found at installation, called first
 _previous_thread_hook: Any = None  # likewise for threading.excepthook
+_builtin_exit = sys.exit  # replaced by _exit in _hook
 _always = False  # install_abort_handler was called: abort whether or not MPI runs
 _brief = False  # mpigpu's commands: an MpigpuError prints its message only
 
@@ -251,10 +252,37 @@ def _interactive() -> bool:
     return hasattr(sys, "ps1") or bool(sys.flags.interactive) or "IPython" in sys.modules
 
 
+class _JobExit(SystemExit):
+    """What ``sys.exit(n)`` raises on the main thread while mpigpu's hooks are installed: a SystemExit
+    that, when nothing catches it, ends the whole job with status n (n != 0) once MPI runs with more
+    than one rank. Python gives no hook for SystemExit (sys.excepthook never sees it), and a rank that
+    simply exits waits in MPI_Finalize for ranks that wait in a collective for it: a hang until
+    MPIGPU_TIMEOUT, with its status lost. Python frees the exception that ends the program before the
+    exit handlers run, with no Python frame on the stack; one the program caught is freed by its code."""
+
+    def __del__(self) -> None:
+        try:
+            sys._getframe(1)
+        except ValueError:  # no Python frame: Python itself is ending the program with this exit
+            code = exit_code_of(self)
+            if code != 0 and not _brief and _mpi_job_running() and not _interactive():
+                abort_job(f"exited with status {code} while other ranks may still be running: ending the job", code)
+
+
+def _exit(status: object = None) -> NoReturn:
+    """``sys.exit`` while mpigpu's hooks are installed (the same, but for ``_JobExit`` on the main thread)."""
+    if threading.current_thread() is threading.main_thread():
+        raise _JobExit(status)
+    raise SystemExit(status)
+
+
 def _hook() -> None:
-    """Make mpigpu's hooks sys.excepthook and threading.excepthook, keeping hooks installed before
-    (a logger, a rich traceback) to run first (idempotent)."""
+    """Make mpigpu's hooks sys.excepthook, threading.excepthook and sys.exit, keeping hooks installed
+    before (a logger, a rich traceback) to run first (idempotent). A sys.exit replaced by someone else
+    stays."""
     global _previous_hook, _previous_thread_hook
+    if sys.exit is _builtin_exit:
+        sys.exit = _exit
     if sys.excepthook is not _excepthook:
         if sys.excepthook not in (sys.__excepthook__, None):
             _previous_hook = sys.excepthook
@@ -272,8 +300,9 @@ def _opted_out() -> bool:
 
 def hook_at_import() -> None:
     """What ``import mpigpu`` does: install the hooks, which end the job on an uncaught exception (any
-    thread) only while MPI runs with more than one rank, outside REPLs; otherwise they pass the
-    exception on. Starts nothing and imports nothing. MPIGPU_ABORT_ON_EXCEPTION=0 turns it off."""
+    thread) or an uncaught ``sys.exit(n)``, n != 0, only while MPI runs with more than one rank, outside
+    REPLs; otherwise they pass the exception on. Starts nothing and imports nothing.
+    MPIGPU_ABORT_ON_EXCEPTION=0 turns it off."""
     if not _opted_out():
         _hook()
 

@@ -209,13 +209,60 @@ def test_a_hook_installed_before_import_runs_once_then_the_job_ends(tmp_path: Pa
     assert (result.stdout + result.stderr).count("my hook:") == 1
 
 
-def test_the_hook_at_import_can_be_turned_off(victim: Path) -> None:
-    """MPIGPU_ABORT_ON_EXCEPTION=0: rank 1 dies alone; rank 0 waits until MPIGPU_TIMEOUT ends it."""
-    result, elapsed = timed(
-        2, [str(victim), "raise", "0"], env={"MPIGPU_ABORT_ON_EXCEPTION": "0", "MPIGPU_TIMEOUT": "3"}
-    )
-    ended_with(result, elapsed, "ValueError: boom on rank 1", limit=30)
-    assert "aborting all ranks" not in result.stderr
+@pytest.mark.parametrize("before", [0, 1], ids=["before-first-call", "after-1-call"])
+def test_plain_script_sys_exit_on_one_rank_ends_job_with_its_status(victim: Path, before: int) -> None:
+    """Issue 30: rank 1's sys.exit(3) left it in MPI_Finalize and rank 0 in start-up until
+    MPIGPU_TIMEOUT (exit status 124, the 3 lost). ``import mpigpu`` now ends the job with status 3."""
+    result, elapsed = timed(2, [str(victim), "exit", str(before)], env={"MPIGPU_TIMEOUT": "20"})
+    ended_with(result, elapsed, "[mpigpu rank 1] exited with status 3")
+    assert result.returncode == 3, result.stderr
+    assert "CollectiveTimeout" not in result.stderr and "done" not in result.stdout
+
+
+EXITS = """
+import sys, threading
+import numpy as np, mpigpu
+from mpigpu.core._mpi import world
+rank = world().Get_rank()
+if rank == 1:
+    try:
+        sys.exit(3)  # caught: the program goes on
+    except SystemExit as exc:
+        sys.stdout.write(f"caught {exc.code}\\n")
+    worker = threading.Thread(target=sys.exit, args=(4,))  # ends that thread only
+    worker.start()
+    worker.join()
+x = np.ones(2)
+mpigpu.allreduce(x, "sum")
+sys.stdout.write(f"rank {rank} done: {x[0]:g}\\n")
+sys.exit(0)
+"""
+
+
+def test_a_caught_sys_exit_a_thread_s_and_sys_exit_0_end_nothing(tmp_path: Path) -> None:
+    script = tmp_path / "exits.py"
+    script.write_text(EXITS)
+    result, elapsed = timed(2, [str(script)], env={"MPIGPU_TIMEOUT": "20"})
+    assert result.returncode == 0 and elapsed < END_WITHIN_S, result.stdout + result.stderr
+    assert "caught 3" in result.stdout and "rank 0 done: 2" in result.stdout and "rank 1 done: 2" in result.stdout
+    assert "[mpigpu" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_sys_exit_outside_a_multi_rank_job_is_pythons(tmp_path: Path) -> None:
+    """One process, no MPI: the status and the message as Python gives them, nothing from mpigpu."""
+    for code, status, shown in [("sys.exit(3)", 3, ""), ("sys.exit('bye')", 1, "bye\n")]:
+        done = subprocess.run(
+            [sys.executable, "-c", f"import sys, mpigpu\n{code}"], capture_output=True, text=True, timeout=60, cwd=ROOT
+        )
+        assert (done.returncode, done.stderr) == (status, shown), (code, done.returncode, done.stderr)
+
+
+@pytest.mark.parametrize("mode", ["raise", "exit"])
+def test_the_hook_at_import_can_be_turned_off(victim: Path, mode: str) -> None:
+    """MPIGPU_ABORT_ON_EXCEPTION=0: rank 1 dies (or exits) alone; rank 0 waits until MPIGPU_TIMEOUT ends it."""
+    result, elapsed = timed(2, [str(victim), mode, "0"], env={"MPIGPU_ABORT_ON_EXCEPTION": "0", "MPIGPU_TIMEOUT": "3"})
+    ended_with(result, elapsed, *(["ValueError: boom on rank 1"] if mode == "raise" else []), limit=30)
+    assert "aborting all ranks" not in result.stderr and "exited with status" not in result.stderr
     assert "CollectiveTimeout" in result.stderr, result.stderr
 
 
