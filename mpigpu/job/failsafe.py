@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Any, NoReturn
 
 from mpigpu.core._mpi import launcher_rank
+from mpigpu.job.mpich_shm import remove_own_segments
 
 __all__ = [
     "Watchdog",
@@ -85,6 +86,7 @@ def abort_job(message: str, code: int = 1) -> NoReturn:
     if mpi is not None:
         with contextlib.suppress(Exception):
             if mpi.Is_initialized() and not mpi.Is_finalized():
+                remove_own_segments()  # MPI_Abort leaves MPICH no chance to
                 mpi.COMM_WORLD.Abort(code)
     os._exit(code)  # MPI not started (or already finalised): the launcher sees the exit status
 
@@ -109,6 +111,7 @@ def abort_before_start(code: int, message: str) -> NoReturn:
             sys.stderr.write(f"[mpigpu rank {world.Get_rank()}] {message}\n")
             sys.stderr.flush()
         time.sleep(_FORWARD_S)
+        remove_own_segments()
         world.Abort(code)
     os._exit(code)
 
