@@ -20,6 +20,7 @@ import time
 import traceback
 from types import FrameType, TracebackType
 
+from mpigpu._version import __version__
 from mpigpu.cli import launcher_rank, prog
 
 __all__ = ["main"]
@@ -45,6 +46,7 @@ HELP = (
 
     options:
       -h, --help           show this help and exit
+      --version            show mpigpu's version and exit
       --timeout SECONDS    abort the job when an mpigpu collective has not completed within
                            SECONDS (sets MPIGPU_TIMEOUT; default: the variable's value, else 600; 0 = off)
       -m MODULE            run a module as __main__, like python -m
@@ -60,13 +62,15 @@ class _Usage(Exception):
 
 
 def _parse(argv: list[str]) -> tuple[str, str, list[str], str | None]:
-    """(kind, target, program argv, timeout); kind is "path", "module", "code" or "help"."""
+    """(kind, target, program argv, timeout); kind is "path", "module", "code", "help" or "version"."""
     timeout = None
     args = list(argv)
     while args:
         arg = args[0]
         if arg in ("-h", "--help"):
             return "help", "", [], None
+        if arg == "--version":
+            return "version", "", [], None
         if arg == "--timeout" or arg.startswith("--timeout="):
             if "=" in arg:
                 value = arg.partition("=")[2]
@@ -195,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if kind == "help":
         print(HELP)
+        return 0
+    if kind == "version":
+        print(f"mpigpu {__version__}")
         return 0
     if timeout is not None:
         os.environ["MPIGPU_TIMEOUT"] = timeout

@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -144,3 +146,58 @@ def run_mpi(
         )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"{' '.join(command)} did not finish within {timeout} s (hang?)\n{exc.stdout}\n{exc.stderr}")
+
+
+# -- MPICH's files in /dev/shm ---------------------------------------------------------------------
+# MPICH keeps one file per job and node (/dev/shm/mpich_shm_<job>_<node>) and removes it in
+# MPI_Finalize; mpigpu removes it before MPI_Abort. A job the tests kill (SIGKILL, a launch timeout)
+# leaves it: each test's own leftovers are removed after it.
+SHM = Path("/dev/shm")
+
+
+def mpich_segments() -> dict[Path, float]:
+    """MPICH's files in /dev/shm that belong to this user, with their change (creation) times."""
+    found: dict[Path, float] = {}
+    with contextlib.suppress(OSError):
+        for path in SHM.glob("mpich*"):
+            with contextlib.suppress(OSError):
+                info = path.lstat()
+                if info.st_uid == os.geteuid() and stat.S_ISREG(info.st_mode):
+                    found[path] = info.st_ctime
+    return found
+
+
+def in_use(paths: set[Path]) -> set[Path]:
+    """Those of ``paths`` that a live process maps or holds open (a running job's)."""
+    names = {str(path) for path in paths}
+    used: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            used |= names & {line.split(maxsplit=5)[-1] for line in (proc / "maps").read_text().splitlines()}
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    used |= names & {os.readlink(fd)}
+    return {Path(name) for name in used}
+
+
+def remove_leftovers(before: set[Path], since: float) -> list[Path]:
+    """Remove the MPICH files made since ``since`` (absent from ``before``) that no live process
+    uses: what jobs started since then left. A running job's file (another user's test run
+    included) is mapped by its ranks, so it stays."""
+    new = {path for path, made in mpich_segments().items() if path not in before and made >= since - 1}
+    removed = sorted(new - in_use(new)) if new else []
+    for path in removed:
+        with contextlib.suppress(OSError):
+            path.unlink()
+    return removed
+
+
+@pytest.fixture(autouse=True)
+def _no_mpich_leftovers() -> Iterator[None]:
+    """After each test, what the jobs it started left in /dev/shm (see remove_leftovers)."""
+    before, since = set(mpich_segments()), time.time()
+    yield
+    remove_leftovers(before, since)

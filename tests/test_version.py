@@ -19,7 +19,33 @@ def test_pyproject_takes_the_version_from_the_package() -> None:
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "mpigpu._version.__version__"}
 
 
-@pytest.mark.parametrize("command", ["mpigpu.average", "mpigpu.info", "mpigpu.bench"])
+# every command a user can run (python -m mpigpu.<name>), old names included: the README says each has --version
+COMMANDS = [
+    "mpigpu.average",
+    "mpigpu.info",
+    "mpigpu.run",
+    "mpigpu.bench",
+    "mpigpu.bench.main",
+    "mpigpu.bench.training",
+    "mpigpu.bench.soak",
+    "mpigpu.benchmark",
+    "mpigpu.bench_training",
+    "mpigpu.soak",
+]
+
+
+def test_every_command_is_listed() -> None:
+    """A new command (a module with a ``__main__`` guard, or a package's __main__) joins COMMANDS."""
+    package = ROOT / "mpigpu"
+    found = {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__main__")
+        for path in package.rglob("*.py")
+        if path.name == "__main__.py" or 'if __name__ == "__main__":' in path.read_text()
+    }
+    assert found == set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
 def test_commands_print_the_version(command: str) -> None:
     done = subprocess.run(
         [sys.executable, "-m", command, "--version"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False

@@ -15,9 +15,11 @@ from pathlib import Path
 from mpigpu.core.errors import ConfigError, InvalidArgument
 
 __all__ = [
+    "AGREED",
     "DEFAULT_STALL_S",
     "DEFAULT_TIMEOUT_S",
     "ENV_VARS",
+    "INT_RANGES",
     "MAX_TIMEOUT_S",
     "Settings",
     "disagreement",
@@ -41,8 +43,9 @@ ENV_VARS: dict[str, str] = {
     "MPIGPU_STALL": "seconds: a rank waiting this long in a collective prints which call it waits in and which "
     f"ranks have not reached it (default {DEFAULT_STALL_S:g}; 0 = off)",
     "MPIGPU_CHECK": "1 (default) or 0: check on every call that all ranks pass the same count, dtype, op and backend",
-    "MPIGPU_ABORT_ON_EXCEPTION": "1 (default) or 0: an uncaught exception on one rank aborts the whole job "
-    "(from `import mpigpu` on, once MPI runs with more than one rank) instead of leaving the other ranks waiting",
+    "MPIGPU_ABORT_ON_EXCEPTION": "1 (default) or 0: an uncaught exception or sys.exit(n != 0) on one rank aborts the "
+    "whole job (from `import mpigpu` on, once MPI runs with more than one rank) instead of leaving the other ranks "
+    "waiting",
     "MPIGPU_ALLOW_SHARED_GPU": "1: allow more ranks on a node than visible GPUs (ranks then share GPUs)",
     "MPIGPU_HOST_POOL_MB": "MiB: cap on the host path's pinned staging memory per rank (default 1024)",
     "MPIGPU_HOST_CHUNK": "bytes (e.g. 4M): the host path's pipeline chunk (default 4 MiB on GPUs, 16 MiB for NumPy)",
@@ -53,7 +56,31 @@ ENV_VARS: dict[str, str] = {
     "MPIGPU_LOG": "1: print to stderr (rank 0) which backend 'auto' picked and why, once per choice",
 }
 
+# name -> (smallest, largest) value of each integer setting. Every value is checked against its range
+# before anything uses it: a value past it (say 2**63, which no int64 holds) is a ConfigError naming the
+# variable, on every rank alike, never an OverflowError on one rank.
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "MPIGPU_NODE_SIZE": (1, (1 << 31) - 1),  # ranks: MPI counts them in a C int
+    "MPIGPU_HOST_POOL_MB": (1, 1 << 30),  # 1 PiB per rank: above any node's memory; its bytes fit an int64
+    "MPIGPU_HOST_CHUNK": (1, 1 << 50),  # bytes: 1 PiB
+    "MPIGPU_HOST_DEPTH": (1, 1 << 20),  # chunks ahead: far more than any pool holds
+    "MPIGPU_HOST_SMALL": (0, 1 << 50),  # bytes: 1 PiB
+}
+
+# the variables of Settings.agreed(), in its order
+AGREED = (
+    "MPIGPU_CHECK",
+    "MPIGPU_NODE_SIZE",
+    "MPIGPU_CUDA_AWARE",
+    "MPIGPU_ALLOW_SHARED_GPU",
+    "MPIGPU_HOST_POOL_MB",
+    "MPIGPU_HOST_CHUNK",
+    "MPIGPU_HOST_DEPTH",
+    "MPIGPU_HOST_SMALL",
+)
+
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_MAX_DIGITS = 30  # longer numbers are refused before int() reads them (Python limits int() to 4300 digits)
 
 
 def parse_count(text: str | int, *, what: str = "size", allow_zero: bool = False) -> int:
@@ -66,6 +93,8 @@ def parse_count(text: str | int, *, what: str = "size", allow_zero: bool = False
             raise InvalidArgument(
                 f"invalid {what} {text!r}: give a whole number, optionally with K, M or G (e.g. 4K, 1M, 64M)"
             )
+        if len(match.group(1).lstrip("0")) > _MAX_DIGITS:
+            raise InvalidArgument(f"invalid {what} {str(text)[:40]!r}...: more than {_MAX_DIGITS} digits")
         value = int(match.group(1)) * _UNITS[match.group(2).lower()]
     if value < 0 or (value == 0 and not allow_zero):
         raise InvalidArgument(f"invalid {what} {text!r}: it must be {'>= 0' if allow_zero else '> 0'}")
@@ -102,14 +131,20 @@ def _opt_bool(name: str) -> bool | None:
     return None if _raw(name) is None else _bool(name, False)
 
 
-def _count(name: str, default: int | None, *, allow_zero: bool = False) -> int | None:
+def _count(name: str, default: int | None) -> int | None:
+    """An integer setting (``4K`` and the like allowed), checked against its range in INT_RANGES."""
     value = _raw(name)
     if value is None:
         return default
+    low, high = INT_RANGES[name]
     try:
-        return parse_count(value, what=name, allow_zero=allow_zero)
-    except InvalidArgument as exc:
-        raise ConfigError(f"{name}={value!r} is not valid: {ENV_VARS[name]}") from exc
+        number = parse_count(value, what=name, allow_zero=True)
+    except InvalidArgument:
+        number = None
+    if number is None or not low <= number <= high:
+        shown = value if len(value) <= 40 else f"{value[:40]}..."
+        raise ConfigError(f"{name}={shown!r} is not valid: give a whole number from {low} to {high}; {ENV_VARS[name]}")
+    return number
 
 
 def _seconds(name: str, default: float) -> float:
@@ -176,16 +211,17 @@ class Settings:
         Per-rank on purpose: MPIGPU_TIMEOUT, MPIGPU_STALL and MPIGPU_ABORT_ON_EXCEPTION (how this rank
         reacts to a failure), MPIGPU_LOG, MPIGPU_CACHE_DIR, MPIGPU_TUNE_FILE (rank 0 reads the table, then
         broadcasts it)."""
-        return (
-            ("MPIGPU_CHECK", int(self.check)),
-            ("MPIGPU_NODE_SIZE", self.node_size),
-            ("MPIGPU_CUDA_AWARE", None if self.cuda_aware is None else int(self.cuda_aware)),
-            ("MPIGPU_ALLOW_SHARED_GPU", int(self.allow_shared_gpu)),
-            ("MPIGPU_HOST_POOL_MB", self.host_pool_bytes >> 20),
-            ("MPIGPU_HOST_CHUNK", self.host_chunk),
-            ("MPIGPU_HOST_DEPTH", self.host_depth),
-            ("MPIGPU_HOST_SMALL", self.host_small),
+        values = (
+            int(self.check),
+            self.node_size,
+            None if self.cuda_aware is None else int(self.cuda_aware),
+            int(self.allow_shared_gpu),
+            self.host_pool_bytes >> 20,
+            self.host_chunk,
+            self.host_depth,
+            self.host_small,
         )
+        return tuple(zip(AGREED, values, strict=True))
 
     @property
     def tune_path(self) -> Path:
@@ -196,7 +232,7 @@ class Settings:
         tune = _raw("MPIGPU_TUNE_FILE")
         pool_mb = _count("MPIGPU_HOST_POOL_MB", 1024)
         depth = _count("MPIGPU_HOST_DEPTH", 2)
-        small = _count("MPIGPU_HOST_SMALL", 64 << 10, allow_zero=True)
+        small = _count("MPIGPU_HOST_SMALL", 64 << 10)
         assert pool_mb is not None and depth is not None and small is not None
         return cls(
             cuda_aware=_opt_bool("MPIGPU_CUDA_AWARE"),

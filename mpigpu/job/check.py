@@ -14,9 +14,9 @@ has seen (1000, float32) before and skips; rank 1 passes 1001 for the first time
 rank 1 waits in the check while rank 0 is already in the data collective. MPIGPU_CHECK=0 turns it
 off for production runs whose call sequence has been validated with it on.
 
-``fail_together`` is the same mechanism for a step that can fail on some ranks only (reading the
-MPIGPU_* settings at start-up): every rank learns of the failure instead of waiting for the rank
-that failed.
+``fail_together`` is the same mechanism for a step that can fail on some ranks only (a backend's
+set-up, ``mpigpu.jax.init``): every rank learns of the failure instead of waiting for the rank that
+failed.
 """
 
 from __future__ import annotations
@@ -200,11 +200,13 @@ def _mismatch(comm: Any, sig: Signature, mine: list[int], name: str, failure: st
     raise mark_raised_everywhere(comm, MismatchError(_describe(name, gathered, failure)))
 
 
-def mark_raised_everywhere(comm: Any, error: BaseException) -> BaseException:
+def mark_raised_everywhere(comm: Any, error: BaseException, *, same_text: bool = False) -> BaseException:
     """Note on ``error`` that every rank of the job raises for this same call (``comm`` spans the job):
-    failsafe then reports it once and ends the ranks together, without MPI_Abort. Returns ``error``."""
+    failsafe then reports it once and ends the ranks together, without MPI_Abort. ``same_text``: every
+    rank raises this very error and message (rank 0 prints it). Returns ``error``."""
     if comm.Get_size() == MPI().COMM_WORLD.Get_size():
         error.mpigpu_everywhere = True  # type: ignore[attr-defined]
+        error.mpigpu_same_text = same_text  # type: ignore[attr-defined]
     return error
 
 

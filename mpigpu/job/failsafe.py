@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 
 from mpigpu.core._mpi import launcher_rank
 from mpigpu.core.console import report
+from mpigpu.job.mpich_shm import remove_own_segments
 
 __all__ = [
     "Watchdog",
@@ -45,6 +46,7 @@ _get_ident = threading.get_ident  # bound once: the watch runs on every call
 _abort_lock = threading.Lock()
 _previous_hook: Any = None  # a non-mpigpu sys.excepthook found at installation, called first
 _previous_thread_hook: Any = None  # likewise for threading.excepthook
+_builtin_exit = sys.exit  # replaced by _exit in _hook
 _always = False  # install_abort_handler was called: abort whether or not MPI runs
 _brief = False  # mpigpu's commands: an MpigpuError prints its message only
 
@@ -85,6 +87,7 @@ def abort_job(message: str, code: int = 1) -> NoReturn:
     if mpi is not None:
         with contextlib.suppress(Exception):
             if mpi.Is_initialized() and not mpi.Is_finalized():
+                remove_own_segments()  # MPI_Abort leaves MPICH no chance to
                 mpi.COMM_WORLD.Abort(code)
     os._exit(code)  # MPI not started (or already finalised): the launcher sees the exit status
 
@@ -109,6 +112,7 @@ def abort_before_start(code: int, message: str) -> NoReturn:
             sys.stderr.write(f"[mpigpu rank {world.Get_rank()}] {message}\n")
             sys.stderr.flush()
         time.sleep(_FORWARD_S)
+        remove_own_segments()
         world.Abort(code)
     os._exit(code)
 
@@ -142,21 +146,23 @@ def _end_together(exc: BaseException, tb: TracebackType | None, code: int) -> No
     end with MPI_Finalize, not MPI_Abort (whose banner, one per rank, would bury the message).
 
     The rank whose own arguments failed prints its error; a rank that only learnt of it prints one
-    line naming it; where all ranks hold the same MismatchError, rank 0 prints it. If a rank does not
+    line naming it; where all ranks hold the same error (a MismatchError, or one marked ``same_text``:
+    a bad setting at start-up), rank 0 prints it. If a rank does not
     end after all (it caught the error), MPI_Finalize waits for it: the job is aborted after
     _FINALIZE_WAIT_S."""
     from mpigpu.core.errors import MismatchError
 
     rank = _rank()
     message = str(exc)
-    if not isinstance(exc, MismatchError):
+    same = isinstance(exc, MismatchError) or getattr(exc, "mpigpu_same_text", False) is True
+    if not same:
         sys.stderr.write(f"{_prefix()} {_format(type(exc), exc, tb)}\n")
-    elif " did not run: " in message.split("\n", 1)[0]:  # another rank failed: it prints its own error
-        sys.stderr.write(f"{_prefix()} {message.split(chr(10), 1)[0]}\n")
+    elif isinstance(exc, MismatchError) and " did not run: " in message.split("\n", 1)[0]:
+        sys.stderr.write(f"{_prefix()} {message.split(chr(10), 1)[0]}\n")  # the failing rank prints its own error
     elif rank <= 0:
         sys.stderr.write(f"{_prefix()} {_format(type(exc), exc, tb)}\n")
     else:
-        sys.stderr.write(f"{_prefix()} stopped by the same MismatchError (printed by rank 0)\n")
+        sys.stderr.write(f"{_prefix()} stopped by the same {type(exc).__name__} (printed by rank 0)\n")
     for stream in (sys.stderr, sys.stdout):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -250,10 +256,37 @@ def _interactive() -> bool:
     return hasattr(sys, "ps1") or bool(sys.flags.interactive) or "IPython" in sys.modules
 
 
+class _JobExit(SystemExit):
+    """What ``sys.exit(n)`` raises on the main thread while mpigpu's hooks are installed: a SystemExit
+    that, when nothing catches it, ends the whole job with status n (n != 0) once MPI runs with more
+    than one rank. Python gives no hook for SystemExit (sys.excepthook never sees it), and a rank that
+    simply exits waits in MPI_Finalize for ranks that wait in a collective for it: a hang until
+    MPIGPU_TIMEOUT, with its status lost. Python frees the exception that ends the program before the
+    exit handlers run, with no Python frame on the stack; one the program caught is freed by its code."""
+
+    def __del__(self) -> None:
+        try:
+            sys._getframe(1)
+        except ValueError:  # no Python frame: Python itself is ending the program with this exit
+            code = exit_code_of(self)
+            if code != 0 and not _brief and _mpi_job_running() and not _interactive():
+                abort_job(f"exited with status {code} while other ranks may still be running: ending the job", code)
+
+
+def _exit(status: object = None) -> NoReturn:
+    """``sys.exit`` while mpigpu's hooks are installed (the same, but for ``_JobExit`` on the main thread)."""
+    if threading.current_thread() is threading.main_thread():
+        raise _JobExit(status)
+    raise SystemExit(status)
+
+
 def _hook() -> None:
-    """Make mpigpu's hooks sys.excepthook and threading.excepthook, keeping hooks installed before
-    (a logger, a rich traceback) to run first (idempotent)."""
+    """Make mpigpu's hooks sys.excepthook, threading.excepthook and sys.exit, keeping hooks installed
+    before (a logger, a rich traceback) to run first (idempotent). A sys.exit replaced by someone else
+    stays."""
     global _previous_hook, _previous_thread_hook
+    if sys.exit is _builtin_exit:
+        sys.exit = _exit
     if sys.excepthook is not _excepthook:
         if sys.excepthook not in (sys.__excepthook__, None):
             _previous_hook = sys.excepthook
@@ -271,8 +304,9 @@ def _opted_out() -> bool:
 
 def hook_at_import() -> None:
     """What ``import mpigpu`` does: install the hooks, which end the job on an uncaught exception (any
-    thread) only while MPI runs with more than one rank, outside REPLs; otherwise they pass the
-    exception on. Starts nothing and imports nothing. MPIGPU_ABORT_ON_EXCEPTION=0 turns it off."""
+    thread) or an uncaught ``sys.exit(n)``, n != 0, only while MPI runs with more than one rank, outside
+    REPLs; otherwise they pass the exception on. Starts nothing and imports nothing.
+    MPIGPU_ABORT_ON_EXCEPTION=0 turns it off."""
     if not _opted_out():
         _hook()
 

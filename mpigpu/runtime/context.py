@@ -28,10 +28,10 @@ from typing import Any, ClassVar
 
 from mpigpu.backends import BACKEND_NAMES, Availability, Backend, backend_class
 from mpigpu.core._mpi import MPI, LibraryInfo, library_info, world
-from mpigpu.core.config import DEFAULT_STALL_S, DEFAULT_TIMEOUT_S, ENV_VARS, Settings, disagreement
+from mpigpu.core.config import AGREED, DEFAULT_STALL_S, DEFAULT_TIMEOUT_S, ENV_VARS, Settings, disagreement
 from mpigpu.core.errors import BackendUnavailable, ConfigError, DeviceError, InvalidArgument, MismatchError, MpigpuError
-from mpigpu.core.typed import allgather_ints, allreduce_int
-from mpigpu.job.check import Signature, check_signature, fail_together, mark_raised_everywhere
+from mpigpu.core.typed import allgather_ints, allgather_text, allreduce_int
+from mpigpu.job.check import Signature, check_signature, mark_raised_everywhere
 from mpigpu.job.check_board import CheckBoard, open_board
 from mpigpu.job.creation import exclusive
 from mpigpu.job.detect import CudaAwareness, NcclInfo, detect_cuda_awareness, detect_nccl
@@ -351,6 +351,10 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))} have"
 
 
+def _on(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
+
+
 _TEST_VARIABLES = ("MPIGPU_REQUIRE_GPU",)  # read by the test suite, not by mpigpu
 
 
@@ -372,14 +376,19 @@ def _local_settings() -> tuple[Settings | None, ConfigError | None]:
 
 
 def _agreed_settings(comm: Any, settings: Settings | None, error: ConfigError | None) -> Settings:
-    """Collective: a bad MPIGPU_* value on any rank fails start-up on every rank with that rank's
-    message, and so does a setting that changes which collectives run (Settings.agreed) when it
-    differs between ranks, instead of leaving the others waiting in the next collective."""
-    fail_together(comm, error, "mpigpu start-up")
+    """Collective: a bad MPIGPU_* value on any rank fails start-up on every rank with the same
+    ConfigError (naming the rank, the variable and its value), and so does a setting that changes
+    which collectives run (Settings.agreed) when it differs between ranks, instead of leaving the
+    others waiting in the next collective. A rank whose settings failed still takes part in every
+    exchange here."""
+    rows = _gather_agreed(comm, settings)
+    if any(failed for failed, _ in rows):
+        mine = "" if error is None else str(error) or type(error).__name__  # empty: this rank's settings are valid
+        raise mark_raised_everywhere(comm, _start_up_failure(allgather_text(comm, mine)), same_text=True)
     assert settings is not None
-    problem = disagreement(_gather_agreed(comm, settings))
+    problem = disagreement([agreed for _, agreed in rows])
     if problem is not None:
-        raise ConfigError(problem)
+        raise mark_raised_everywhere(comm, ConfigError(problem), same_text=True)
     if settings.abort_on_exception:
         install_default_handler()
     unknown = sorted(
@@ -390,11 +399,34 @@ def _agreed_settings(comm: Any, settings: Settings | None, error: ConfigError | 
     return settings
 
 
-def _gather_agreed(comm: Any, settings: Settings) -> list[tuple[tuple[str, object], ...]]:
-    """Every rank's ``Settings.agreed()`` (collective; integers, -1 for unset, in one MPI_Allgather)."""
-    names = [name for name, _ in settings.agreed()]
-    rows = allgather_ints(comm, [-1 if value is None else int(value) for _, value in settings.agreed()])  # type: ignore[call-overload]
-    return [tuple((name, None if v == -1 else v) for name, v in zip(names, row, strict=True)) for row in rows]
+def _start_up_failure(texts: list[str]) -> ConfigError:
+    """The one ConfigError every rank raises when the settings of some failed (``texts``: each rank's
+    message, empty where they were valid): that message as it is where every rank has it, else each
+    failing rank's with its rank."""
+    by_text: dict[str, list[int]] = {}
+    for rank, text in enumerate(texts):
+        if text:
+            by_text.setdefault(text, []).append(rank)
+    if len(by_text) == 1 and all(texts):
+        return ConfigError(texts[0])
+    failed = sorted(rank for ranks in by_text.values() for rank in ranks)
+    lines = "\n  ".join(f"{_on(ranks)}: {text}" for text, ranks in by_text.items())
+    return ConfigError(
+        f"mpigpu start-up did not run: {_on(failed)} failed.\n  {lines}\nSet the variable alike in the environment "
+        "of every rank (the launcher's -env/-x options, the job script)."
+    )
+
+
+def _gather_agreed(comm: Any, settings: Settings | None) -> list[tuple[bool, tuple[tuple[str, object], ...]]]:
+    """Every rank's (failed, ``Settings.agreed()``), in one MPI_Allgather of integers (collective): -1
+    for unset; a rank whose settings failed (None) sends its flag and -1s. Every agreed value is within
+    INT_RANGES or a 0/1 flag, so it fits an int64."""
+    mine = [-1] * len(AGREED) if settings is None else [-1 if v is None else int(v) for _, v in settings.agreed()]  # type: ignore[call-overload]
+    rows = allgather_ints(comm, [int(settings is None), *mine])
+    return [
+        (bool(row[0]), tuple((name, None if v == -1 else v) for name, v in zip(AGREED, row[1:], strict=True)))
+        for row in rows
+    ]
 
 
 def _delete_callback(comm: Any, keyval: int, ctx: Context) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, run_mpi
 
-from mpigpu.core.config import ENV_VARS, Settings
+from mpigpu.core.config import ENV_VARS, INT_RANGES, Settings
 from mpigpu.core.errors import ConfigError
 
 END_WITHIN_S = 10  # the issue's bound for one rank's failure to end the job
@@ -209,13 +209,60 @@ def test_a_hook_installed_before_import_runs_once_then_the_job_ends(tmp_path: Pa
     assert (result.stdout + result.stderr).count("my hook:") == 1
 
 
-def test_the_hook_at_import_can_be_turned_off(victim: Path) -> None:
-    """MPIGPU_ABORT_ON_EXCEPTION=0: rank 1 dies alone; rank 0 waits until MPIGPU_TIMEOUT ends it."""
-    result, elapsed = timed(
-        2, [str(victim), "raise", "0"], env={"MPIGPU_ABORT_ON_EXCEPTION": "0", "MPIGPU_TIMEOUT": "3"}
-    )
-    ended_with(result, elapsed, "ValueError: boom on rank 1", limit=30)
-    assert "aborting all ranks" not in result.stderr
+@pytest.mark.parametrize("before", [0, 1], ids=["before-first-call", "after-1-call"])
+def test_plain_script_sys_exit_on_one_rank_ends_job_with_its_status(victim: Path, before: int) -> None:
+    """Issue 30: rank 1's sys.exit(3) left it in MPI_Finalize and rank 0 in start-up until
+    MPIGPU_TIMEOUT (exit status 124, the 3 lost). ``import mpigpu`` now ends the job with status 3."""
+    result, elapsed = timed(2, [str(victim), "exit", str(before)], env={"MPIGPU_TIMEOUT": "20"})
+    ended_with(result, elapsed, "[mpigpu rank 1] exited with status 3")
+    assert result.returncode == 3, result.stderr
+    assert "CollectiveTimeout" not in result.stderr and "done" not in result.stdout
+
+
+EXITS = """
+import sys, threading
+import numpy as np, mpigpu
+from mpigpu.core._mpi import world
+rank = world().Get_rank()
+if rank == 1:
+    try:
+        sys.exit(3)  # caught: the program goes on
+    except SystemExit as exc:
+        sys.stdout.write(f"caught {exc.code}\\n")
+    worker = threading.Thread(target=sys.exit, args=(4,))  # ends that thread only
+    worker.start()
+    worker.join()
+x = np.ones(2)
+mpigpu.allreduce(x, "sum")
+sys.stdout.write(f"rank {rank} done: {x[0]:g}\\n")
+sys.exit(0)
+"""
+
+
+def test_a_caught_sys_exit_a_thread_s_and_sys_exit_0_end_nothing(tmp_path: Path) -> None:
+    script = tmp_path / "exits.py"
+    script.write_text(EXITS)
+    result, elapsed = timed(2, [str(script)], env={"MPIGPU_TIMEOUT": "20"})
+    assert result.returncode == 0 and elapsed < END_WITHIN_S, result.stdout + result.stderr
+    assert "caught 3" in result.stdout and "rank 0 done: 2" in result.stdout and "rank 1 done: 2" in result.stdout
+    assert "[mpigpu" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_sys_exit_outside_a_multi_rank_job_is_pythons(tmp_path: Path) -> None:
+    """One process, no MPI: the status and the message as Python gives them, nothing from mpigpu."""
+    for code, status, shown in [("sys.exit(3)", 3, ""), ("sys.exit('bye')", 1, "bye\n")]:
+        done = subprocess.run(
+            [sys.executable, "-c", f"import sys, mpigpu\n{code}"], capture_output=True, text=True, timeout=60, cwd=ROOT
+        )
+        assert (done.returncode, done.stderr) == (status, shown), (code, done.returncode, done.stderr)
+
+
+@pytest.mark.parametrize("mode", ["raise", "exit"])
+def test_the_hook_at_import_can_be_turned_off(victim: Path, mode: str) -> None:
+    """MPIGPU_ABORT_ON_EXCEPTION=0: rank 1 dies (or exits) alone; rank 0 waits until MPIGPU_TIMEOUT ends it."""
+    result, elapsed = timed(2, [str(victim), mode, "0"], env={"MPIGPU_ABORT_ON_EXCEPTION": "0", "MPIGPU_TIMEOUT": "3"})
+    ended_with(result, elapsed, *(["ValueError: boom on rank 1"] if mode == "raise" else []), limit=30)
+    assert "aborting all ranks" not in result.stderr and "exited with status" not in result.stderr
     assert "CollectiveTimeout" in result.stderr, result.stderr
 
 
@@ -372,6 +419,54 @@ def test_average_with_bad_setting_on_one_rank_ends_job(variable: str, value: str
     args = _mpmd(["-m", "mpigpu.average", "--size", "1K", "--iters", "2"], bad_env={variable: value})
     result, elapsed = timed(3, args)
     ended_with(result, elapsed, f"{variable}={value!r} is not valid", "rank 3 failed")
+
+
+# Every rank prints the ConfigError it raised at start-up, on one line.
+REPORTS_CONFIG_ERROR = """
+import os
+import numpy as np, mpigpu
+from mpigpu.core._mpi import world
+from mpigpu.core.errors import ConfigError
+try:
+    mpigpu.allreduce(np.ones(4))
+except ConfigError as exc:
+    os.write(1, f"rank {world().Get_rank()}: ConfigError: {' '.join(str(exc).split())}\\n".encode())
+"""
+HUGE = str(2**63)  # no int64 holds it
+
+
+def _config_errors(result: subprocess.CompletedProcess, n: int) -> list[str]:
+    """Each rank's ConfigError line, in rank order (the job's output when there are not ``n``)."""
+    lines = sorted(line for line in result.stdout.splitlines() if ": ConfigError: " in line)
+    assert [line.split(":")[0] for line in lines] == [f"rank {r}" for r in range(n)], result.stdout + result.stderr
+    return [line.split(": ConfigError: ", 1)[1] for line in lines]
+
+
+@pytest.mark.parametrize("variable", sorted(INT_RANGES))
+def test_a_huge_integer_setting_on_one_rank_fails_every_rank_alike(tmp_path: Path, variable: str) -> None:
+    """Issue 30: rank 1 raised a raw OverflowError before the start-up exchange and the others waited
+    in it until MPIGPU_TIMEOUT. Now every rank raises the same ConfigError naming the variable, at once."""
+    script = tmp_path / "config_error.py"
+    script.write_text(REPORTS_CONFIG_ERROR)
+    args = [str(script), ":", "-n", "1", "env", f"{variable}={HUGE}", sys.executable, str(script)]
+    result, elapsed = timed(1, args, env={"MPIGPU_TIMEOUT": "20"})  # bounds the old stall
+    assert elapsed < END_WITHIN_S and result.returncode == 0, f"{elapsed:.1f} s\n{result.stdout}{result.stderr}"
+    errors = _config_errors(result, 2)
+    assert errors[0] == errors[1], errors
+    assert "rank 1 failed" in errors[0] and f"{variable}='{HUGE}' is not valid" in errors[0], errors[0]
+    low, high = INT_RANGES[variable]
+    assert f"from {low} to {high}" in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("variable", ["MPIGPU_NODE_SIZE", "MPIGPU_HOST_POOL_MB"])
+def test_a_huge_integer_setting_on_every_rank_is_the_same_config_error(tmp_path: Path, variable: str) -> None:
+    """Set alike on every rank it was a raw OverflowError; now the ConfigError itself, everywhere."""
+    script = tmp_path / "config_error.py"
+    script.write_text(REPORTS_CONFIG_ERROR)
+    result, elapsed = timed(2, [str(script)], env={variable: HUGE, "MPIGPU_TIMEOUT": "20"})
+    assert elapsed < END_WITHIN_S and result.returncode == 0, f"{elapsed:.1f} s\n{result.stdout}{result.stderr}"
+    errors = _config_errors(result, 2)
+    assert errors[0] == errors[1] and errors[0].startswith(f"{variable}='{HUGE}' is not valid"), errors
 
 
 def test_average_with_bad_option_on_one_rank_ends_job() -> None:
