@@ -11,6 +11,11 @@ from typing import Any
 import torch
 
 REFERENCE = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}
+SIZES = {  # every rank's batch size, from the number of ranks
+    "even": lambda n: [4] * n,
+    "uneven": lambda n: [k + 2 for k in range(n)],
+    "first empty": lambda n: [0] + [3] * (n - 1),  # at one rank: every batch empty
+}
 
 
 def batch(rank: int, rows: int, channels: int, tail: Sequence[int]) -> torch.Tensor:

@@ -11,18 +11,13 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (the CI test script installs it)")
 
-from sync_batch_norm_check import compare  # noqa: E402
+from sync_batch_norm_check import SIZES, compare  # noqa: E402
 
 import mpigpu.horovod.torch as hvd  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
 TIGHT = {"rtol": 1e-10, "atol": 1e-12}
-SIZES = {
-    "even": lambda n: [4] * n,
-    "uneven": lambda n: [k + 2 for k in range(n)],
-    "first empty": lambda n: [0] + [3] * (n - 1),  # at one rank: every batch empty
-}
 
 
 @pytest.fixture(scope="module", autouse=True)
