@@ -26,12 +26,14 @@ def batch(rank: int, rows: int, channels: int, tail: Sequence[int]) -> torch.Ten
     return (values * 3 + 5 * rank) % 13 - 6 + offset
 
 
-def _close(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> None:
+def _difference(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> list[str]:
+    """[] where ``got`` is close to ``want``, else a line that says by how much it is not."""
     if got.dtype in (torch.float16, torch.bfloat16):
         got, want = got.float(), want.float()
-    ok = torch.allclose(got, want, rtol, atol)
-    worst = (got - want).abs().max().item() if got.numel() else 0.0
-    assert ok, f"{what}: largest difference {worst:.3g} (rtol {rtol}, atol {atol})\n{got}\n{want}"
+    if torch.allclose(got, want, rtol, atol):
+        return []
+    worst = (got - want).abs().max().item()
+    return [f"{what}: largest difference {worst:.3g} (rtol {rtol}, atol {atol})\n{got}\n{want}"]
 
 
 def _set_affine(module: torch.nn.Module) -> None:
@@ -49,8 +51,10 @@ def compare(hvd: Any, sizes: Sequence[int], channels: int, tail: Sequence[int], 
     torch's BatchNorm on the batches of every rank of the set stacked in rank order, then one eval
     step; asserts outputs, input gradients, weight and bias gradients (summed across the set: the loss
     is the sum of every rank's), running statistics and the step count agree. ``loss``: "weighted"
-    (a different weight per element) or "sum" (Horovod's test: the input's and weight's gradients are
-    zero up to rounding). ``dtype``: the input's; the modules are float64 for float64, else float32."""
+    (a different weight per element, affine parameters other than 1 and 0) or "sum" (Horovod's test:
+    weight 1, bias 0, and the input's and weight's gradients zero up to rounding). ``dtype``: the
+    input's; the modules are float64 for float64, else float32. Every rank makes all its calls before
+    any assertion, so a difference on one rank leaves the ranks paired for the next test."""
     process_set = process_set or hvd.global_process_set
     r, n = process_set.rank(), process_set.size()
     batches = [batch(k, sizes[k], channels, tail) for k in range(n)]
@@ -62,13 +66,14 @@ def compare(hvd: Any, sizes: Sequence[int], channels: int, tail: Sequence[int], 
     module_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     sync = hvd.SyncBatchNorm(channels, process_set=process_set, **options).to(device, module_dtype)
     reference = REFERENCE[2 + len(tail)](channels, **options).to(device, module_dtype)
-    _set_affine(sync)
-    _set_affine(reference)
     shape = (whole_rows, channels, *tail)
     weights = torch.ones(shape, dtype=torch.float64)
     if loss == "weighted":
+        _set_affine(sync)
+        _set_affine(reference)
         weights = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape) % 5 - 2
     weights = weights.to(device, dtype)
+    differences: list[str] = []
     for step in range(steps):
         shift = float(step)  # each step's batch differs, so running statistics move
         whole = (torch.cat(batches) + shift).to(device, dtype).contiguous(memory_format=layout)
@@ -78,20 +83,24 @@ def compare(hvd: Any, sizes: Sequence[int], channels: int, tail: Sequence[int], 
         expect = reference(whole)
         (out * weights[start : start + sizes[r]]).sum().backward()
         (expect * weights).sum().backward()
-        _close(f"step {step} output", out, expect[start : start + sizes[r]], rtol, atol)
-        _close(f"step {step} input gradient", mine.grad, whole.grad[start : start + sizes[r]], rtol, atol)
+        pairs = [("output", out, expect[start : start + sizes[r]]),
+                 ("input gradient", mine.grad, whole.grad[start : start + sizes[r]])]  # fmt: skip
         if sync.weight is not None:
             for name in ("weight", "bias"):
                 summed = hvd.allreduce(getattr(sync, name).grad, op=hvd.Sum, process_set=process_set)
-                _close(f"step {step} {name} gradient", summed, getattr(reference, name).grad, rtol, atol)
+                pairs.append((f"{name} gradient", summed, getattr(reference, name).grad))
         if sync.running_mean is not None:
-            _close(f"step {step} running mean", sync.running_mean, reference.running_mean, rtol, atol)
-            _close(f"step {step} running var", sync.running_var, reference.running_var, rtol, atol)
-            assert int(sync.num_batches_tracked) == int(reference.num_batches_tracked) == step + 1
+            pairs += [("running mean", sync.running_mean.clone(), reference.running_mean.clone()),
+                      ("running var", sync.running_var.clone(), reference.running_var.clone())]  # fmt: skip
+            if not int(sync.num_batches_tracked) == int(reference.num_batches_tracked) == step + 1:
+                differences.append(f"step {step}: num_batches_tracked {int(sync.num_batches_tracked)}")
+        for what, got, want in pairs:
+            differences += _difference(f"step {step} {what}", got, want, rtol, atol)
         sync.zero_grad()
         reference.zero_grad()
     if sync.running_mean is not None:
         sync.eval()
         reference.eval()
         mine = whole[start : start + sizes[r]].detach()
-        _close("eval output", sync(mine), reference(mine), rtol, atol)
+        differences += _difference("eval output", sync(mine), reference(mine), rtol, atol)
+    assert not differences, f"rank {r}: " + "\n".join(differences)
