@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import dataclasses
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +22,7 @@ from typing import Any
 
 from mpigpu.backends import BACKEND_NAMES
 from mpigpu.bench.anchors import ANCHORS, anchor_for
-from mpigpu.bench.calls import bind_call
+from mpigpu.bench.calls import bind_call, time_turn
 from mpigpu.bench.coll_anchors import COLLECTIVE_ANCHORS
 from mpigpu.bench.collectives import CollectiveResult, CollectiveWorkload, bind_collective
 from mpigpu.bench.harness import command_stream, placements
@@ -40,6 +41,9 @@ __all__ = ["MAX_ITERS", "TARGET_TURN_S", "Interrupted", "Sweep", "plan_paths"]
 # what 3 repetitions of 50 ms took before the rounds)
 TARGET_TURN_S = 0.03
 MAX_ITERS = 1000
+# calls timed to size the turns, their median taken: sized from one call, a call caught by a burst of
+# load cut a path's turns to a few calls on the loaded 2-core machine, and its figure to their noise
+CALIBRATION_CALLS = 3
 
 
 # -- paths --------------------------------------------------------------------------------------
@@ -288,9 +292,9 @@ class Sweep:
 
     def _predicted(self, timed: list[Measurement], growth: float) -> float:
         """The least the next size (``growth`` times this one) costs: every path's check, calibration
-        call and, per round, one warm-up call (where --warmup is not 0) and one timed call, scaled
+        calls and, per round, one warm-up call (where --warmup is not 0) and one timed call, scaled
         from this size's."""
-        calls = 1 + self.args.rounds * (1 + min(self.args.warmup, 1))
+        calls = CALIBRATION_CALLS + self.args.rounds * (1 + min(self.args.warmup, 1))
         return sum((m.check_seconds + (m.result.median_us or m.result.time_us) * 1e-6 * calls) * growth for m in timed)
 
     def _judge(self, timed: list[Measurement], work: Any, op: Op, seconds: float, growth: float) -> list[Measurement]:
@@ -402,13 +406,11 @@ class Sweep:
         return found, self._max(time.perf_counter() - started)
 
     def _calibrate(self, turn: Turn, sync: Callable[[], None]) -> None:
-        """The turn's counts, the same on every rank: one call timed (barrier, call, synchronise),
-        the slowest rank's time, and calls enough for about TARGET_TURN_S (or --iters)."""
-        self.comm.Barrier()
-        t0 = time.perf_counter()
-        turn.bound.call()
-        sync()
-        estimate = self._max(time.perf_counter() - t0)
+        """The turn's counts, the same on every rank: CALIBRATION_CALLS calls timed one by one
+        (barrier, call, synchronise), the slowest rank's median, and calls enough for about
+        TARGET_TURN_S (or --iters)."""
+        samples = time_turn(turn.bound.call, sync, self.comm.Barrier, iters=CALIBRATION_CALLS, timing="call")
+        estimate = self._max(statistics.median(samples) * 1e-6)
         turn.iters = self.args.iters or max(1, min(MAX_ITERS, int(TARGET_TURN_S / max(estimate, 1e-9))))
         turn.warmup = min(self.args.warmup, turn.iters)
         path = turn.path
