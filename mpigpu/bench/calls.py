@@ -11,18 +11,18 @@ An mpigpu path is called one of three ways (``--calls``):
   prepared    ``api.run(p)`` with ``p = api.prepare(...)`` made once: a diagnostic (no per-call
               validation or check; what the benchmark timed before it timed the user's call)
 
-An anchor is called as ``anchor.allreduce(x, out, op)``. Timing (``--timing``), per rank:
+An anchor is called as ``anchor.allreduce(x, out, op)``. Timing (``--timing``), per rank, of
+one path's turn in a round (``mpigpu.bench.rounds`` sets the turns side by side):
 
-  call  each sample is one call: barrier, clock, the call, synchronise the stream, clock. The
-        median per call on each rank, then the slowest rank (the latency a loop that waits for each
-        result sees; the harness costs the same in every column)
-  loop  each sample is ``iters`` calls back to back: barrier, clock, the calls, synchronise, clock,
-        divided by ``iters`` (throughput, as nccl-tests times)
+  call  each sample is one call: barrier, clock, the call, synchronise the stream, clock; the turn's
+        figure is the median of its samples (the latency a loop that waits for each result sees;
+        the harness costs the same in every column)
+  loop  the turn is one sample of ``iters`` calls back to back: barrier, clock, the calls,
+        synchronise, clock, divided by ``iters`` (throughput, as nccl-tests times)
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +33,7 @@ from mpigpu.bench.workload import Workload
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op
 
-__all__ = ["FRAMEWORKS", "TIMINGS", "Bound", "bind_call", "summarize_samples", "time_samples", "user_arrays"]
+__all__ = ["FRAMEWORKS", "TIMINGS", "Bound", "bind_call", "time_turn", "user_arrays"]
 
 FRAMEWORKS = ("native", "torch")  # native: CuPy arrays on GPUs, NumPy arrays on the host
 TIMINGS = ("call", "loop")
@@ -128,41 +128,23 @@ def bind_call(
     return Bound(partial(allreduce, x, op.value, **kwargs), _nothing, choice.backend, choice.reason)
 
 
-def time_samples(
-    call: Callable[[], Any],
-    sync: Callable[[], Any],
-    barrier: Callable[[], Any],
-    *,
-    iters: int,
-    repeats: int,
-    timing: str,
-) -> list[list[float]]:
-    """Per repetition, its samples in microseconds per call (see the module's docstring)."""
+def time_turn(
+    call: Callable[[], Any], sync: Callable[[], Any], barrier: Callable[[], Any], *, iters: int, timing: str
+) -> list[float]:
+    """One turn's samples in microseconds per call (see the module's docstring)."""
     clock = time.perf_counter
-    reps = []
-    for _ in range(repeats):
-        if timing == "call":
-            samples = []
-            for _ in range(iters):
-                barrier()
-                t0 = clock()
-                call()
-                sync()
-                samples.append((clock() - t0) * 1e6)
-        else:
-            barrier()
-            t0 = clock()
-            for _ in range(iters):
-                call()
-            sync()
-            samples = [(clock() - t0) * 1e6 / iters]
-        reps.append(samples)
-    return reps
-
-
-def summarize_samples(reps: list[list[float]]) -> tuple[float, float, float]:
-    """(mean, median, spread) on this rank: the mean and median of every sample, and max - min of
-    the repetitions' medians."""
-    pooled = [s for rep in reps for s in rep]
-    medians = [statistics.median(rep) for rep in reps]
-    return statistics.fmean(pooled), statistics.median(pooled), max(medians) - min(medians)
+    if timing == "loop":
+        barrier()
+        t0 = clock()
+        for _ in range(iters):
+            call()
+        sync()
+        return [(clock() - t0) * 1e6 / iters]
+    samples = []
+    for _ in range(iters):
+        barrier()
+        t0 = clock()
+        call()
+        sync()
+        samples.append((clock() - t0) * 1e6)
+    return samples

@@ -46,7 +46,7 @@ from mpigpu.bench.report import (
     side_by_side,
     summary_lines,
 )
-from mpigpu.bench.sweep import MAX_ITERS, TARGET_REP_S, Interrupted, Sweep, auto_paths, plan_paths
+from mpigpu.bench.sweep import MAX_ITERS, TARGET_TURN_S, Interrupted, Sweep, auto_paths, plan_paths
 from mpigpu.cli import (
     Parser,
     choice_arg,
@@ -95,9 +95,11 @@ def build_parser() -> Parser:
             "  mpiexec -n 4 python -m mpigpu.bench --max-bytes 64M --json run.json --plot run.png\n"
             "  mpiexec -n 4 python -m mpigpu.bench --collective allgather --sizes 8,64K,1M"
         ),
-        epilog="time = mean per call on the slowest rank; median = median per call on the slowest rank (the\n"
-        "figure compared); spread = max - min of the repetitions' medians; all wall clock, the same harness for\n"
-        "every row (--timing). busbw as nccl-tests: allreduce algbw = bytes/time, busbw = algbw * 2(n-1)/n;\n"
+        epilog="At each size the paths are timed interleaved: --rounds rounds, each path's turn a warm-up and\n"
+        "--iters calls, round r starting at path r mod k. time = mean per call on the slowest rank; median =\n"
+        "the median over rounds of each round's time per call on the slowest rank (the figure compared);\n"
+        "spread = max - min of the rounds'; all wall clock, the same harness for every row (--timing).\n"
+        "busbw as nccl-tests: allreduce algbw = bytes/time, busbw = algbw * 2(n-1)/n;\n"
         "broadcast busbw = algbw = bytes/time; allgather algbw = OUTPUT bytes (n x the per-rank input)/time,\n"
         "busbw = algbw * (n-1)/n; reduce_scatter and alltoall algbw = input bytes/time, busbw = algbw * (n-1)/n.\n"
         "Sizes are per rank (allgather: each rank's input). exit status: 0 if\n"
@@ -161,19 +163,26 @@ def build_parser() -> Parser:
     timing = parser.add_argument_group("timing")
     timing.add_argument(
         "--iters", "-n", type=positive_int, default=None, metavar="N",
-        help=f"timed calls per repetition (default: adaptive, about {TARGET_REP_S * 1e3:g} ms per repetition, "
-        f"1 to {MAX_ITERS})",
+        help=f"timed calls per path and round (default: adaptive, about {TARGET_TURN_S * 1e3:g} ms per path and "
+        f"round, 1 to {MAX_ITERS})",
     )  # fmt: skip
     timing.add_argument(
         "--timing", choices=TIMINGS, default="call",
         help="call (default): every sample is one call between a barrier and a stream synchronisation, median "
         "per call; loop: every sample is --iters calls back to back, then one synchronisation",
     )  # fmt: skip
-    timing.add_argument("--warmup", "-w", type=nonneg_int, default=5, metavar="N", help="untimed calls (default 5)")
-    timing.add_argument("--repeats", type=positive_int, default=3, metavar="N", help="repetitions (default 3)")
+    timing.add_argument(
+        "--warmup", "-w", type=nonneg_int, default=5, metavar="N", help="untimed calls per path and round (default 5)"
+    )
+    timing.add_argument(
+        "--rounds", "--repeats", type=positive_int, default=5, metavar="R",
+        help="rounds (default 5): at each size every path is timed in turn, round r starting at path r mod k; "
+        "a path's figure is the median over rounds (--repeats: the older name)",
+    )  # fmt: skip
     timing.add_argument(
         "--time-limit", type=seconds_arg, default=60.0, metavar="S",
-        help="stop a path's sweep before a size that would take longer than S seconds (default 60; 0 = none)",
+        help="stop the sweep before a size whose paths (checks and rounds) would take longer than S seconds "
+        "(default 60; 0 = none)",
     )  # fmt: skip
     output = parser.add_argument_group("output")
     output.add_argument("--json", type=Path, metavar="PATH", help="write every figure and the machine as JSON")
@@ -296,9 +305,13 @@ def _settings(ctx: Any, args: argparse.Namespace) -> dict[str, Any]:
         "backends": args.backends,
         "placement": args.placement,
         "modes": ["in-place" if m else "out-of-place" for m in args.modes],
-        "iters": args.iters if args.iters else f"adaptive ({TARGET_REP_S * 1e3:g} ms per repetition, <= {MAX_ITERS})",
+        "iters": args.iters
+        if args.iters
+        else f"adaptive ({TARGET_TURN_S * 1e3:g} ms per path and round, <= {MAX_ITERS})",
         "warmup": args.warmup,
-        "repeats": args.repeats,
+        "repeats": args.rounds,
+        "rounds": args.rounds,
+        "order": "interleaved: at each size every path in turn, round r starting at path r mod k",
         "time_limit_s": args.time_limit,
         "pattern": "exact",
         "tune": args.tune,
@@ -357,22 +370,25 @@ def _tune(ctx: Any, sweep: Sweep, args: argparse.Namespace, command: list[str]) 
 # -- the command ------------------------------------------------------------------------------
 def _header(ctx: Any, args: argparse.Namespace, paths: list[PathSpec], skipped: list[str]) -> list[str]:
     sizes = args.sizes
-    iters = f"{args.iters}" if args.iters else f"adaptive (~{TARGET_REP_S * 1e3:g} ms per repetition)"
+    iters = f"{args.iters}" if args.iters else f"adaptive (~{TARGET_TURN_S * 1e3:g} ms per path and round)"
     modes = " and ".join("in-place" if m else "out-of-place" for m in args.modes)
     lines = header_lines(ctx)
     steps = f"x{args.step_factor}" if args.given_sizes is None else "as listed"
     timing = {
         "call": "per call: barrier, clock, one call, stream synchronize, clock",
-        "loop": "per repetition: barrier, clock, the calls back to back, stream synchronize, clock",
+        "loop": "per round: barrier, clock, the calls back to back, stream synchronize, clock",
     }[args.timing]
     lines += [
         f"# sizes {size_label(sizes[0])} .. {size_label(sizes[-1])} {steps} ({len(sizes)} sizes), "
         f"dtypes {','.join(args.dtypes)}, ops {','.join(args.ops)}, {modes}",
-        f"# iterations {iters}, {args.repeats} repetitions, warm-up {args.warmup}, time limit "
-        + (f"{args.time_limit:g} s per size" if args.time_limit else "none"),
+        f"# columns interleaved: at each size the paths (in the order of '# paths') are timed in turn, "
+        f"{args.rounds} rounds, round r starting at path r mod k; each turn: warm-up, stream synchronize, "
+        "the timed calls",
+        f"# iterations {iters}, {args.rounds} rounds, warm-up {args.warmup} per path and round, time limit "
+        + (f"{args.time_limit:g} s per size (all its paths)" if args.time_limit else "none"),
         f"# timing {args.timing}: wall clock {timing}; the same for every row",
-        "# time: mean per call, median per call and spread of the repetitions' medians (us), slowest rank; "
-        "algbw, busbw in GB/s; #wrong summed over ranks",
+        "# time: mean per call (us), slowest rank; median: the median over rounds of each round's time per call "
+        "on the slowest rank; spread: max - min of the rounds' (us); algbw, busbw in GB/s; #wrong summed over ranks",
     ]
     lines += args.collective_lines
     lines += [f"# call {c}: {call_description(c, args.collective)}" for c in args.calls]

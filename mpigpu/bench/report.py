@@ -115,15 +115,16 @@ class Measurement:
 
     path: PathSpec
     result: Result
-    iters: int  # timed calls per repetition
-    warmup: int
-    repeats: int
-    seconds: float  # wall time spent on this size, slowest rank
+    iters: int  # timed calls per round
+    warmup: int  # untimed calls before them, per round
+    repeats: int  # rounds (the paths of a size are timed interleaved: mpigpu.bench.rounds)
+    seconds: float  # wall time spent on this path at this size, slowest rank
     check_seconds: float  # of which filling, the checked call and verifying every element
     chosen: str | None = None  # auto: the backend it picked
     reason: str | None = None  # auto: why
     best: str | None = None  # auto: the fastest backend of the sweep at this size, called the same way...
-    best_us: float | None = None  # ...re-timed (median) right after auto, so drift cannot bias the ratio
+    best_us: float | None = None  # ...timed (median) in the same rounds as auto, so drift cannot bias the ratio
+    rounds_us: tuple[float, ...] = ()  # each round's time per call on the slowest rank (median_us: their median)
 
     @property
     def key(self) -> tuple[str, str, str, bool, int]:
@@ -135,7 +136,8 @@ class Measurement:
         data.update(
             path=self.path.name, kind=self.path.kind, call=self.path.call, column=self.path.column,
             placement=self.path.placement, anchor=self.path.anchor, iters=self.iters, warmup=self.warmup,
-            repeats=self.repeats, seconds=round(self.seconds, 4), check_seconds=round(self.check_seconds, 4),
+            repeats=self.repeats, rounds=self.repeats, rounds_us=list(self.rounds_us), seconds=round(self.seconds, 4),
+            check_seconds=round(self.check_seconds, 4),
             chosen=self.chosen, chosen_reason=self.reason, best=self.best, best_us=self.best_us,
             ok=self.result.wrong == 0,
         )  # fmt: skip
@@ -230,11 +232,14 @@ def render_tables(found: list[Measurement], everything: list[Measurement]) -> li
 def side_by_side(measurements: list[Measurement], timing: str = "") -> list[str]:
     """One table per placement, dtype, op and mode: a row per size, a column per path and call
     (the user's call, the persistent request, the prepared call where timed, each anchor), each
-    cell the median time per call in us, as nccl-tests sets in-place beside out-of-place."""
+    cell the median time per call in us, as nccl-tests sets in-place beside out-of-place. The
+    columns of a row were timed interleaved, in rounds (the title says how many)."""
     groups: dict[tuple[str, str, str, bool], dict[int, dict[str, float | None]]] = {}
     columns: dict[tuple[str, str, str, bool], list[str]] = {}
+    rounds: dict[tuple[str, str, str, bool], int] = {}
     for m in measurements:
         group = (m.path.placement, m.result.dtype, what(m.result), m.result.inplace)
+        rounds.setdefault(group, m.repeats)
         names = columns.setdefault(group, [])
         if m.path.column not in names:
             names.append(m.path.column)
@@ -248,7 +253,8 @@ def side_by_side(measurements: list[Measurement], timing: str = "") -> list[str]
         how = f", timing {timing}" if timing else ""
         lines += [
             "#",
-            f"# side by side [{_group_label(group)}]: median us per call, slowest rank{how}; WRONG = failed the check",
+            f"# side by side [{_group_label(group)}]: median us per call of {rounds[group]} interleaved rounds, "
+            f"slowest rank{how}; WRONG = failed the check",
             f"#{'size':>12} {'bytes':>11}" + "".join(f" {name:>{w}}" for name, w in zip(names, width, strict=True)),
         ]
         for nbytes in sorted(rows):

@@ -1,9 +1,10 @@
 """The sweep of ``python -m mpigpu.bench``: which paths to time (mpigpu backends and auto, each
 called the ways ``--calls`` names; the raw anchor beside each backend; the torch.distributed
-anchors), and the measurement of each path at each size: verified first (fresh input, poisoned
-output, every element checked, through the very call that is then timed), then timed on the wall
-clock (``mpigpu.bench.calls``). ``--collective broadcast|allgather|reduce_scatter|alltoall`` swaps in the buffers, calls
-and anchors of ``mpigpu.bench.collectives``. Collective: every rank runs the same sequence.
+anchors), and the measurement of every path at each size: each verified first (fresh input,
+poisoned output, every element checked, through the very call that is then timed), then all timed
+on the wall clock (``mpigpu.bench.calls``), interleaved in rounds (``mpigpu.bench.rounds``).
+``--collective broadcast|allgather|reduce_scatter|alltoall`` swaps in the buffers, calls and
+anchors of ``mpigpu.bench.collectives``. Collective: every rank runs the same sequence.
 """
 
 from __future__ import annotations
@@ -12,18 +13,21 @@ import argparse
 import contextlib
 import dataclasses
 import signal
+import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 from mpigpu.backends import BACKEND_NAMES
 from mpigpu.bench.anchors import ANCHORS, anchor_for
-from mpigpu.bench.calls import bind_call, summarize_samples, time_samples
+from mpigpu.bench.calls import bind_call, time_turn
 from mpigpu.bench.coll_anchors import COLLECTIVE_ANCHORS
 from mpigpu.bench.collectives import CollectiveResult, CollectiveWorkload, bind_collective
 from mpigpu.bench.harness import command_stream, placements
 from mpigpu.bench.report import PLACE_LABEL, Measurement, PathSpec, fastest_backends, median_us
+from mpigpu.bench.rounds import Figures, Turn, figures, run_rounds
 from mpigpu.bench.workload import Workload
 from mpigpu.core.dtypes import DType
 from mpigpu.core.errors import MpigpuError
@@ -31,10 +35,15 @@ from mpigpu.core.ops import Op
 from mpigpu.core.timing import Result
 from mpigpu.runtime.tuning import size_label
 
-__all__ = ["MAX_ITERS", "TARGET_REP_S", "Interrupted", "Sweep", "plan_paths"]
+__all__ = ["MAX_ITERS", "TARGET_TURN_S", "Interrupted", "Sweep", "plan_paths"]
 
-TARGET_REP_S = 0.05  # adaptive iteration count: about this long per repetition
+# adaptive iteration count: about this long per path and round (5 rounds: 0.15 s per path and size,
+# what 3 repetitions of 50 ms took before the rounds)
+TARGET_TURN_S = 0.03
 MAX_ITERS = 1000
+# calls timed to size the turns, their median taken: sized from one call, a call caught by a burst of
+# load cut a path's turns to a few calls on the loaded 2-core machine, and its figure to their noise
+CALIBRATION_CALLS = 3
 
 
 # -- paths --------------------------------------------------------------------------------------
@@ -217,95 +226,106 @@ class Sweep:
         )  # fmt: skip
 
     def sweep_group(self, paths: list[PathSpec], placement: str, dtype: DType, ops: list[Op]) -> list[Measurement]:
-        """Every path of one placement and dtype, for each op, mode and size."""
+        """Every path of one placement and dtype, for each op, mode and size: at each size the paths
+        timed interleaved, in rounds (``mpigpu.bench.rounds``)."""
         counts = sorted({max(1, size // dtype.itemsize) for size in self.args.sizes})
         work = self.workload(placement, dtype, counts[-1])
         found = []
         try:
             for op in ops:
+                mine = []
                 for path in paths:
                     problem = _unsupported(self.ctx, path, dtype, op, self.collective)
-                    if problem is not None:
+                    if problem is None:
+                        mine.append(path)
+                    else:
                         self.unsupported.append(f"{path.label} {dtype.name} {op.value}: {problem}")
-                        continue
-                    for inplace in self.args.modes:
-                        found.extend(self._sweep_path(path, work, counts, op, inplace))
+                for inplace in self.args.modes if mine else []:
+                    found.extend(self._sweep_sizes(mine, work, counts, op, inplace))
         finally:
             work.free()
         return found
 
-    def _sweep_path(self, path: PathSpec, work: Any, counts: list[int], op: Op, inplace: bool) -> list[Measurement]:
+    def _sweep_sizes(
+        self, paths: list[PathSpec], work: Any, counts: list[int], op: Op, inplace: bool
+    ) -> list[Measurement]:
+        """Every size of one op and mode, all ``paths`` at each; --time-limit bounds a size (all its
+        paths' checks and rounds) and stops the sizes before one predicted to take longer."""
         found: list[Measurement] = []
         mode = "in-place" if inplace else "out-of-place"
         opname = op.value if self.collective == "allreduce" else self.collective
-        what = f"{path.column} {PLACE_LABEL[path.placement]} {work.dtype.name} {opname} {mode}"
+        group = f"{PLACE_LABEL[paths[0].placement]} {work.dtype.name} {opname} {mode}"
         limit = self.args.time_limit
         for i, count in enumerate(counts):
             self._check_interrupt()
             sized = work.sized(count, op=op, inplace=inplace)
-            m = self.measure(path, sized, op, inplace)
-            if m is None:
-                break
+            timed, seconds = self._measure_size(paths, sized, op, inplace)
+            paths = [p for p in paths if any(m.path == p for m in timed)]  # a refusal ends a path's sizes
             growth = counts[i + 1] / count if i + 1 < len(counts) else 0.0
-            if limit and 0 < i < len(counts) - 1:  # not judged from the first size: see _judge
-                m = self._judge(path, sized, op, inplace, m, growth)
-            top = fastest_backends(self.measurements, path.call).get(m.key) if path.kind == "auto" else None
-            if top is not None:
-                again = self.measure(top.path, sized, op, inplace)
-                if again is not None:
-                    self.rechecks.append(again)
-                    m = dataclasses.replace(m, best=top.path.name, best_us=median_us(again))
-            found.append(m)
-            self.measurements.append(m)
-            wrong = f", {m.result.wrong} WRONG" if m.result.wrong else ""
-            chosen = f" -> {m.chosen}" if m.chosen else ""
-            self.progress(
-                f"{what} {size_label(m.result.bytes)} ({i + 1}/{len(counts)}){chosen}: "
-                f"{m.result.median_us:.2f} us{wrong}"
-            )
-            if limit and 0 < i < len(counts) - 1:
-                predicted = self._predicted(m, growth)
-                if m.seconds > limit or predicted > limit:
-                    why = f"took {m.seconds:.3g} s" if m.seconds > limit else f"the next would take ~{predicted:.3g} s"
-                    note = f"{what}: stopped after {size_label(m.result.bytes)} ({why}; --time-limit {limit:g} s)"
-                    self.stopped.append(note)
-                    self.progress(note)
-                    break
+            judged = bool(limit) and 0 < i < len(counts) - 1  # not the first size: see _judge
+            if judged:
+                timed = self._judge(timed, sized, op, seconds, growth)
+            for m in _with_best(timed):
+                if m.path not in paths:  # auto's fastest backend of an earlier pass, timed in its rounds
+                    self.rechecks.append(m)
+                    continue
+                found.append(m)
+                self.measurements.append(m)
+                wrong = f", {m.result.wrong} WRONG" if m.result.wrong else ""
+                chosen = f" -> {m.chosen}" if m.chosen else ""
+                self.progress(
+                    f"{m.path.column} {group} {size_label(m.result.bytes)} ({i + 1}/{len(counts)}){chosen}: "
+                    f"{m.result.median_us:.2f} us{wrong}"
+                )
+            if not paths:
+                break
+            predicted = self._predicted(timed, growth) if judged else 0.0
+            if judged and (seconds > limit or predicted > limit):
+                why = f"took {seconds:.3g} s" if seconds > limit else f"the next would take ~{predicted:.3g} s"
+                columns = ", ".join(p.column for p in paths)
+                size = size_label(count * work.dtype.itemsize)
+                note = f"{group} ({columns}): stopped after {size} ({why}; --time-limit {limit:g} s)"
+                self.stopped.append(note)
+                self.progress(note)
+                break
         return found
 
-    @staticmethod
-    def _predicted(m: Measurement, growth: float) -> float:
-        """The least the next size (``growth`` times this one) costs: the check, the estimate and one
-        timed call per repetition, scaled from this size's."""
-        per_call = (m.result.median_us or m.result.time_us) * 1e-6 * growth
-        return m.check_seconds * growth + per_call * (1 + m.repeats)
+    def _predicted(self, timed: list[Measurement], growth: float) -> float:
+        """The least the next size (``growth`` times this one) costs: every path's check, calibration
+        calls and, per round, one warm-up call (where --warmup is not 0) and one timed call, scaled
+        from this size's."""
+        calls = CALIBRATION_CALLS + self.args.rounds * (1 + min(self.args.warmup, 1))
+        return sum((m.check_seconds + (m.result.median_us or m.result.time_us) * 1e-6 * calls) * growth for m in timed)
 
-    def _judge(self, path: PathSpec, work: Any, op: Op, inplace: bool, m: Measurement, growth: float) -> Measurement:
-        """``m`` with a check time fit to predict from (collective: every rank decides alike, on maxima).
+    def _judge(self, timed: list[Measurement], work: Any, op: Op, seconds: float, growth: float) -> list[Measurement]:
+        """``timed`` with check times fit to predict from (collective: every rank decides alike, on maxima).
 
-        The first size is never judged: its check carries the path's set-up (communicator creation,
-        kernel compilation), which does not grow with the size. But one-time set-up can land in the
+        The first size is never judged: its checks carry the paths' set-up (communicator creation,
+        kernel compilation), which does not grow with the size. But one-time set-up can land in a
         check of a later size too: a communicator connecting a new protocol, a kernel compiled for a
         new launch shape. Scaled by the growth, a few seconds of it stopped a sweep whose calls take
-        microseconds. So a check that predicts a stop is run once more, and the faster of the two is
-        the one scaled (a wrong element found by either counts)."""
+        microseconds. So where the checks predict a stop, each path is checked once more, and the
+        faster of its two checks is the one scaled (a wrong element found by either counts)."""
         limit = self.args.time_limit
-        if m.seconds > limit or self._predicted(m, growth) <= limit:
-            return m
-        again = self._check_again(path, work, op, inplace)
-        if again is None:
-            return m
-        wrong, seconds = again
-        result = dataclasses.replace(m.result, wrong=max(m.result.wrong, wrong))
-        return dataclasses.replace(m, result=result, check_seconds=min(m.check_seconds, seconds))
+        if seconds > limit or self._predicted(timed, growth) <= limit:
+            return timed
+        judged = []
+        for m in timed:
+            again = self._check_again(m.path, work, op)
+            if again is not None:
+                wrong, check_seconds = again
+                result = dataclasses.replace(m.result, wrong=max(m.result.wrong, wrong))
+                m = dataclasses.replace(m, result=result, check_seconds=min(m.check_seconds, check_seconds))
+            judged.append(m)
+        return judged
 
-    def _check_again(self, path: PathSpec, work: Any, op: Op, inplace: bool) -> tuple[int, float] | None:
+    def _check_again(self, path: PathSpec, work: Any, op: Op) -> tuple[int, float] | None:
         """(wrong elements, seconds) of one more check of ``path`` (None if it refuses the call)."""
         bound = self._bind(path, work, op)
         if bound is None:
             return None
         try:
-            return self._check(bound.call, work, time.perf_counter())
+            return self._check(bound.call, work)
         finally:
             bound.close()
 
@@ -322,11 +342,12 @@ class Sweep:
             self.unsupported.append(f"{path.label} {work.dtype.name} {op.value} {work.count} elements: {exc}")
             return None
 
-    def _check(self, call: Any, work: Any, started: float) -> tuple[int, float]:
+    def _check(self, call: Any, work: Any) -> tuple[int, float]:
         """The check (nccl-tests' #wrong): fresh input, poisoned output, one call, every element;
-        (wrong elements summed over ranks, seconds since ``started`` on the slowest rank)."""
+        (wrong elements summed over ranks, its seconds on the slowest rank)."""
         from mpigpu.core.verify import total_wrong
 
+        started = time.perf_counter()
         work.fill()
         work.poison()
         call()
@@ -335,53 +356,108 @@ class Sweep:
         wrong = total_wrong(self.comm, work.wrong())
         return wrong, self._max(time.perf_counter() - started)
 
-    def measure(self, path: PathSpec, work: Any, op: Op, inplace: bool) -> Measurement | None:
-        """Verify, then time, one path at one size; None if the path refuses this call."""
-        from mpigpu.core.timing import max_over_ranks, max_phases_over_ranks
+    def _sync(self, placement: str) -> Callable[[], None]:
+        """What waits for a call's work: the benchmark's stream on GPU buffers, nothing on the host."""
+        return self.cp_stream.synchronize if placement == "device" else _nothing
 
-        args, comm = self.args, self.comm
+    def _retimed(self, paths: list[PathSpec], work: Any, op: Op, inplace: bool) -> list[PathSpec]:
+        """For each auto path, the fastest backend called the same way in an earlier pass at this
+        size (after --tune, auto is swept on its own), where it is not among ``paths``: it is timed
+        again in auto's rounds, so that the machine's drift cannot bias auto's ratio."""
+        opname = op.value if self.collective == "allreduce" else "none"
+        key = (paths[0].placement, work.dtype.name, opname, inplace, work.count * work.dtype.itemsize)
+        extra: list[PathSpec] = []
+        for path in paths:
+            top = fastest_backends(self.measurements, path.call).get(key) if path.kind == "auto" else None
+            if top is not None and top.path not in paths and top.path not in extra:
+                extra.append(top.path)
+        return extra
+
+    def _measure_size(self, paths: list[PathSpec], work: Any, op: Op, inplace: bool) -> tuple[list[Measurement], float]:
+        """Every path at one size: bound, verified and calibrated one after another, then timed
+        interleaved in rounds (with auto's re-timed fastest backends, ``_retimed``). Returns the
+        measurements in turn order (a path that refuses the call has none) and the size's seconds
+        on the slowest rank (collective)."""
+        from mpigpu.core.timing import max_phases_over_ranks
+
         started = time.perf_counter()
-        stream = self.stream if path.placement == "device" else None
-        bound = self._bind(path, work, op)
-        if bound is None:
-            return None
-        call = bound.call
-        chosen, reason = (bound.chosen, bound.reason) if path.kind == "auto" else (None, None)
-
-        def sync() -> None:
-            if stream is not None:
-                self.cp_stream.synchronize()
-
+        sync = self._sync(paths[0].placement)
+        turns: list[Turn] = []
+        checks: list[tuple[int, float]] = []
         try:
-            wrong, check_seconds = self._check(call, work, started)
-
-            comm.Barrier()
-            t0 = time.perf_counter()
-            call()
-            sync()
-            estimate = self._max(time.perf_counter() - t0)
-            iters = args.iters or max(1, min(MAX_ITERS, int(TARGET_REP_S / max(estimate, 1e-9))))
-            warmup = max(1, min(args.warmup, iters))
-            for _ in range(warmup - 1):
-                call()
-            reps = time_samples(
-                call, sync, comm.Barrier, iters=iters, repeats=args.repeats, timing=args.timing
-            )  # fmt: skip
+            for path in [*paths, *self._retimed(paths, work, op, inplace)]:
+                t0 = time.perf_counter()
+                bound = self._bind(path, work, op)
+                if bound is not None:
+                    turns.append(Turn(path, bound, seconds=time.perf_counter() - t0))
+            for turn in turns:
+                t0 = time.perf_counter()
+                checks.append(self._check(turn.bound.call, work))
+                self._calibrate(turn, sync)
+                turn.seconds += time.perf_counter() - t0
+            run_rounds(turns, self.args.rounds, timing=self.args.timing, sync=sync, barrier=self.comm.Barrier)
         finally:
-            bound.close()
-        mean, median, spread = summarize_samples(reps)
-        time_us, per_rank = max_over_ranks(comm, mean)
-        phases: dict[str, float] = {}
+            for turn in turns:
+                turn.bound.close()
+        found = []
+        for turn, check, fig in zip(turns, checks, figures(self.comm, turns) if turns else [], strict=True):
+            phases = max_phases_over_ranks(self.comm, turn.last_phases) if turn.phases is not None else {}
+            found.append(self._measurement(turn, work, op, inplace, check, fig, phases))
+        return found, self._max(time.perf_counter() - started)
+
+    def _calibrate(self, turn: Turn, sync: Callable[[], None]) -> None:
+        """The turn's counts, the same on every rank: CALIBRATION_CALLS calls timed one by one
+        (barrier, call, synchronise), the slowest rank's median, and calls enough for about
+        TARGET_TURN_S (or --iters)."""
+        samples = time_turn(turn.bound.call, sync, self.comm.Barrier, iters=CALIBRATION_CALLS, timing="call")
+        estimate = self._max(statistics.median(samples) * 1e-6)
+        turn.iters = self.args.iters or max(1, min(MAX_ITERS, int(TARGET_TURN_S / max(estimate, 1e-9))))
+        turn.warmup = min(self.args.warmup, turn.iters)
+        path = turn.path
         if path.kind != "anchor" and self.collective == "allreduce":  # last_phases: the backend's allreduce
-            phases = max_phases_over_ranks(comm, self.ctx.backend(bound.chosen or path.name).last_phases)
+            turn.phases = partial(self._phases, turn.bound.chosen or path.name)
+
+    def _phases(self, backend: str) -> dict[str, float]:
+        return self.ctx.backend(backend).last_phases
+
+    def _measurement(
+        self,
+        turn: Turn,
+        work: Any,
+        op: Op,
+        inplace: bool,
+        check: tuple[int, float],
+        fig: Figures,
+        phases: dict[str, float],
+    ) -> Measurement:
+        """One path's row at one size: its check (wrong elements, seconds), figures and phases."""
+        path, bound = turn.path, turn.bound
+        wrong, check_seconds = check
         fields = dict(
             bytes=work.count * work.dtype.itemsize, elements=work.count, dtype=work.dtype.name, op=op.value,
-            backend=path.name, ranks=self.ctx.size, time_us=time_us, wrong=wrong, inplace=inplace,
-            median_us=self._max(median), spread_us=self._max(spread), phases_us=phases, per_rank_us=per_rank,
+            backend=path.name, ranks=self.ctx.size, time_us=fig.time_us, wrong=wrong, inplace=inplace,
+            median_us=fig.median_us, spread_us=fig.spread_us, phases_us=phases, per_rank_us=fig.per_rank_us,
         )  # fmt: skip
         if self.collective == "allreduce":
             result = Result(**fields)
         else:
             result = CollectiveResult(**{**fields, "op": "none"}, collective=self.collective)
-        seconds = self._max(time.perf_counter() - started)
-        return Measurement(path, result, iters, warmup, args.repeats, seconds, check_seconds, chosen, reason)
+        chosen, reason = (bound.chosen, bound.reason) if path.kind == "auto" else (None, None)
+        return Measurement(
+            path, result, turn.iters, turn.warmup, self.args.rounds, fig.seconds, check_seconds, chosen, reason,
+            rounds_us=fig.rounds_us,
+        )  # fmt: skip
+
+
+def _nothing() -> None:
+    return None
+
+
+def _with_best(timed: list[Measurement]) -> list[Measurement]:
+    """``timed`` with each auto row's ``best``: the fastest verified backend called the same way,
+    timed in the same rounds."""
+    found = []
+    for m in timed:
+        top = fastest_backends(timed, m.path.call).get(m.key) if m.path.kind == "auto" else None
+        found.append(m if top is None else dataclasses.replace(m, best=top.path.name, best_us=median_us(top)))
+    return found

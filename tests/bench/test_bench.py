@@ -35,7 +35,7 @@ from mpigpu.runtime.tuning import (
 # pytest-mpi 0.6 runs unmarked tests too) they would nest jobs on every rank.
 pytestmark = pytest.mark.skipif(launcher_rank() >= 0, reason="serial test: it launches mpiexec itself")
 
-QUICK = ["--iters", "2", "--repeats", "2", "--warmup", "1"]
+QUICK = ["--iters", "2", "--rounds", "2", "--warmup", "1"]
 PNG = b"\x89PNG\r\n\x1a\n"
 # MPICH busy-polls; with more ranks than cores (CI) yielding makes each call ~10x faster. Other MPIs ignore it.
 YIELD = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", "MPIR_CVAR_POLLS_BEFORE_YIELD": "1"}
@@ -100,7 +100,7 @@ def test_sweep_prints_tables_and_writes_consistent_json(tmp_path: Path, n: int) 
         assert len(row["per_rank_us"]) == n and max(row["per_rank_us"]) == pytest.approx(row["time_us"])
         factor = 2 * (n - 1) / n
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * factor, abs=2e-4)
-        assert row["iters"] == 2 and row["repeats"] == 2
+        assert row["iters"] == 2 and row["repeats"] == row["rounds"] == 2 and len(row["rounds_us"]) == 2
     assert {"cpu", "mpi-host"} <= set(by_path)
     expected = {(d, o, m, s) for d in ("float32", "int32") for o in ("sum", "avg") for m in (True, False)
                 for s in (8, 16, 32, 64)}  # fmt: skip
@@ -238,7 +238,9 @@ def test_auto_without_a_table_uses_the_rules(tmp_path: Path) -> None:
     out = tmp_path / "auto.json"
     ok(bench(1, tmp_path, "-e", "16", "--backends", "auto", "--inplace", "--json", str(out)))
     autos = json.loads(out.read_text())["results"]
-    assert [(r["path"], r["call"]) for r in autos] == [("auto", "user")] * 2 + [("auto", "persistent")] * 2
+    assert [(r["path"], r["call"], r["bytes"]) for r in autos] == [
+        ("auto", call, size) for size in (8, 16) for call in ("user", "persistent")
+    ], "at each size, every path timed interleaved"
     assert all(r["chosen_reason"].startswith("rule") and r["chosen"] == "cpu" for r in autos)
 
 
@@ -318,11 +320,12 @@ def test_time_limit_stops_a_sweep_and_says_so(tmp_path: Path) -> None:
     out = tmp_path / "limited.json"
     done = ok(bench(1, tmp_path, "-e", "1K", "--backends", "cpu", "--out-of-place", "--time-limit", "1e-6",
                     "--json", str(out)))  # fmt: skip
-    # the first size is never judged (its check carries one-time set-up such as kernel compilation)
-    assert "cpu host float32 sum out-of-place: stopped after 16 B" in done.stdout
+    # the first size is never judged (its check carries one-time set-up such as kernel compilation);
+    # the limit bounds a size, all its paths together
+    assert "host float32 sum out-of-place (mpi-host, cpu, cpu:req): stopped after 16 B" in done.stdout
     doc = json.loads(out.read_text())
     assert {r["bytes"] for r in doc["results"]} == {8, 16}
-    assert len(doc["stopped"]) == 3  # cpu's call, its request and its anchor
+    assert len(doc["stopped"]) == 1
 
 
 def test_the_largest_size_is_timed_where_the_steps_miss_it(tmp_path: Path) -> None:

@@ -120,7 +120,7 @@ def test_a_check_that_stays_slow_still_stops_the_sweep(tmp_path: Path, collectiv
     done = ok(run_mpi(2, args, timeout=240, env={"MPIGPU_TUNE_FILE": str(tmp_path / "tune.json"), **YIELD}))
     doc = json.loads(out.read_text())
     mode = "in-place" if collective == "broadcast" else "out-of-place"
-    assert f"cpu host float32 {collective} {mode}: stopped after 64 B (the next would take" in done.stdout
+    assert f"host float32 {collective} {mode} (mpi-host, cpu): stopped after 64 B (the next would take" in done.stdout
     for column in ("mpi-host", "cpu"):
         assert [r["bytes"] for r in doc["results"] if r["column"] == column] == [8, 64], column
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from mpigpu.bench.calls import summarize_samples, time_samples
+from mpigpu.bench.calls import time_turn
 from mpigpu.bench.main import size_list
 from mpigpu.bench.report import (
     Measurement,
@@ -95,14 +95,16 @@ def test_side_by_side_sets_calls_and_anchors_in_one_row_per_size() -> None:
     ]  # fmt: skip
     lines = side_by_side(rows, "call")
     assert lines[1] == (
-        "# side by side [host arrays, float32 sum, out-of-place]: median us per call, slowest rank, timing call; "
-        "WRONG = failed the check"
+        "# side by side [host arrays, float32 sum, out-of-place]: median us per call of 3 interleaved rounds, "
+        "slowest rank, timing call; WRONG = failed the check"
     )
     head = lines[2].split()
     assert head == ["#", "size", "bytes", "auto", "auto:req", "host", "cpu", "cpu:req", "mpi-host", "torch-gloo"]
     assert lines[3].split() == ["8", "B", "8", "5.25", "3.25", "7.00", "5.00", "3.00", "4.00", "9.00"]
     assert lines[4].split() == ["16", "B", "16", "-", "-", "WRONG", "5.50", "-", "4.50", "-"]
-    assert lines[6].endswith("in-place]: median us per call, slowest rank, timing call; WRONG = failed the check")
+    assert lines[6].endswith(
+        "in-place]: median us per call of 3 interleaved rounds, slowest rank, timing call; WRONG = failed the check"
+    )
     assert lines[7].split()[3:] == ["cpu"] and lines[8].split()[3:] == ["6.00"]
     assert len(lines) == 9
 
@@ -183,24 +185,19 @@ def test_plot_draws_a_line_per_call_and_anchor(tmp_path: Path) -> None:
 
 def test_call_timing_takes_one_sample_per_call_between_barrier_and_sync() -> None:
     events: list[str] = []
-    reps = time_samples(
+    samples = time_turn(
         lambda: events.append("call"), lambda: events.append("sync"), lambda: events.append("barrier"),
-        iters=3, repeats=2, timing="call",
+        iters=3, timing="call",
     )  # fmt: skip
-    assert events == ["barrier", "call", "sync"] * 6
-    assert [len(rep) for rep in reps] == [3, 3] and all(s > 0 for rep in reps for s in rep)
+    assert events == ["barrier", "call", "sync"] * 3
+    assert len(samples) == 3 and all(s > 0 for s in samples)
     events.clear()
-    reps = time_samples(
+    samples = time_turn(
         lambda: events.append("call"), lambda: events.append("sync"), lambda: events.append("barrier"),
-        iters=3, repeats=2, timing="loop",
+        iters=3, timing="loop",
     )  # fmt: skip
-    assert events == ["barrier", "call", "call", "call", "sync"] * 2
-    assert [len(rep) for rep in reps] == [1, 1]
-
-
-def test_summarize_samples_pools_samples_and_spreads_repetition_medians() -> None:
-    mean, median, spread = summarize_samples([[1.0, 2.0, 9.0], [3.0, 4.0, 5.0]])
-    assert (mean, median, spread) == (pytest.approx(4.0), 3.5, 2.0)
+    assert events == ["barrier", "call", "call", "call", "sync"]
+    assert len(samples) == 1
 
 
 def test_compare_from_two_documents(tmp_path: Path) -> None:
