@@ -29,7 +29,8 @@
 #              from .hvd-suite (scripts/hvd-suite.sh HOROVOD_CHECKOUT prepares it; carry it along)
 #   jax        issue 23 (not in the default list: name it): mpigpu.jax.init() binds JAX to each rank's GPU under
 #              Open MPI (tests/gpu/test_jax_gpu.py alone, so init runs before JAX starts), samples/jax_step.py
-#              under both MPIs, scripts/jax_step_bench.py (JSON with machine, versions and goals in $OUT) (~4 min, at most 9)
+#              under both MPIs, scripts/jax_step_bench.py (JSON with machine, versions and goals in $OUT; JAX_STEP=0
+#              skips it) (~4 min, at most 9)
 # Logs go to $OUT (or ./gpu-results): summary.txt, and logs.tgz with one log per step (pytest steps: one
 # log per rank, NAME.rank<r>.log). Under each failed pytest step the summary names the failed tests
 # and, for a step that stalled, the test each rank was in.
@@ -138,9 +139,9 @@ stage_tests() {
     for n in $counts; do
       local paths="tests/gpu"
       # the whole MPI suite (CPU and GPU) at full size under the image's MPI; the GPU tests under both
-      # (IMPI_TESTS: other paths for Intel MPI; TESTS_LIMIT: seconds per run)
+      # (IMPI_TESTS / OMPI_TESTS: other paths for Intel MPI / the full-size Open MPI run; TESTS_LIMIT: seconds per run)
       [ "$mpi" = impi ] && paths=${IMPI_TESTS:-tests/gpu}
-      [ "$n" = "$NGPU" ] && [ "$mpi" = ompi ] && paths="tests"
+      [ "$n" = "$NGPU" ] && [ "$mpi" = ompi ] && paths=${OMPI_TESTS:-tests}
       step "tests-$mpi-$n" "${TESTS_LIMIT:-300}" 0 "export MPIGPU_TIMEOUT=120; ${LAUNCH[$mpi]} -n $n $PY -m pytest -v -rfE -W ignore --with-mpi --only-mpi $paths -p no:cacheprovider"
     done
   done
@@ -229,7 +230,7 @@ stage_jax() {  # issue 23: JAX bound to each rank's GPU under Open MPI (every ra
   for mpi in ompi impi; do
     step "jax-sample-$mpi" 75 0 "${LAUNCH[$mpi]} -n $NGPU $PY samples/jax_step.py"
   done
-  step "jax-step-ompi" 170 0 "$OMPI -n $NGPU $PY scripts/jax_step_bench.py --json $OUT/jax-step-${GPU_TAG}x$NGPU-$(date -u +%F).json"
+  [ "${JAX_STEP:-1}" = 1 ] && step "jax-step-ompi" 170 0 "$OMPI -n $NGPU $PY scripts/jax_step_bench.py --json $OUT/jax-step-${GPU_TAG}x$NGPU-$(date -u +%F).json"
 }
 
 # Horovod's test_torch.py as one session: PASS when it ends (no stall) with no failure but those outside
