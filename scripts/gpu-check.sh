@@ -25,7 +25,7 @@
 #   retest     RETEST="pytest paths" under both MPIs (a quick re-check after a fix; RETEST_LIMIT seconds each)
 #   soak       thousands of random verified calls on GPU arrays; the cost of the argument check at 8 B
 #   train      scripts/training-figures.sh: bench_training for the MLP (+ fusion), ResNet-50, GPT-2 beside DDP
-#   hvd        Horovod's own test/parallel/test_torch.py as one pytest session on every GPU under each MPI,
+#   hvd        Horovod's own test/parallel/test_torch.py as one pytest session on every GPU under Open MPI,
 #              from .hvd-suite (scripts/hvd-suite.sh HOROVOD_CHECKOUT prepares it; carry it along)
 #   jax        issue 23 (not in the default list: name it): mpigpu.jax.init() binds JAX to each rank's GPU under
 #              Open MPI (tests/gpu/test_jax_gpu.py alone, so init runs before JAX starts), samples/jax_step.py
@@ -142,7 +142,7 @@ stage_tests() {
       # (IMPI_TESTS / OMPI_TESTS: other paths for Intel MPI / the full-size Open MPI run; TESTS_LIMIT: seconds per run)
       [ "$mpi" = impi ] && paths=${IMPI_TESTS:-tests/gpu}
       [ "$n" = "$NGPU" ] && [ "$mpi" = ompi ] && paths=${OMPI_TESTS:-tests}
-      step "tests-$mpi-$n" "${TESTS_LIMIT:-300}" 0 "export MPIGPU_TIMEOUT=120; ${LAUNCH[$mpi]} -n $n $PY -m pytest -v -rfE -W ignore --with-mpi --only-mpi $paths -p no:cacheprovider"
+      step "tests-$mpi-$n" "${TESTS_LIMIT:-300}" 0 "export MPIGPU_TIMEOUT=120; ${LAUNCH[$mpi]} -n $n $PY -m pytest -v -rfE --color=no --with-mpi --only-mpi $paths -p no:cacheprovider"
     done
   done
 }
@@ -161,7 +161,7 @@ stage_average() {
 
 stage_shared() {
   for mpi in ompi impi; do
-    step "shared-$mpi-2" 400 0 "export MPIGPU_ALLOW_SHARED_GPU=1; ${LAUNCH[$mpi]} -n 2 $PY -m pytest -v -rfE -W ignore --with-mpi --only-mpi tests/gpu/test_host_gpu.py tests/gpu/test_gpu_paths.py tests/gpu/test_training_gpu.py -p no:cacheprovider"
+    step "shared-$mpi-2" 400 0 "export MPIGPU_ALLOW_SHARED_GPU=1; ${LAUNCH[$mpi]} -n 2 $PY -m pytest -v -rfE --color=no --with-mpi --only-mpi tests/gpu/test_host_gpu.py tests/gpu/test_gpu_paths.py tests/gpu/test_training_gpu.py -p no:cacheprovider"
   done
   step "shared-average-host-16M" 120 0 "MPIGPU_ALLOW_SHARED_GPU=1 $OMPI -n 2 $PY -m mpigpu.average --backend host --size 16M"
   step "shared-average-host-8B" 120 0 "MPIGPU_ALLOW_SHARED_GPU=1 $OMPI -n 2 $PY -m mpigpu.average --backend host --size 2 --iters 500"
@@ -171,7 +171,7 @@ stage_serial() {
   # these tests start 2 ranks: on a one-GPU machine they share it
   local share=""
   [ "$NGPU" -lt 2 ] && share="export MPIGPU_ALLOW_SHARED_GPU=1; "
-  step serial-gpu 180 0 "$share$PY -m pytest -v -rfE -W ignore tests/gpu/test_bad_input_gpu.py tests/gpu/test_kernel_cache_gpu.py tests/test_samples.py -p no:cacheprovider"
+  step serial-gpu 180 0 "$share$PY -m pytest -v -rfE --color=no tests/gpu/test_bad_input_gpu.py tests/gpu/test_kernel_cache_gpu.py tests/test_samples.py -p no:cacheprovider"
 }
 
 stage_sanitize() {
@@ -225,8 +225,8 @@ stage_train() {
 stage_jax() {  # issue 23: JAX bound to each rank's GPU under Open MPI (every rank sees every GPU), the sample
   # under both MPIs, then the step bench: in-jit (FFI), shard_map + mj.average_tree (XLA's), pmean, leave jit
   local k="init_binds or another_gpu or average_tree or step_sample or mismatch"
-  step "jax-bind-ompi" 100 0 "export MPIGPU_TIMEOUT=60; $OMPI -n $NGPU $PY -m pytest -v -rfE -W ignore --with-mpi --only-mpi tests/gpu/test_jax_gpu.py -k '$k' -p no:cacheprovider"
-  step "jax-bind-started-ompi" 100 0 "export MPIGPU_TIMEOUT=60 MPIGPU_TEST_JAX_STARTED=1; $OMPI -n $NGPU $PY -m pytest -v -rfE -W ignore --with-mpi --only-mpi tests/gpu/test_jax_gpu.py -k '$k' -p no:cacheprovider"
+  step "jax-bind-ompi" 100 0 "export MPIGPU_TIMEOUT=60; $OMPI -n $NGPU $PY -m pytest -v -rfE --color=no --with-mpi --only-mpi tests/gpu/test_jax_gpu.py -k '$k' -p no:cacheprovider"
+  step "jax-bind-started-ompi" 100 0 "export MPIGPU_TIMEOUT=60 MPIGPU_TEST_JAX_STARTED=1; $OMPI -n $NGPU $PY -m pytest -v -rfE --color=no --with-mpi --only-mpi tests/gpu/test_jax_gpu.py -k '$k' -p no:cacheprovider"
   for mpi in ompi impi; do
     step "jax-sample-$mpi" 75 0 "${LAUNCH[$mpi]} -n $NGPU $PY samples/jax_step.py"
   done
@@ -238,10 +238,11 @@ stage_jax() {  # issue 23: JAX bound to each rank's GPU under Open MPI (every ra
 HVD_OUT_OF_SCOPE='test_delta_optimizer|test_broadcast_state|test_broadcast_state_options|test_force_allreduce'
 hvd_session() {  # hvd_session LAUNCH OUTFILE
   local out=$2 unexpected
+  # no -W ignore: Horovod's test_synchronize_step_warning records a warning with the filters it inherits
   (cd .hvd-suite && PYTHONPATH=$PWD:$PYTHONPATH MPIGPU_TIMEOUT=90 $1 -n "$NGPU" "$PY" -m pytest -c pytest.ini \
-    --rootdir . -v -rfE -W ignore -p no:cacheprovider test/parallel/test_torch.py) >"$out" 2>&1
+    --rootdir . -v -rfE --color=no -p no:cacheprovider test/parallel/test_torch.py) >"$out" 2>&1
   cat "$out"
-  unexpected=$(grep -aoE '^FAILED [^ ]+' "$out" | sed 's/.*:://' | sort -u | grep -vxE "$HVD_OUT_OF_SCOPE")
+  unexpected=$(grep -aoE '^FAILED [^ ]+::[^ ]+' "$out" | sed 's/.*:://' | sort -u | grep -vxE "$HVD_OUT_OF_SCOPE")
   echo "failures outside the known out-of-scope ones: ${unexpected:-none}"
   [ -z "$unexpected" ] && grep -aqE '[0-9]+ passed' "$out"
 }
@@ -254,13 +255,15 @@ stage_hvd() {  # Horovod's own PyTorch tests, one session per MPI, every GPU (do
     failures=$((failures + 1))
     return
   fi
+  # Open MPI only: Horovod's tests place CUDA tensors on GPU hvd.local_rank(), which assumes every rank sees
+  # every GPU; Intel MPI with I_MPI_OFFLOAD=1 shows each rank one (on 2 x H100 rank 1's .cuda(1) failed and
+  # the ranks fell apart)
   step hvd-ompi "${HVD_LIMIT:-240}" 0 "hvd_session '$OMPI' $LOGS/hvd-ompi.pytest.txt"
-  step hvd-impi "${HVD_LIMIT:-240}" 0 "use_impi; hvd_session mpiexec $LOGS/hvd-impi.pytest.txt"
 }
 
 stage_retest() {  # RETEST="pytest paths" under Open MPI with all GPUs and Intel MPI with 2
-  step "retest-ompi-$NGPU" "${RETEST_LIMIT:-120}" 0 "export MPIGPU_TIMEOUT=120; $OMPI -n $NGPU $PY -m pytest -v -rfE -W ignore --with-mpi --only-mpi --durations=12 ${RETEST:-tests/gpu} -p no:cacheprovider"
-  step "retest-impi-2" "${RETEST_LIMIT:-120}" 0 "export MPIGPU_TIMEOUT=120; $IMPI -n 2 $PY -m pytest -v -rfE -W ignore --with-mpi --only-mpi --durations=12 ${RETEST:-tests/gpu} -p no:cacheprovider"
+  step "retest-ompi-$NGPU" "${RETEST_LIMIT:-120}" 0 "export MPIGPU_TIMEOUT=120; $OMPI -n $NGPU $PY -m pytest -v -rfE --color=no --with-mpi --only-mpi --durations=12 ${RETEST:-tests/gpu} -p no:cacheprovider"
+  step "retest-impi-2" "${RETEST_LIMIT:-120}" 0 "export MPIGPU_TIMEOUT=120; $IMPI -n 2 $PY -m pytest -v -rfE --color=no --with-mpi --only-mpi --durations=12 ${RETEST:-tests/gpu} -p no:cacheprovider"
 }
 
 stages=("$@")

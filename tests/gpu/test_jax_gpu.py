@@ -85,8 +85,11 @@ def test_an_array_on_another_gpu_is_refused_while_compiling(ctx, jx, comm) -> No
     program is compiled (before, the handler refused it at run time on one rank while the others waited)."""
     jax, mj, device = jx
     others = [d for d in jax.local_devices(backend="gpu") if d != device]
-    if not others:
-        pytest.skip("JAX sees only this rank's GPU (init() ran before JAX started)")
+    # decided together: the call below is collective, and init() before JAX started opens GPU 0 alone on the
+    # rank bound to it but every GPU on the others (on 2 x H100 rank 0 skipped, rank 1 ran it and the ranks
+    # fell one call apart)
+    if not all(comm.allgather(bool(others))):
+        pytest.skip("JAX sees only its own GPU on some rank (init() ran before JAX started)")
     x = jax.device_put(np.ones(1000, np.float32), others[comm.Get_rank() % len(others)])
     with pytest.raises(mpigpu.DeviceError, match=r"mpigpu\.jax\.init\(\)"):
         jax.jit(lambda v: mj.allreduce(v, "sum"))(x)
