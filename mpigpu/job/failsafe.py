@@ -271,6 +271,8 @@ class _JobExit(SystemExit):
             code = exit_code_of(self)
             if code != 0 and not _brief and _mpi_job_running() and not _interactive():
                 abort_job(f"exited with status {code} while other ranks may still be running: ending the job", code)
+        except Exception:  # freed while the interpreter shuts down (the program kept it): too late to act
+            return
 
 
 def _exit(status: object = None) -> NoReturn:
