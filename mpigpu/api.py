@@ -14,7 +14,7 @@ from mpigpu.core._cuda import StreamRef, resolve_stream
 from mpigpu.core.arrays import ArrayView, as_view, check_out, scalar_fix
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op, parse_op
-from mpigpu.job.check import Signature, check_packed, check_signature
+from mpigpu.job.check import Signature, check_packed, check_signature, raise_mismatch
 from mpigpu.job.device import GpuInfo
 from mpigpu.records import Launch, Record, call_key, detach, remember, values_key
 from mpigpu.runtime.context import Context, announce_rejection
@@ -280,21 +280,45 @@ def bound(record: Record) -> Launch:
     return launch
 
 
-def _launch(ctx: Context, record: Record, stream: StreamRef | None, x_host: Any, out_host: Any) -> None:
-    """Run the record's launch on this call's stream and host arrays, watched (its first run may create
-    the backend, which is collective too)."""
-    if record.x.device is not None:
-        ctx.activate_gpu()
-    if ctx.watchdog.on:
-        previous = _watched(ctx, record, "data")
+def _go(ctx: Context, record: Record, stream: StreamRef | None, x_host: Any, out_host: Any, check: bool) -> None:
+    """With ``check``, the cross-rank check of the record's signature; then the record's launch on this
+    call's stream and host arrays. Watched as one stay in ``active`` whose phase moves from "check"
+    to "data" (a rank that never arrives; the first launch may create the backend: collective)."""
+    watchdog = ctx.watchdog
+    if watchdog.on:
+        active = watchdog.active
+        ident = get_ident()
+        previous = active.get(ident)
         try:
+            if check:
+                active[ident] = (record, "check")
+                _check_record(ctx, record)
+            active[ident] = (record, "data")
+            if record.x.device is not None:
+                ctx.activate_gpu()
             (record.launch or bound(record))(stream, x_host, out_host)
         finally:
-            _unwatched(ctx, previous)
+            if previous is None:
+                active.pop(ident, None)
+            else:
+                active[ident] = previous
     else:
+        if check:
+            _check_record(ctx, record)
+        if record.x.device is not None:
+            ctx.activate_gpu()
         (record.launch or bound(record))(stream, x_host, out_host)
     if ctx.settings.log:
         _log_choice(ctx, record.x, record.choice)
+
+
+def _check_record(ctx: Context, record: Record) -> None:
+    """check_packed, with the board's hot path inline."""
+    board = ctx.check_board
+    if board is None:
+        check_packed(ctx.comm, None, record.signature, record.packed, record.choice.backend)
+    elif not board.agree_packed(record.packed):
+        raise_mismatch(ctx.comm, record.signature, record.choice.backend)
 
 
 def _call_backend(prepared: Prepared) -> None:
@@ -317,7 +341,7 @@ def run(prepared: Prepared) -> Any:
     record = prepared.recorded()
     ctx = prepared.ctx
     if record is not None:
-        _launch(ctx, record, prepared.stream, prepared.x.host, prepared.out.host)
+        _go(ctx, record, prepared.stream, prepared.x.host, prepared.out.host, False)
     elif prepared.x.size:
         if ctx.watchdog.on:  # creating the backend (first call) is collective too: watch it
             previous = _watched(ctx, prepared, "data")
@@ -349,9 +373,7 @@ def _again(ctx: Context, record: Record, x: Any, out: Any, stream: Any) -> Any:
         ref = None
         x_host = x if rx.order == "C" else x.T
         out_host = x_host if out is None or out is x else (out if record.out.order == "C" else out.T)
-    if ctx.size > 1 and ctx.settings.check:
-        _check(ctx, record, record.signature, record.packed)
-    _launch(ctx, record, ref, x_host, out_host)
+    _go(ctx, record, ref, x_host, out_host, ctx.size > 1 and ctx.settings.check)
     return x if out is None else out
 
 

@@ -106,9 +106,10 @@ def _numpy(x: np.ndarray) -> tuple[Any, ...]:
 
 
 def _torch(x: Any) -> tuple[Any, ...] | None:
-    if not x.is_cuda:
+    device = x.get_device()  # -1 on the CPU
+    if device < 0:
         return None  # CPU tensors: the full path (their view is a NumPy array made per call)
-    return (x.data_ptr(), x.shape, x.dtype, x.get_device(), x.is_contiguous())
+    return (x.data_ptr(), x.shape, x.dtype, device, x.is_contiguous())
 
 
 def _cupy(x: Any) -> tuple[Any, ...]:
@@ -148,7 +149,7 @@ def call_key(x: Any, op: Any, out: Any, backend: Any) -> tuple[Any, ...] | None:
     """The key of ``allreduce(x, op, out=out, backend=backend)``'s record, or None where it has none
     (an array type without a cheap key, or two NumPy arrays that may share memory). It may hold an
     unhashable ``op`` or ``backend``: the lookup's TypeError sends the call down the full path."""
-    xk = _read(x)
+    xk = (x.shape, x.dtype, x.flags.num & _NUMPY_FLAGS) if type(x) is np.ndarray else _read(x)  # NumPy: inline
     if xk is None:
         return None
     if out is None:

@@ -73,6 +73,16 @@ def _divide_has_nan(values: np.ndarray, nranks: int) -> bool:
     return found
 
 
+def _is_plain(dtype: DType, op: Op) -> bool:
+    """Whether MPI_Allreduce takes the call as it is: not float min/max (keys), integer avg (parts)
+    or the half types (float32)."""
+    if dtype.is_half:
+        return False
+    if dtype.is_float:
+        return op not in (Op.MIN, Op.MAX)
+    return op is not Op.AVG
+
+
 class CpuBackend(Backend):
     """MPI_Allreduce on host memory; float16/bfloat16 go through a reused float32 buffer."""
 
@@ -105,8 +115,9 @@ class CpuBackend(Backend):
 
     def bind_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[..., None]:
         """The reduction for x's dtype, the op and in-place-or-not chosen once: a call is MPI_Allreduce
-        (and, for floats, the NaN search) on the arrays it is given, or on the views' own."""
-        reduce = self._reducer(x.dtype, op, x.same_memory(out))
+        (and, for floats, the NaN search) on the arrays it is lent, or on the views' own."""
+        dtype, in_place = x.dtype, x.same_memory(out)
+        reduce = self._reducer(dtype, op, in_place)
 
         def call(stream: StreamRef | None, x_host: Any = None, out_host: Any = None) -> None:
             if x_host is None:
@@ -125,6 +136,8 @@ class CpuBackend(Backend):
         return found
 
     def _make(self, dtype: DType, op: Op, in_place: bool) -> Reduce:
+        if _is_plain(dtype, op):
+            return self._plain(self.ctx.comm, dtype, op, in_place)
         comm, nranks, mpi = self.ctx.comm, self.ctx.size, MPI()
         if dtype.is_float and op in (Op.MIN, Op.MAX):  # keys: MPI's integer MIN/MAX is order-independent
             keys_type, mpi_op = dtype.unsigned.mpi, op.mpi
@@ -163,7 +176,7 @@ class CpuBackend(Backend):
                     canonicalize_nan(dst)
 
             return in_float32
-        return self._plain(comm, dtype, op, in_place)
+        raise AssertionError(f"no reduction for {dtype.name} {op.value}")
 
     @staticmethod
     def _plain(comm: Any, dtype: DType, op: Op, in_place: bool) -> Reduce:

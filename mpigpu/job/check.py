@@ -41,6 +41,7 @@ __all__ = [
     "check_signature",
     "fail_together",
     "mark_raised_everywhere",
+    "raise_mismatch",
 ]
 
 _FIELDS = ("failed", "count", "dtype", "op", "backend", "placement", "shape", "collective", "root")
@@ -181,8 +182,14 @@ def check_packed(comm: Any, board: CheckBoard | None, sig: Signature, packed: by
     if board is not None:
         if board.agree_packed(packed):
             return
-        _mismatch(comm, sig, sig.values(), "allreduce", "rejected the arguments", backend_name)
+        raise_mismatch(comm, sig, backend_name)
     check_signature(comm, sig, backend_name=backend_name)
+
+
+def raise_mismatch(comm: Any, sig: Signature, backend_name: str = "") -> NoReturn:
+    """After the board found that the ranks' allreduce signatures differ (every rank found it):
+    gather them and raise the same MismatchError on every rank (collective)."""
+    _mismatch(comm, sig, sig.values(), "allreduce", "rejected the arguments", backend_name)
 
 
 def _max_and_min(comm: Any, mine: list[int]) -> array:
