@@ -331,6 +331,7 @@ class Context:
             self._free()
 
     def _free(self) -> None:
+        getattr(self, "plan_cache", {}).clear()  # call records hold launches bound to the backends freed next
         for instance in reversed(list(getattr(self, "_backends", {}).values())):
             try:
                 instance.close()
