@@ -1,14 +1,17 @@
 """The call a NumPy user writes beside the MPI call it replaces, on a machine with no GPU.
 
-    mpiexec -n 2 python scripts/cpu_call_vs_mpi.py                        # 8 B, 64 KiB, 2 MiB, 8 MiB
+    mpiexec -n 2 python scripts/cpu_call_vs_mpi.py                        # 8 B, 64 KiB, 2 MiB, 8 MiB, 32 MiB
     mpiexec -n 2 python scripts/cpu_call_vs_mpi.py --sizes 8,65536 --op avg --json out.json
 
 Columns, float32 in place, every one the same array of zeros (their sums stay exact):
 
   comm.Allreduce   ``comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM)`` on mpi4py's world (avg: the sum and one
                    NumPy division, as a user writes it)
+  MPI + NaN read   the same, then ``np.maximum.reduce(x)``: what the cpu backend's one read of a float
+                   result for NaN costs on top of MPI (mpigpu.backends.cpu)
   allreduce(x)     ``mpigpu.allreduce(x, op)``: backend auto, the cross-rank check on (MPIGPU_CHECK)
   backend="cpu"    ``mpigpu.allreduce(x, op, backend="cpu")``
+  backend="host"   ``mpigpu.allreduce(x, op, backend="host")`` (where auto's crossover between the two lies)
 
 The columns are interleaved round by round (each round times every column, in turn, ``--iters``
 calls), so a load that comes and goes on a shared machine falls on all of them alike. A sample is one
@@ -33,7 +36,7 @@ import numpy as np
 import mpigpu
 from mpigpu.core._mpi import MPI, library_info, world
 
-DEFAULT_SIZES = "8,65536,2097152,8388608"
+DEFAULT_SIZES = "8,65536,2097152,8388608,33554432"
 
 
 def _columns(comm: Any, x: np.ndarray, op: str) -> dict[str, Callable[[], Any]]:
@@ -45,10 +48,16 @@ def _columns(comm: Any, x: np.ndarray, op: str) -> dict[str, Callable[[], Any]]:
         if op == "avg":
             np.divide(x, n, out=x)
 
+    def mpi_and_nan_read() -> None:
+        mpi_call()
+        np.maximum.reduce(x)
+
     return {
         "comm.Allreduce": mpi_call,
+        "MPI + NaN read": mpi_and_nan_read,
         "allreduce(x)": lambda: mpigpu.allreduce(x, op),
         'backend="cpu"': lambda: mpigpu.allreduce(x, op, backend="cpu"),
+        'backend="host"': lambda: mpigpu.allreduce(x, op, backend="host"),
     }
 
 
