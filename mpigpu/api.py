@@ -419,14 +419,13 @@ def allreduce(
     try:
         if ctx.async_worker is not None:
             ctx.async_worker.drain()  # calls queued by allreduce_async on this communicator reach MPI first
-        key = call_key(x, op, out, backend)
-        if key is not None:
-            try:
-                record = ctx.plan_cache.get(key)
-            except TypeError:  # an unhashable op or backend: the full path refuses it on every rank
-                key = record = None
-            if record is not None:
-                return _again(ctx, record, x, out, stream)
+        try:
+            key = call_key(x, op, out, backend)
+            record = None if key is None else ctx.plan_cache.get(key)
+        except Exception:  # an unhashable op or backend, say: the full path refuses it on every rank
+            key = record = None
+        if record is not None:
+            return _again(ctx, record, x, out, stream)
         prepared = _prepare(ctx, x, op, out, backend, stream)
         if key is not None and prepared.record is not None:
             remember(ctx, key, prepared.record)
