@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from threading import get_ident
 from typing import Any
 
@@ -13,17 +14,22 @@ from mpigpu.core._cuda import StreamRef, resolve_stream
 from mpigpu.core.arrays import ArrayView, as_view, check_out, scalar_fix
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op, parse_op
-from mpigpu.job.check import Signature, check_signature
+from mpigpu.job.check import Signature, check_packed, check_signature, raise_mismatch
 from mpigpu.job.device import GpuInfo
+from mpigpu.records import Launch, Record, call_key, detach, remember, values_key
 from mpigpu.runtime.context import Context, announce_rejection
 from mpigpu.runtime.plan import Choice, choose, choose_cached
 
 __all__ = [
     "Prepared",
     "allreduce",
+    "bind",
+    "bound",
     "check_call",
+    "copy_single",
     "explain",
     "prepare",
+    "run",
     "select_device",
     "validate",
 ]
@@ -41,9 +47,11 @@ class Prepared:
     stream: StreamRef | None
     result: Any  # what allreduce returns (out, x, or a new array for immutable inputs)
     finish: Any = None  # callable(out_view) -> result object, for immutable inputs (JAX)
-    # the cross-rank check's signature and the (x, op, choice) it was made for: check_call uses it only
-    # for those very objects (a Prepared copied with another x, op or choice gets a new one)
-    signature: Signature | None = None
+    # what every call with these arguments shares (signature, bound launch); None for JAX inputs,
+    # whose output is a new array each call
+    record: Record | None = None
+    # the (x, op, choice) the record was found for: check_call and run use the record only for those
+    # very objects (a Prepared copied with another x, op or choice is checked and run as it stands)
     signed: tuple[Any, ...] = ()
 
     def watch_label(self, phase: str) -> str:
@@ -52,6 +60,13 @@ class Prepared:
         if phase == "check":
             return f"allreduce of {x.size} {x.dtype.name} (cross-rank argument check)"
         return f"allreduce({self.choice.backend}, {x.dtype.name} x {x.size}, op={self.op.value})"
+
+    def recorded(self) -> Record | None:
+        """The record, where this Prepared is the call it was found for."""
+        record, signed = self.record, self.signed
+        if record is None or signed[0] is not self.x or signed[1] is not self.op or signed[2] is not self.choice:
+            return None
+        return record
 
 
 def _output_for(x: ArrayView) -> tuple[ArrayView, Any, Any]:
@@ -74,7 +89,6 @@ def _output_for(x: ArrayView) -> tuple[ArrayView, Any, Any]:
     return as_view(holder, name="out"), holder, finish
 
 
-_LAST_CALL = ("api.validate: the last call",)  # its key in ctx.plan_cache (choose_cached's keys have 6 items)
 _OPS: dict[str, Op] = {o.value: o for o in Op}  # "sum" -> Op.SUM; Op.SUM itself hashes as "sum"
 
 
@@ -98,28 +112,32 @@ def validate(ctx: Context, x: Any, op: Any, out: Any, backend: str, stream: Any)
             outv, result = xv, x
     else:
         outv, result = as_view(out, name="out"), out
-    # check_out, require_own_gpu, the backend's choice and the check's signature are functions of these
-    # values alone (and of the context's fixed state): a call repeating the last call's values skips
-    # them. Values, not objects: the memo holds no reference to the caller's arrays, and a different
-    # array (or the same one moved, resized or made read-only) at other values is validated in full.
-    # It lives in the plan cache, so whatever forgets the remembered choices (a new tuning table)
-    # forgets it too.
-    key = (
-        xv.ptr, xv.shape, xv.dtype, xv.device, xv.order, op_, backend,
-        None if out is None else (outv.ptr, outv.shape, outv.dtype, outv.device, outv.readonly, outv.order),
-    )  # fmt: skip
-    memo = ctx.plan_cache.get(_LAST_CALL)
-    if memo is not None and memo[0] == key:
-        _, choice, signature = memo
-    else:
+    # check_out, require_own_gpu, the backend's choice and the check's signature are functions of the
+    # values in the key alone (and of the context's fixed state): a call with the values of an earlier
+    # one takes its record instead. A JAX input's output is a new array every call: no record.
+    record = None
+    if finish is None:
+        key = values_key(xv, None if out is None else outv, op_, backend)
+        record = ctx.plan_cache.get(key)
+    if record is None:
         if out is not None:
             check_out(xv, outv)
         ctx.require_own_gpu(xv)
         choice = choose_cached(ctx, xv, op_, backend)
-        signature = _signature(xv, op_, choice.backend)
-        ctx.plan_cache[_LAST_CALL] = (key, choice, signature)
+        if finish is None:
+            record = _record(ctx, xv, outv, op_, choice)
+            remember(ctx, key, record)
+    else:
+        choice = record.choice
     ref = resolve_stream(stream, xv.framework, xv.device) if xv.on_device else None
-    return Prepared(ctx, xv, outv, op_, choice, ref, result, finish, signature, (xv, op_, choice))
+    return Prepared(ctx, xv, outv, op_, choice, ref, result, finish, record, (xv, op_, choice))
+
+
+def _record(ctx: Context, xv: ArrayView, outv: ArrayView, op: Op, choice: Choice) -> Record:
+    """A new record of a validated call (in place: its out is its x)."""
+    x = detach(xv)
+    signature = _signature(xv, op, choice.backend)
+    return Record(ctx, x, x if outv is xv else detach(outv), op, choice, signature, signature.packed())
 
 
 def _signature(xv: ArrayView, op: Op, backend: str) -> Signature:
@@ -166,14 +184,14 @@ def _prepare(ctx: Context, x: Any, op: Any, out: Any, backend: str, stream: Any)
     return prepared
 
 
-def _watched(ctx: Context, prepared: Prepared, phase: str) -> Any:
-    """Show the watchdog that this thread is in ``phase`` of ``prepared`` (Watchdog's protocol: a new
-    tuple in ``active``, named only if reported); return what was there, for ``_unwatched``. The
-    hot path's ``watch``: a third of its cost, no label formatted."""
+def _watched(ctx: Context, call: Any, phase: str) -> Any:
+    """Show the watchdog that this thread is in ``phase`` of ``call`` (a Prepared or a Record: Watchdog's
+    protocol, a new tuple in ``active``, named only if reported); return what was there, for
+    ``_unwatched``. The hot path's ``watch``: a third of its cost, no label formatted."""
     active = ctx.watchdog.active
     key = get_ident()
     previous = active.get(key)
-    active[key] = (prepared, phase)
+    active[key] = (call, phase)
     return previous
 
 
@@ -186,44 +204,132 @@ def _unwatched(ctx: Context, previous: Any) -> None:
 
 
 def check_call(prepared: Prepared) -> None:
-    """The cross-rank check of a validated call: MismatchError on every rank unless all agree (collective)."""
-    ctx, xv = prepared.ctx, prepared.x
-    if ctx.settings.check:
-        signature = prepared.signature
-        signed = prepared.signed
-        if signature is None or signed[0] is not xv or signed[1] is not prepared.op or signed[2] is not prepared.choice:
-            signature = _signature(xv, prepared.op, prepared.choice.backend)
-        name = prepared.choice.backend
-        if ctx.watchdog.on:  # a rank that never arrives would leave the others waiting here
-            previous = _watched(ctx, prepared, "check")
-            try:
+    """The cross-rank check of a validated call: MismatchError on every rank unless all agree
+    (collective; nothing to compare with one rank)."""
+    ctx = prepared.ctx
+    if not ctx.settings.check or ctx.size == 1:
+        return
+    record = prepared.recorded()
+    if record is not None:
+        _check(ctx, record, record.signature, record.packed)
+    else:
+        _check(ctx, prepared, _signature(prepared.x, prepared.op, prepared.choice.backend), None)
+
+
+def _check(ctx: Context, call: Any, signature: Signature, packed: bytes | None) -> None:
+    """check_packed (check_signature where nothing was packed), watched: a rank that never arrives
+    would leave the others waiting here."""
+    name = call.choice.backend
+    if ctx.watchdog.on:
+        previous = _watched(ctx, call, "check")
+        try:
+            if packed is None:
                 check_signature(ctx.comm, signature, backend_name=name)
-            finally:
-                _unwatched(ctx, previous)
-        else:
-            check_signature(ctx.comm, signature, backend_name=name)
+            else:
+                check_packed(ctx.comm, ctx.check_board, signature, packed, name)
+        finally:
+            _unwatched(ctx, previous)
+    elif packed is None:
+        check_signature(ctx.comm, signature, backend_name=name)
+    else:
+        check_packed(ctx.comm, ctx.check_board, signature, packed, name)
 
 
-def _single_rank(prepared: Prepared) -> None:
-    """One rank: every op's result is the input itself, so copy (or, in place, do nothing).
+def _nothing(stream: StreamRef | None, x_host: Any = None, out_host: Any = None) -> None:
+    return None
+
+
+def copy_single(
+    x: ArrayView, out: ArrayView, stream: StreamRef | None, x_host: Any = None, out_host: Any = None
+) -> None:
+    """One rank: every op's result is the input itself, so copy (or, in place, do nothing); the host
+    arrays, where given, are this call's (a record's views hold none).
 
     No backend is called. Besides saving the launch, this avoids NCCL 2.28's single-rank ncclAvg on
     float64, which leaves the last elements of an out-of-place result unwritten."""
-    x, out = prepared.x, prepared.out
     if x.same_memory(out):
         return
-    if x.host is not None and out.host is not None:
-        out.host[...] = x.host
+    source = x.host if x_host is None else x_host
+    if source is not None:
+        (out.host if out_host is None else out_host)[...] = source
         return
     from mpigpu.core._cuda import cupy
 
     runtime = cupy().cuda.runtime
-    handle = prepared.stream.handle if prepared.stream is not None else 0
+    handle = stream.handle if stream is not None else 0
     runtime.memcpyAsync(out.ptr, x.ptr, x.nbytes, runtime.memcpyDeviceToDevice, handle)
 
 
+def bind(ctx: Context, x: ArrayView, out: ArrayView, op: Op, backend: str) -> Launch:
+    """The call with everything but the stream (and the host arrays) fixed: the backend's bound
+    launch, made here on its first use (collective: call it where every rank runs the call)."""
+    if not x.size:
+        return _nothing
+    if ctx.size == 1:
+        return partial(copy_single, x, out)
+    if x.on_device:
+        ctx.activate_gpu()
+    return ctx.backend(backend).bind_allreduce(x, out, op)
+
+
+def bound(record: Record) -> Launch:
+    """The record's launch, bound on its first use (see ``bind``)."""
+    launch = record.launch
+    if launch is None:
+        launch = record.launch = bind(record.ctx, record.x, record.out, record.op, record.choice.backend)
+    return launch
+
+
+def _go(ctx: Context, record: Record, stream: StreamRef | None, x_host: Any, out_host: Any, check: bool) -> None:
+    """With ``check``, the cross-rank check of the record's signature; then the record's launch on this
+    call's stream and host arrays. Watched as one stay in ``active`` whose phase moves from "check"
+    to "data" (a rank that never arrives; the first launch may create the backend: collective)."""
+    watchdog = ctx.watchdog
+    if watchdog.on:
+        active = watchdog.active
+        ident = get_ident()
+        previous = active.get(ident)
+        try:
+            if check:
+                active[ident] = (record, "check")
+                _check_record(ctx, record)
+            active[ident] = (record, "data")
+            if record.x.device is not None:
+                ctx.activate_gpu()
+            (record.launch or bound(record))(stream, x_host, out_host)
+        finally:
+            if previous is None:
+                active.pop(ident, None)
+            else:
+                active[ident] = previous
+    else:
+        if check:
+            _check_record(ctx, record)
+        if record.x.device is not None:
+            ctx.activate_gpu()
+        (record.launch or bound(record))(stream, x_host, out_host)
+    if ctx.settings.log:
+        _log_choice(ctx, record.x, record.choice)
+
+
+def _check_record(ctx: Context, record: Record) -> None:
+    """check_packed, with the board's hot path inline."""
+    board = ctx.check_board
+    if board is None:
+        check_packed(ctx.comm, None, record.signature, record.packed, record.choice.backend)
+    elif not board.agree_packed(record.packed):
+        raise_mismatch(ctx.comm, record.signature, record.choice.backend)
+
+
 def _call_backend(prepared: Prepared) -> None:
+    """A call without a record (JAX's fresh output; a Prepared copied with other views): the backend
+    on the views as they stand."""
     ctx, x = prepared.ctx, prepared.x
+    if ctx.size == 1:
+        if x.on_device:
+            ctx.activate_gpu()
+        copy_single(x, prepared.out, prepared.stream)
+        return
     backend = ctx.backend(prepared.choice.backend)
     if x.on_device:
         ctx.activate_gpu()
@@ -232,12 +338,11 @@ def _call_backend(prepared: Prepared) -> None:
 
 def run(prepared: Prepared) -> Any:
     """Execute a prepared call on its backend; return the result object."""
-    if prepared.x.size and prepared.ctx.size == 1:
-        if prepared.x.on_device:
-            prepared.ctx.activate_gpu()
-        _single_rank(prepared)
+    record = prepared.recorded()
+    ctx = prepared.ctx
+    if record is not None:
+        _go(ctx, record, prepared.stream, prepared.x.host, prepared.out.host, False)
     elif prepared.x.size:
-        ctx = prepared.ctx
         if ctx.watchdog.on:  # creating the backend (first call) is collective too: watch it
             previous = _watched(ctx, prepared, "data")
             try:
@@ -247,25 +352,41 @@ def run(prepared: Prepared) -> Any:
         else:
             _call_backend(prepared)
         if ctx.settings.log:
-            _log_choice(ctx, prepared)
+            _log_choice(ctx, prepared.x, prepared.choice)
     if prepared.finish is not None:
         return prepared.finish(prepared.result)
     return prepared.result
 
 
+def _again(ctx: Context, record: Record, x: Any, out: Any, stream: Any) -> Any:
+    """A call whose key found its record: this call's stream or host arrays, the cross-rank check,
+    the record's launch. Nothing else is worked out again."""
+    rx = record.x
+    if rx.device is not None:
+        try:
+            ref = resolve_stream(stream, rx.framework, rx.device)
+        except Exception as exc:  # a bad stream: every other rank must hear of it
+            announce_rejection(ctx, exc)
+            raise
+        x_host = out_host = None
+    else:  # the key holds the layout: a Fortran-order array's elements are its transpose's, in C order
+        ref = None
+        x_host = x if rx.order == "C" else x.T
+        out_host = x_host if out is None or out is x else (out if record.out.order == "C" else out.T)
+    _go(ctx, record, ref, x_host, out_host, ctx.size > 1 and ctx.settings.check)
+    return x if out is None else out
+
+
 _logged: set[tuple[str, str]] = set()
 
 
-def _log_choice(ctx: Context, prepared: Prepared) -> None:
-    key = (prepared.choice.backend, prepared.choice.reason)
-    if ctx.rank == 0 and key not in _logged:
+def _log_choice(ctx: Context, x: ArrayView, choice: Choice) -> None:
+    key = (choice.backend, choice.reason)
+    if ctx.rank == 0 and key not in _logged and x.size and ctx.size > 1:
         _logged.add(key)
         import sys
 
-        sys.stderr.write(
-            f"mpigpu: {prepared.x.nbytes} B {prepared.x.dtype.name} on {prepared.x.where} -> "
-            f"{prepared.choice.backend} ({prepared.choice.reason})\n"
-        )
+        sys.stderr.write(f"mpigpu: {x.nbytes} B {x.dtype.name} on {x.where} -> {choice.backend} ({choice.reason})\n")
 
 
 def allreduce(
@@ -289,11 +410,26 @@ def allreduce(
 
     Collective: every rank must call it with the same size, dtype, op and backend; a mismatch
     raises MismatchError on every rank. Bad arguments leave the caller's arrays unchanged.
+
+    A call with the arguments of an earlier one (mpigpu.records) reuses what that one worked out:
+    one lookup, the cross-rank check and the backend's launch, as a persistent request's start.
     """
     ctx = Context.get(comm)
     ctx.enter("allreduce")  # the one-thread rule; held to the end, so no refused call lands between check and data
     try:
-        return run(_prepare(ctx, x, op, out, backend, stream))
+        if ctx.async_worker is not None:
+            ctx.async_worker.drain()  # calls queued by allreduce_async on this communicator reach MPI first
+        try:
+            key = call_key(x, op, out, backend)
+            record = None if key is None else ctx.plan_cache.get(key)
+        except Exception:  # an unhashable op or backend, say: the full path refuses it on every rank
+            key = record = None
+        if record is not None:
+            return _again(ctx, record, x, out, stream)
+        prepared = _prepare(ctx, x, op, out, backend, stream)
+        if key is not None and prepared.record is not None:
+            remember(ctx, key, prepared.record)
+        return run(prepared)
     finally:
         ctx.leave()
 

@@ -58,6 +58,7 @@ def ipc_buffer(shape: int | tuple[int, ...], dtype: Any = "float32", *, comm: An
     nbytes = math.prod(dims) * kind.itemsize
     backend = ctx.backend("ipc")
     alloc = backend.register(nbytes)  # type: ignore[attr-defined]
+    ctx.plan_cache.clear()  # call records bound their launches without this region: bind them again
     assert ctx.gpu is not None
     cp = cupy()
     memory = cp.cuda.UnownedMemory(alloc.base, alloc.nbytes, alloc, ctx.gpu.index)

@@ -25,15 +25,16 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
+from threading import get_ident
 from typing import Any
 
-from mpigpu.api import Prepared, _log_choice, _single_rank, prepare
+from mpigpu.api import Prepared, _log_choice, bind, bound, prepare
 from mpigpu.backends import backend_class, backend_code
 from mpigpu.core._cuda import StreamRef, core_stream, resolve_stream
 from mpigpu.core.errors import DeviceError, InvalidArgument, MpigpuError
 from mpigpu.core.ops import Op
 from mpigpu.handles import _worker
-from mpigpu.job.check import Signature, check_signature
+from mpigpu.job.check import Signature, check_packed, check_signature
 
 __all__ = ["Graph", "Request", "allreduce_init"]
 
@@ -60,31 +61,37 @@ class Request:
         self._queued = not backend_class(self.backend).enqueues and x.size > 0 and ctx.size > 1
         self._launch = self._bind(prepared)
         self._label = f"allreduce start({self.backend}, {x.dtype.name} x {x.size}, op={prepared.op.value})"
-        self._signature = Signature(x.size, x.dtype.code, prepared.op.code, backend_code(self.backend), x.placement)
+        record = prepared.recorded()  # the one-off call's record (None for JAX: a new output each call)
+        if record is not None:
+            self._signature, self._packed = record.signature, record.packed
+        else:
+            self._signature = Signature(x.size, x.dtype.code, prepared.op.code, backend_code(self.backend), x.placement)
+            self._packed = None
         self._result = prepared.result
         self._finish = prepared.finish
         self._state = _IDLE
         self._future: Any = None  # the worker's task of a queued start
         self._started_on: StreamRef | None = None
-        if ctx.settings.log and x.size and ctx.size > 1:
-            _log_choice(ctx, prepared)
+        if ctx.settings.log:
+            _log_choice(ctx, x, prepared.choice)
 
     @staticmethod
     def _bind(prepared: Prepared) -> Callable[[StreamRef | None], None]:
-        """The call with everything but the stream fixed (backend created here: collective)."""
-        ctx, x = prepared.ctx, prepared.x
-        if not x.size:
-            return _nothing
-        if ctx.size == 1:
-            return partial(_copy_single, prepared)
+        """The call with everything but the stream fixed: the launch of the call's record, which
+        ``allreduce`` runs for a call with these arguments too, lent this request's host arrays (the
+        backend is created here: collective)."""
+        ctx, x, out = prepared.ctx, prepared.x, prepared.out
+        record = prepared.recorded()
+        name = prepared.choice.backend
         if x.on_device:
             ctx.activate_gpu()
-        if ctx.watchdog.on:
-            with ctx.watchdog.watch(f"allreduce_init: setting up the {prepared.choice.backend} backend"):
-                backend = ctx.backend(prepared.choice.backend)
-        else:
-            backend = ctx.backend(prepared.choice.backend)
-        return backend.bind_allreduce(x, prepared.out, prepared.op)
+        with ctx.watchdog.watch(f"allreduce_init: setting up the {name} backend"):
+            if record is None:  # JAX: the request's own output array
+                return bind(ctx, x, out, prepared.op, name)
+            launch = bound(record)
+        if x.host is None:
+            return launch
+        return partial(_lent, launch, x.host, out.host)
 
     # -- starting -----------------------------------------------------------------------------------
     def start(self, stream: Any = None) -> None:
@@ -153,21 +160,34 @@ class Request:
         ctx = self._ctx
         if self._on_device:
             ctx.activate_gpu()
-        if ctx.watchdog.on:
-            with ctx.watchdog.watch(self._label):
-                self._launch(ref)
-        else:
+        if not ctx.watchdog.on:
             self._launch(ref)
+            return
+        active = ctx.watchdog.active  # the Watchdog's protocol: a new tuple, named only if reported
+        ident = get_ident()
+        previous = active.get(ident)
+        active[ident] = (self, "data")
+        try:
+            self._launch(ref)
+        finally:
+            if previous is None:
+                active.pop(ident, None)
+            else:
+                active[ident] = previous
+
+    def watch_label(self, phase: str) -> str:
+        """What the watchdog calls a start of this request (``phase`` is "data")."""
+        return self._label
 
     def _check_call(self) -> None:
         ctx = self._ctx
-        if not ctx.settings.check:
+        if not ctx.settings.check or ctx.size == 1:
             return
-        if ctx.watchdog.on:
-            with ctx.watchdog.watch(f"{self._label} (cross-rank argument check)"):
+        with ctx.watchdog.watch(f"{self._label} (cross-rank argument check)"):
+            if self._packed is None:
                 check_signature(ctx.comm, self._signature, backend_name=self.backend)
-        else:
-            check_signature(ctx.comm, self._signature, backend_name=self.backend)
+            else:
+                check_packed(ctx.comm, ctx.check_board, self._signature, self._packed, self.backend)
 
     def _on_worker(self, worker: Any, ready: Any, check: bool) -> None:
         """The queued start: GPU data is reduced on the worker's own stream after ``ready``, and
@@ -295,12 +315,13 @@ class Request:
         return f"Request({self.backend}, {x.dtype.name} x {x.size}, op={self._prepared.op.value}, {state})"
 
 
+def _lent(launch: Callable[..., None], x_host: Any, out_host: Any, stream: StreamRef | None) -> None:
+    """``launch`` on this request's host arrays."""
+    launch(stream, x_host, out_host)
+
+
 def _nothing(stream: StreamRef | None) -> None:
     return None
-
-
-def _copy_single(prepared: Prepared, stream: StreamRef | None) -> None:
-    _single_rank(prepared if stream is prepared.stream else replace(prepared, stream=stream))
 
 
 class Graph:

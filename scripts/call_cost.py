@@ -10,7 +10,10 @@ stream after it (inside the timed region: the harness cost is the same in every 
 (the parts that need no other rank) are timed in batches of 100 calls per sample.
 
 Rows:
-  allreduce            mpigpu.allreduce(x): what a user calls (validation, check, backend)
+  allreduce            mpigpu.allreduce(x): what a user calls, repeated (its call record: the check and
+                       the bound launch)
+  allreduce, validated the same call with its record forgotten before each call (ctx.plan_cache
+                       cleared): the first call with these arguments (validation, check, binding, backend)
   async+wait           allreduce_async(x).wait()
   prepared run         api.run(p) with p = api.prepare(...) made once (no validation, no check)
   request start+wait   req.start(); req.wait() with req = allreduce_init(x) made once
@@ -19,7 +22,8 @@ Rows:
                        node-shared memory where every rank is on one node (the check board), else MPI
   check via MPI        the same signature through MPI_Allreduce (a communicator without a board), for comparison
   backend alone        the chosen backend's allreduce(x, out, op, stream), collective
-  validate             api.validate: everything local in a call (the next rows are its parts)
+  call key + lookup    what a repeated call reads of its arguments, and the lookup of its record
+  validate             api.validate: everything local in a first call (the next rows are its parts)
   parse_op, as_view, Context.get, choose_cached, resolve_stream
 """
 
@@ -44,6 +48,7 @@ from mpigpu.core._mpi import MPI, world
 from mpigpu.core.arrays import as_view
 from mpigpu.core.ops import parse_op
 from mpigpu.job.check import Signature, check_signature
+from mpigpu.records import call_key
 from mpigpu.runtime.context import Context
 from mpigpu.runtime.plan import choose_cached
 
@@ -115,9 +120,14 @@ def profile(framework: str, nbytes: int, dtype: str, backend: str, iters: int, w
         req.start()
         req.wait()
 
+    def validated() -> None:
+        ctx.plan_cache.clear()
+        mpigpu.allreduce(x, "sum", backend=backend)
+
     rows: dict[str, float] = {}
     collective = {
         "allreduce": lambda: mpigpu.allreduce(x, "sum", backend=backend),
+        "allreduce, validated": validated,
         "async+wait": lambda: mpigpu.allreduce_async(x, "sum", backend=backend).wait(),
         "prepared run": lambda: api.run(prepared),
         "request start+wait": start_wait,
@@ -128,7 +138,9 @@ def profile(framework: str, nbytes: int, dtype: str, backend: str, iters: int, w
     }
     for name, fn in collective.items():
         rows[name] = _collective(comm, fn, sync, iters, warmup)
+    mpigpu.allreduce(x, "sum", backend=backend)  # its record, as the repeated call finds it
     local = {
+        "call key + lookup": lambda: ctx.plan_cache.get(call_key(x, "sum", None, backend)),
         "validate": lambda: api.validate(ctx, x, "sum", None, backend, None),
         "parse_op": lambda: parse_op("sum"),
         "as_view": lambda: as_view(x),

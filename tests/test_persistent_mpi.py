@@ -219,18 +219,23 @@ def test_graph_is_refused_for_host_backends(comm) -> None:
 
 @pytest.mark.mpi(min_size=2)  # one rank calls no backend
 def test_failing_start_leaves_the_request_idle_and_reusable(comm, own_comm, monkeypatch) -> None:
-    """A start that raises on the calling thread (here: the backend fails once, on every rank) leaves
-    the request idle: it starts again, with correct results."""
-    original = CpuBackend.allreduce
+    """A start that raises on the calling thread (here: the backend's bound call fails once, on every
+    rank) leaves the request idle: it starts again, with correct results."""
+    original = CpuBackend.bind_allreduce
     calls = {"n": 0}
 
-    def flaky(self, x, out, op, stream):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("injected backend failure")
-        return original(self, x, out, op, stream)
+    def flaky_bind(self, x, out, op):
+        call = original(self, x, out, op)
 
-    monkeypatch.setattr(CpuBackend, "allreduce", flaky)
+        def flaky(*args):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected backend failure")
+            return call(*args)
+
+        return flaky
+
+    monkeypatch.setattr(CpuBackend, "bind_allreduce", flaky_bind)
     n = comm.Get_size()
     x = np.ones(7)
     req = allreduce_init(x, "sum", comm=own_comm, backend="cpu")
@@ -250,7 +255,8 @@ def test_failing_queued_start_is_raised_by_wait_and_breaks_the_queue(comm, own_c
 
     if not _thread_level_ok():
         pytest.skip("MPI below THREAD_MULTIPLE: starts run inline")
-    monkeypatch.setattr(CpuBackend, "allreduce", lambda *a: (_ for _ in ()).throw(RuntimeError("injected")))
+    failing = lambda *a: (_ for _ in ()).throw(RuntimeError("injected"))  # noqa: E731
+    monkeypatch.setattr(CpuBackend, "bind_allreduce", lambda *a: failing)
     x = np.ones(7)
     req = allreduce_init(x, "sum", comm=own_comm, backend="cpu")
     ctx = Context.get(own_comm)  # as under MPIGPU_ABORT_ON_EXCEPTION=0: the failure is printed, wait() raises it

@@ -37,7 +37,6 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
@@ -126,10 +125,22 @@ class Backend(abc.ABC):
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
         """Reduce ``x`` across ranks into ``out`` (which may be ``x`` itself)."""
 
-    def bind_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[[StreamRef | None], None]:
-        """``allreduce(x, out, op, stream)`` with all but the stream fixed, for a persistent request
-        (mpigpu.persistent). Backends override it to do once what every call would repeat."""
-        return partial(self.allreduce, x, out, op)
+    def bind_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[..., None]:
+        """``allreduce(x, out, op, stream)`` with all but the stream fixed, for a call record and a
+        persistent request (mpigpu.records, mpigpu.persistent): ``call(stream, x_host=None,
+        out_host=None)``, where the host arrays, if given, are this call's (a record's host views hold
+        none; ``out_host`` is ``x_host`` in place). Backends override it to do once what every call
+        would repeat."""
+        allreduce = self.allreduce
+
+        def call(stream: StreamRef | None, x_host: Any = None, out_host: Any = None) -> None:
+            if x_host is None:
+                allreduce(x, out, op, stream)
+                return
+            lent = x.with_host(x_host)
+            allreduce(lent, lent if out is x else out.with_host(out_host), op, stream)
+
+        return call
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the backend holds (idempotent)."""

@@ -3,12 +3,20 @@ and the latency path for small host messages.
 
 Only order-independent reductions are handed to MPI as they are (MPICH combines operands in a
 different order on each rank): float min/max travel as order-preserving integer keys reduced with
-MPI's integer MIN/MAX, integer avg as 64-bit parts summed exactly (mpigpu.core.ops), and any NaN a float
-sum or product leaves is made the canonical NaN, whose bits then match on every rank."""
+MPI's integer MIN/MAX, integer avg as 64-bit parts summed exactly (mpigpu.core.ops). Integer sum,
+prod, min and max go to MPI as they are, with no pass of mpigpu's own over the data.
+
+Float sum, avg and prod are MPI's own, but MPI's operand order differs per rank, and where two NaNs
+meet the CPU keeps the first operand's bits (x86): ranks whose inputs hold different NaNs can end
+with different NaNs in one element. So the result is read once more for NaN (one pass of
+``np.maximum.reduce``, which propagates NaN; for avg fused with the division, block by block, while
+the block is in cache) and any NaN is made the canonical NaN, whose bits then match on every rank.
+That pass is the one mpigpu adds to MPI_Allreduce; docs/results.md gives its measured cost.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -17,26 +25,62 @@ from mpigpu.backends.base import Availability, Backend, CommContext
 from mpigpu.backends.mpi_moves import allgather_bytes, alltoall_bytes, broadcast_bytes, byte_counts, row_bytes
 from mpigpu.core._mpi import MPI
 from mpigpu.core.arrays import ArrayView
+from mpigpu.core.dtypes import DType
 from mpigpu.core.ops import Op, canonicalize_nan, finish_avg, from_keys, int_avg_join, int_avg_parts, to_keys
 
 if TYPE_CHECKING:
     from mpigpu.core._cuda import StreamRef
 
-__all__ = ["INT_AVG_BLOCK", "CpuBackend"]
+__all__ = ["INT_AVG_BLOCK", "CpuBackend", "has_nan"]
 
 # Elements per MPI_Allreduce of an integer average. Its 64-bit parts and their temporaries take about
 # 32 bytes per element (24x an int8 array when done at once), so a block bounds them at ~8 MiB
 # whatever the array's size; each block is 2 MiB or more on the wire, where one more call is cheap.
 INT_AVG_BLOCK = 1 << 18
+# Elements per block of a float average's division and NaN search: the search reads what the
+# division just wrote while it is in cache (256 KiB of float32).
+_AVG_BLOCK = 1 << 16
+_SMALL = 16  # up to this many elements, the NaN search is a Python sum (a ufunc's call costs more)
+
+Reduce = Callable[[np.ndarray, np.ndarray], None]  # (source, destination): one allreduce, all else fixed
 
 
-def _same_nan(dst: np.ndarray, probe: np.ndarray) -> None:
-    """Make every NaN in ``dst`` the canonical NaN: MPI's operand order picks which NaN's sign and
-    payload survive a sum. ``probe`` (dst or its float32 accumulator) holds a NaN wherever dst does;
-    its sum is NaN if any element is (or if +inf meets -inf: harmless, the fix-up then finds none)."""
-    with np.errstate(all="ignore"):
-        if np.isnan(np.add.reduce(probe)):
-            canonicalize_nan(dst)
+def has_nan(values: np.ndarray) -> bool:
+    """Whether the float array ``values`` holds a NaN (or, for at most _SMALL elements, +inf and -inf,
+    whose sum is NaN: a false alarm costs the fix-up a pass that finds nothing). One read."""
+    if values.size <= _SMALL and values.ndim == 1:
+        total = sum(values.tolist())
+        return total != total
+    top = np.maximum.reduce(values, axis=None)  # NaN in, NaN out; no floating-point warning (an errstate costs ~1 us)
+    return bool(top != top)
+
+
+def _divide_has_nan(values: np.ndarray, nranks: int) -> bool:
+    """values /= nranks (IEEE division, in place), and whether the quotient holds a NaN: the search
+    fused with the division, a block at a time. No errstate (~1 us a call): dividing by a rank count
+    cannot overflow or divide by zero, and a quiet NaN raises nothing (only a signalling NaN in the
+    input, which no arithmetic makes, would show NumPy's RuntimeWarning)."""
+    n = values.dtype.type(nranks)
+    if values.size <= _AVG_BLOCK:
+        np.divide(values, n, out=values)
+        return has_nan(values)
+    flat = values.reshape(-1)
+    found = False
+    for b0 in range(0, flat.size, _AVG_BLOCK):
+        block = flat[b0 : b0 + _AVG_BLOCK]
+        np.divide(block, n, out=block)
+        found = has_nan(block) or found
+    return found
+
+
+def _is_plain(dtype: DType, op: Op) -> bool:
+    """Whether MPI_Allreduce takes the call as it is: not float min/max (keys), integer avg (parts)
+    or the half types (float32)."""
+    if dtype.is_half:
+        return False
+    if dtype.is_float:
+        return op not in (Op.MIN, Op.MAX)
+    return op is not Op.AVG
 
 
 class CpuBackend(Backend):
@@ -54,6 +98,7 @@ class CpuBackend(Backend):
         super().__init__(ctx)
         self._acc = np.empty(0, np.float32)
         self._full = np.empty(0, np.uint8)  # reduce_scatter's whole result
+        self._reducers: dict[tuple[str, Op, bool], Reduce] = {}
 
     @classmethod
     def probe(cls, ctx: CommContext) -> Availability:
@@ -66,40 +111,91 @@ class CpuBackend(Backend):
 
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
         assert x.host is not None and out.host is not None
-        comm, nranks, dtype = self.ctx.comm, self.ctx.size, x.dtype
-        src, dst = x.host.reshape(-1), out.host.reshape(-1)
+        self._reducer(x.dtype, op, x.same_memory(out))(x.host, out.host)
+
+    def bind_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[..., None]:
+        """The reduction for x's dtype, the op and in-place-or-not chosen once: a call is MPI_Allreduce
+        (and, for floats, the NaN search) on the arrays it is lent, or on the views' own."""
+        dtype, in_place = x.dtype, x.same_memory(out)
+        reduce = self._reducer(dtype, op, in_place)
+
+        def call(stream: StreamRef | None, x_host: Any = None, out_host: Any = None) -> None:
+            if x_host is None:
+                reduce(x.host, out.host)  # type: ignore[arg-type]
+            else:
+                reduce(x_host, out_host)
+
+        return call
+
+    def _reducer(self, dtype: DType, op: Op, in_place: bool) -> Reduce:
+        """The allreduce of (source, destination) arrays of ``dtype`` with ``op`` (made once each)."""
+        key = (dtype.name, op, in_place)
+        found = self._reducers.get(key)
+        if found is None:
+            found = self._reducers[key] = self._make(dtype, op, in_place)
+        return found
+
+    def _make(self, dtype: DType, op: Op, in_place: bool) -> Reduce:
+        if _is_plain(dtype, op):
+            return self._plain(self.ctx.comm, dtype, op, in_place)
+        comm, nranks, mpi = self.ctx.comm, self.ctx.size, MPI()
         if dtype.is_float and op in (Op.MIN, Op.MAX):  # keys: MPI's integer MIN/MAX is order-independent
-            keys = to_keys(src, op)
-            comm.Allreduce(MPI().IN_PLACE, [keys, dtype.unsigned.mpi], op.mpi)
-            from_keys(keys, dst)
-            return
+            keys_type, mpi_op = dtype.unsigned.mpi, op.mpi
+
+            def by_keys(src: np.ndarray, dst: np.ndarray) -> None:
+                keys = to_keys(src.reshape(-1), op)
+                comm.Allreduce(mpi.IN_PLACE, [keys, keys_type], mpi_op)
+                from_keys(keys, dst.reshape(-1))
+
+            return by_keys
         if op is Op.AVG and not dtype.is_float:  # exact: 64-bit parts cannot overflow
-            for b0 in range(0, src.size, INT_AVG_BLOCK):  # every rank the same blocks: they pair
-                b1 = min(src.size, b0 + INT_AVG_BLOCK)
-                parts = int_avg_parts(src[b0:b1], nranks)
-                comm.Allreduce(MPI().IN_PLACE, [parts, MPI().UINT64_T], MPI().SUM)
-                int_avg_join(parts, nranks, dst[b0:b1])
-            return
+
+            def by_parts(src: np.ndarray, dst: np.ndarray) -> None:
+                src, dst = src.reshape(-1), dst.reshape(-1)
+                for b0 in range(0, src.size, INT_AVG_BLOCK):  # every rank the same blocks: they pair
+                    b1 = min(src.size, b0 + INT_AVG_BLOCK)
+                    parts = int_avg_parts(src[b0:b1], nranks)
+                    comm.Allreduce(mpi.IN_PLACE, [parts, mpi.UINT64_T], mpi.SUM)
+                    int_avg_join(parts, nranks, dst[b0:b1])
+
+            return by_parts
         if dtype.is_half:  # reduce in float32, round once
-            acc = self._accumulator(src.size)
-            acc[...] = src
-            comm.Allreduce(MPI().IN_PLACE, [acc, MPI().FLOAT], op.mpi)
-            with np.errstate(over="ignore"):  # overflow to inf is IEEE behaviour, not an error
-                if op is Op.AVG:
-                    finish_avg(acc, nranks, dtype, dst)
-                else:
-                    dst[...] = acc.astype(dtype.np)
-            _same_nan(dst, acc)
-            return
-        kind = dtype.mpi
-        if x.same_memory(out):
-            comm.Allreduce(MPI().IN_PLACE, [dst, kind], op.mpi)
-        else:
-            comm.Allreduce([src, kind], [dst, kind], op.mpi)
-        if op is Op.AVG:
-            finish_avg(dst, nranks, dtype, dst)
-        if dtype.is_float:
-            _same_nan(dst, dst)
+            mpi_op = op.mpi
+
+            def in_float32(src: np.ndarray, dst: np.ndarray) -> None:
+                src, dst = src.reshape(-1), dst.reshape(-1)
+                acc = self._accumulator(src.size)
+                acc[...] = src
+                comm.Allreduce(mpi.IN_PLACE, [acc, mpi.FLOAT], mpi_op)
+                with np.errstate(over="ignore"):  # overflow to inf is IEEE behaviour, not an error
+                    if op is Op.AVG:
+                        finish_avg(acc, nranks, dtype, dst)
+                    else:
+                        dst[...] = acc.astype(dtype.np)
+                if has_nan(acc):  # acc holds a NaN wherever dst does
+                    canonicalize_nan(dst)
+
+            return in_float32
+        raise AssertionError(f"no reduction for {dtype.name} {op.value}")
+
+    @staticmethod
+    def _plain(comm: Any, dtype: DType, op: Op, in_place: bool) -> Reduce:
+        """MPI_Allreduce as it is; for floats the NaN search (fused with avg's division)."""
+        kind, mpi_op, in_place_buffer, nranks = dtype.mpi, op.mpi, MPI().IN_PLACE, comm.Get_size()
+        is_float, avg = dtype.is_float, op is Op.AVG
+
+        def plain(src: np.ndarray, dst: np.ndarray) -> None:
+            if in_place:
+                comm.Allreduce(in_place_buffer, [dst, kind], mpi_op)
+            else:
+                comm.Allreduce([src, kind], [dst, kind], mpi_op)
+            if avg:  # a float: integer averages go by parts
+                if _divide_has_nan(dst, nranks):
+                    canonicalize_nan(dst)
+            elif is_float and has_nan(dst):
+                canonicalize_nan(dst)
+
+        return plain
 
     def broadcast(self, x: ArrayView, root: int, stream: StreamRef | None) -> None:
         """MPI_Bcast of x's bytes from ``root``, in place."""

@@ -71,8 +71,9 @@ class _SmallViews:
 
 # -- the backend ----------------------------------------------------------------------------------
 # auto's limit for host arrays: the measured crossover with the cpu backend (MPICH's MPI_Allreduce) on the
-# 2-core machine with no GPU, user calls (docs/host.md, bench/results/cpu-crossover-2026-11-25.txt)
-AUTO_HOST_MIN_BYTES = 256 << 10
+# 2-core machine with no GPU, user calls, interleaved on a quiet machine (docs/host.md,
+# bench/results/cpu-crossover-2026-11-26.txt; the loaded 2026-11-25 runs had set 256 KiB)
+AUTO_HOST_MIN_BYTES = 32 << 20
 
 
 class HostBackend(Backend):

@@ -278,12 +278,12 @@ class IpcBackend(Backend):
         """The allreduce kernel into a scratch buffer, then this rank's rows, on the stream."""
         reduce_scatter_by_allreduce(self.allreduce, self._rows, x, out, op, rows, self.ctx.rank, stream)
 
-    def bind_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[[StreamRef | None], None]:
+    def bind_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[..., None]:
         """The launches built once (rebuilt only if ``two_shot_min_bytes`` changes): a call is the
-        ordering check and the kernel launches."""
+        ordering check and the kernel launches. (GPU arrays: no host arrays are ever lent.)"""
         bound = [self.two_shot_min_bytes, self._build_calls(x, out, op)]
 
-        def call(stream: StreamRef | None) -> None:
+        def call(stream: StreamRef | None, x_host: Any = None, out_host: Any = None) -> None:
             self._check_open()
             if bound[0] != self.two_shot_min_bytes:
                 bound[:] = [self.two_shot_min_bytes, self._build_calls(x, out, op)]

@@ -124,15 +124,16 @@ class NcclBackend(Backend):
             return
         self._comm.allReduce(x.ptr, out.ptr, x.size, x.dtype.nccl, op.nccl, handle)
 
-    def bind_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[[StreamRef | None], None]:
+    def bind_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[..., None]:
         """The communicator, pointers, count, datatype and op fixed: a call is the NCCL launch.
-        Float min/max and integer avg keep their key/part passes (the full ``allreduce``)."""
+        Float min/max and integer avg keep their key/part passes (the full ``allreduce``). GPU arrays:
+        no host arrays are ever lent."""
         assert x.dtype.nccl is not None
         if needs_keys_or_parts(x.dtype, op):
             return super().bind_allreduce(x, out, op)
         launch, args = self._comm.allReduce, (x.ptr, out.ptr, x.size, x.dtype.nccl, op.nccl)
 
-        def call(stream: StreamRef | None) -> None:
+        def call(stream: StreamRef | None, x_host: Any = None, out_host: Any = None) -> None:
             launch(*args, 0 if stream is None else stream.handle)
 
         return call

@@ -51,7 +51,7 @@ PLACE_LABEL = {"device": "gpu", "host": "host"}
 CALLS = ("user", "persistent", "prepared")
 CALL_SUFFIX = {"user": "", "persistent": ":req", "prepared": ":prep"}
 CALL_DESCRIPTION = {
-    "user": "mpigpu.allreduce(x) as users call it: arguments validated and checked across ranks every call",
+    "user": "mpigpu.allreduce(x) as users call it: checked across ranks every call (validated on its first)",
     "persistent": "req() of req = mpigpu.allreduce_init(x, ...) made once per size: checked once, then launched",
     "prepared": "diagnostic: api.run of a call prepared once (no per-call validation or check)",
 }

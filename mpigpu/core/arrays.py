@@ -67,6 +67,12 @@ class ArrayView:
     def same_memory(self, other: ArrayView) -> bool:
         return self.device == other.device and self.ptr == other.ptr and self.nbytes == other.nbytes
 
+    def with_host(self, host: np.ndarray) -> ArrayView:
+        """This view over ``host``, an array of the same shape, dtype and layout (C order: a Fortran
+        array's transpose) lent for one call: how a call record, which keeps no array, is run."""
+        return ArrayView(None, self.ptr, self.shape, self.dtype, None, self.readonly, self.framework, host, None,
+                         self.order)  # fmt: skip
+
 
 def framework_of(obj: Any) -> str:
     """The array library an object comes from ("numpy", "torch", "cupy", "jax", ...)."""

@@ -7,7 +7,9 @@ element count in different shapes are almost certainly reducing different tensor
 How: when every rank of the communicator is on one node (the usual GPU box), through node-shared
 memory (mpigpu/job/check_board.py): each rank posts its 9 values and reads everyone's, no MPI call; else
 one MPI_Allreduce(MAX) of 18 int64 values ([v, -v]). On a difference, either way, every rank gathers
-the signatures (MPI) and raises the same message. It runs on every call, by design: any
+the signatures (MPI) and raises the same message. A caller that checks the same signature on many
+calls (a call record) packs it once and posts the packed bytes (``check_packed``): the same check,
+every field compared on every call, without rebuilding the values. It runs on every call, by design: any
 scheme where ranks skip the check independently (say, once per signature seen) can leave one rank
 checking while another has moved on, which is the hang the check exists to prevent. Example: rank 0
 has seen (1000, float32) before and skips; rank 1 passes 1001 for the first time and checks, so
@@ -29,9 +31,18 @@ from mpigpu.core._mpi import MPI
 from mpigpu.core.dtypes import DTYPES
 from mpigpu.core.errors import MismatchError
 from mpigpu.core.ops import Op
-from mpigpu.job.check_board import FIELDS, board_for
+from mpigpu.job.check_board import FIELDS, CheckBoard, board_for, pack
 
-__all__ = ["COLLECTIVES", "Signature", "check_rows", "check_signature", "fail_together", "mark_raised_everywhere"]
+__all__ = [
+    "COLLECTIVES",
+    "Signature",
+    "check_packed",
+    "check_rows",
+    "check_signature",
+    "fail_together",
+    "mark_raised_everywhere",
+    "raise_mismatch",
+]
 
 _FIELDS = ("failed", "count", "dtype", "op", "backend", "placement", "shape", "collective", "root")
 assert len(_FIELDS) == FIELDS, "the check board's slots hold one value per field"
@@ -64,6 +75,12 @@ class Signature(NamedTuple):
             1 if self.error else 0, self.count, self.dtype, self.op, self.backend, self.placement,
             shape_hash(self.shape), self.collective, self.root,
         ]  # fmt: skip
+
+    def packed(self) -> bytes:
+        """The values as the check board stores them, for ``check_packed`` (a signature that passed
+        its own validation: the failed flag is 0)."""
+        assert not self.error, "a rejection is posted through check_signature"
+        return pack(self.values())
 
 
 _SHAPE_HASHES: dict[tuple[int, ...], int] = {}
@@ -156,6 +173,23 @@ def check_signature(
     if result[0] == 0 and sum(result) == 0:
         return
     _mismatch(comm, sig, mine, name, failure, backend_name)
+
+
+def check_packed(comm: Any, board: CheckBoard | None, sig: Signature, packed: bytes, backend_name: str = "") -> None:
+    """``check_signature(comm, sig, backend_name=backend_name)`` for an allreduce whose signature was
+    packed before (``sig.packed()``); ``board`` is ``comm``'s (``board_for(comm)``, or None: MPI). The
+    hot path of a repeated call: every field is still compared on every rank, on every call."""
+    if board is not None:
+        if board.agree_packed(packed):
+            return
+        raise_mismatch(comm, sig, backend_name)
+    check_signature(comm, sig, backend_name=backend_name)
+
+
+def raise_mismatch(comm: Any, sig: Signature, backend_name: str = "") -> NoReturn:
+    """After the board found that the ranks' allreduce signatures differ (every rank found it):
+    gather them and raise the same MismatchError on every rank (collective)."""
+    _mismatch(comm, sig, sig.values(), "allreduce", "rejected the arguments", backend_name)
 
 
 def _max_and_min(comm: Any, mine: list[int]) -> array:

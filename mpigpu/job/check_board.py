@@ -4,9 +4,14 @@ When every rank of a communicator is on one node, the signature check needs no M
 each rank writes its signature into a node-shared segment and reads everyone else's. Layout: per
 rank, two slots (the parity of the per-communicator check number ``k``), each ``[k, 9 values]`` on
 its own 128-byte line. A rank writes its values, fences (``MPI_Win_sync``: a memory barrier, needed
-on weakly ordered CPUs such as Grace), then writes ``k``; it waits until every rank's slot of parity
-``k % 2`` holds ``k``, fences, and compares the values. Every rank reads the same slots, so every
-rank reaches the same verdict.
+on weakly ordered CPUs such as Grace; x86 keeps stores in order and loads in order, so there the
+fence is left out), then writes ``k``; it waits until every rank's slot of parity ``k % 2`` holds
+``k``, fences, and compares every rank's values with its own. All equal on one rank means all equal
+on every rank, and any difference is seen by every rank (each compares with the one that differs, or
+is it), so every rank reaches the same verdict.
+
+A caller that posts the same signature many times packs it once (``pack``) and posts the bytes
+(``agree_packed``): a check is then a copy of 72 bytes, one store, the wait and the comparisons.
 
 Two parities are enough: a rank can reach check ``k + 2`` (and overwrite the slot of parity
 ``k % 2``) only after every rank has written ``k + 1``, and a rank writes ``k + 1`` only after it
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import struct
 import time
 from typing import Any
@@ -30,17 +36,28 @@ from mpigpu.core.errors import MpigpuError
 from mpigpu.core.typed import allreduce_int
 from mpigpu.job.shm import SharedSegment
 
-__all__ = ["CheckBoard", "board_for", "open_board"]
+__all__ = ["CheckBoard", "board_for", "open_board", "pack"]
 
 FIELDS = 9  # values per signature (check._FIELDS)
 _SLOT = 16  # int64 per slot: [k, 9 values, padding] = 128 bytes, one slot per pair of cache lines
-_PACK = struct.Struct(f"={FIELDS}q").pack_into  # native int64, as the "q" view reads them
+_VALUES = 8 * FIELDS  # bytes of a slot's values
+_PACK = struct.Struct(f"={FIELDS}q").pack  # native int64, as the "q" view reads them
+# x86 (total store order) never reorders a store with an earlier store, nor a load with an earlier load:
+# the values are visible before k without a fence. Elsewhere (Arm: Grace) the fences are needed.
+_FENCE = platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686")
+
 _SPIN_S = 20e-6  # busy-wait this long first: the other ranks are usually microseconds away
 _YIELD_S = 2e-3  # then give the CPU away (sched_yield) until this long
 _SLEEP_S = 50e-6  # then sleep in steps of this long (an oversubscribed machine, a slow rank)
 
 # id(communicator object) -> (that object, its board): check_signature looks its communicator up here
 _BOARDS: dict[int, tuple[Any, CheckBoard]] = {}
+
+
+def pack(values: list[int]) -> bytes:
+    """A signature's FIELDS values as the board stores them (made once per signature by callers that
+    post it many times)."""
+    return _PACK(*values)
 
 
 class CheckBoard:
@@ -61,32 +78,47 @@ class CheckBoard:
         self._segment: SharedSegment | None = segment
         self._bytes: memoryview = memoryview(segment.array)
         self._mv: memoryview = self._bytes.cast("q")
-        self._fence = segment.fence
+        self._fence = segment.fence if _FENCE else None
         # slot offsets (in int64) of parity 0 and 1: this rank's, and every rank's in rank order
         self._mine = (2 * _SLOT * self.rank, 2 * _SLOT * self.rank + _SLOT)
         self._all = tuple(tuple(2 * _SLOT * r + p * _SLOT for r in range(self.size)) for p in (0, 1))
+        # per parity: the byte range of this rank's values, and (k's index, the values' byte range) of
+        # every other rank's slot
+        self._my_values = tuple((8 * m + 8, 8 * m + 8 + _VALUES) for m in self._mine)
+        self._others = tuple(
+            tuple((slot, 8 * slot + 8, 8 * slot + 8 + _VALUES) for r, slot in enumerate(slots) if r != self.rank)
+            for slots in self._all
+        )
         self.k = 0  # checks made on this board
 
     def agree(self, values: list[int]) -> bool:
         """Post this rank's ``values`` (FIELDS int64) as check ``k + 1`` and return True when every rank
         posted the same values with values[0] (the failed flag) 0 (collective)."""
+        return self.agree_packed(_PACK(*values)) and values[0] == 0
+
+    def agree_packed(self, packed: bytes) -> bool:
+        """``agree`` for values already packed (``pack``) whose failed flag is 0: True when every rank
+        posted these very bytes (collective). The hot path of every call's check."""
         k = self.k + 1
         self.k = k
-        mv, parity = self._mv, k & 1
-        mine = self._mine[parity]
-        _PACK(self._bytes, 8 * mine + 8, *values)
-        self._fence()  # the values are visible before k is
-        mv[mine] = k
-        slots = self._all[parity]
-        for slot in slots:
+        parity = k & 1
+        lo, hi = self._my_values[parity]
+        raw, mv = self._bytes, self._mv
+        raw[lo:hi] = packed
+        fence = self._fence
+        if fence is not None:
+            fence()  # the values are visible before k is
+        mv[self._mine[parity]] = k
+        others = self._others[parity]
+        for slot, _, _ in others:
             if mv[slot] != k:
                 _wait(mv, slot, k)
-        self._fence()  # k was seen: the values written before it are read after it
-        if mv[slots[0] + 1] != 0:  # rank 0 failed (another rank that failed differs from rank 0 below)
-            return False
-        raw = self._bytes
-        first = raw[8 * slots[0] + 8 : 8 * slots[0] + 8 + 8 * FIELDS]
-        return all(raw[8 * slot + 8 : 8 * slot + 8 + 8 * FIELDS] == first for slot in slots[1:])
+        if fence is not None:
+            fence()  # k was seen: the values written before it are read after it
+        for _, start, end in others:  # noqa: SIM110 - the hot path: no generator
+            if raw[start:end] != packed:
+                return False
+        return True
 
     def posted(self) -> list[list[int]]:
         """Every rank's values of the last check, in rank order (local). Valid until this rank's next

@@ -184,6 +184,10 @@ class Context:
         the wrong calls of the other ranks. Each refusal joins the cross-rank check with its error
         (between two calls of the owner, after the queued ones), so the other ranks raise
         MismatchError instead of waiting or pairing their data with another call."""
+        if threading.get_ident() == self.owner and self._violation is None:  # the owner's call: the usual one
+            self.calls += 1
+            self._calls.acquire()
+            return
         if self._on_worker():  # a task queued by the owner: the queue already orders it
             return
         self.calls += 1
@@ -327,6 +331,7 @@ class Context:
             self._free()
 
     def _free(self) -> None:
+        getattr(self, "plan_cache", {}).clear()  # call records hold launches bound to the backends freed next
         for instance in reversed(list(getattr(self, "_backends", {}).values())):
             try:
                 instance.close()

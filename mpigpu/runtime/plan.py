@@ -2,7 +2,7 @@
 that ``python -m mpigpu.bench --tune`` measured on a matching machine, or these rules:
 
 GPU arrays:  ipc (one node, peer access) up to 4 MiB -> nccl -> cuda-aware MPI -> host staging.
-Host arrays: cpu (MPI_Allreduce) below 256 KiB -> host (shared-memory reduce) from there on, where
+Host arrays: cpu (MPI_Allreduce) below 32 MiB -> host (shared-memory reduce) from there on, where
              the host backend is available; cpu otherwise.
 
 The order is the registry's (``mpigpu.backends._REGISTRY``), the size limits are each backend's

@@ -61,8 +61,8 @@ def test_auto_size_rules() -> None:
     ipc, host = backend_class("ipc"), backend_class("host")
     assert ipc.auto_declines(True, 4 << 20) is None
     assert ipc.auto_declines(True, (4 << 20) + 1) == "message above 4 MiB"
-    assert host.auto_declines(False, (256 << 10) - 1) == "message below 256 KiB (MPI_Allreduce is faster there)"
-    assert host.auto_declines(False, 256 << 10) is None
+    assert host.auto_declines(False, (32 << 20) - 1) == "message below 32 MiB (MPI_Allreduce is faster there)"
+    assert host.auto_declines(False, 32 << 20) is None
     assert host.auto_declines(True, 1) is None
     assert all(backend_class(n).auto_declines(True, 1 << 40) is None for n in ("nccl", "cuda-aware", "cpu"))
 

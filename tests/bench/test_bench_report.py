@@ -63,7 +63,7 @@ def test_tables_set_each_backend_beside_its_anchor() -> None:
     assert lines[-1] == f"# avg busbw {sum(m.result.busbw_gbps for m in everything[2:]) / 2:.4g} GB/s"
 
 
-CALL_USER = "mpigpu.allreduce(x) as users call it: arguments validated and checked across ranks every call"
+CALL_USER = "mpigpu.allreduce(x) as users call it: checked across ranks every call (validated on its first)"
 
 
 def test_paths_name_their_call_and_anchors_have_none() -> None:

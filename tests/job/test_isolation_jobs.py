@@ -94,9 +94,11 @@ from mpigpu.backends.cpu import CpuBackend
 
 rank = world().Get_rank()
 if rank == 1:
-    def broken(self, x, out, op, stream):
-        raise RuntimeError("injected failure on rank 1")
-    CpuBackend.allreduce = broken
+    def broken(self, x, out, op):  # the launch every allreduce runs (its call record's)
+        def launch(*args):
+            raise RuntimeError("injected failure on rank 1")
+        return launch
+    CpuBackend.bind_allreduce = broken
 handle = mpigpu.allreduce_async(np.ones(100_000), backend="cpu")  # never waited
 print(f"rank {rank} exiting", flush=True)
 """

@@ -1,0 +1,162 @@
+"""Call records: what a repeated ``allreduce`` reuses instead of working it out again.
+
+The first call with a given signature is validated in full (``api.validate``: the array's view, its
+dtype, the op, ``out``, the rank's GPU, the backend's choice) and its cross-rank signature packed.
+The record keeps all of that, and the backend's bound launch (``Backend.bind_allreduce``, the launch a
+persistent request runs) once the call has run. A later call finds its record with one dictionary
+lookup on a key read from the arguments by a few attribute reads (``call_key``), then checks across
+ranks and launches: no view, dtype, op or backend is worked out again.
+
+What the key reads, per array type (other types, and JAX arrays, take the full path every call):
+
+- NumPy: shape, dtype and flags (layout, writability). No pointer: a host call's record depends on
+  none, and its launch is lent this call's arrays.
+- PyTorch CUDA tensors and CuPy arrays: pointer, shape, dtype, device and contiguity: a new array at
+  the same address with the same signature is the same call, anything else is a new one.
+- ``out``: the same, plus, for two NumPy arrays, that they share no memory (else the full path).
+
+A record holds no reference to the caller's arrays: its views carry no array object, host arrays
+are passed to the launch for the one call, device arrays are named by the pointer in the key.
+
+Records live in the context's plan cache (``ctx.plan_cache``, beside ``choose_cached``'s choices),
+so whatever forgets the remembered choices (a new tuning table, a new ``ipc_buffer``) forgets them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mpigpu.core.arrays import ArrayView
+
+if TYPE_CHECKING:
+    from mpigpu.core.ops import Op
+    from mpigpu.job.check import Signature
+    from mpigpu.runtime.context import Context
+    from mpigpu.runtime.plan import Choice
+
+__all__ = ["Launch", "Record", "call_key", "detach", "remember", "values_key"]
+
+# (stream, x's host array, out's host array): the backend's bound call; the arrays are None for
+# device arrays and for views that hold their own (a persistent request's)
+Launch = Callable[..., None]
+
+_LIMIT = 4096  # entries of a plan cache (runtime.plan's limit): past it, everything is forgotten
+
+
+@dataclass(slots=True, eq=False)
+class Record:
+    """A validated allreduce signature, shared by every call (and request) with its key.
+
+    ``x`` and ``out`` are views without the array (``detach``); ``out is x`` in place. ``launch`` is
+    bound at the first run (creating a backend is collective: it happens after the check)."""
+
+    ctx: Context
+    x: ArrayView
+    out: ArrayView
+    op: Op
+    choice: Choice
+    signature: Signature
+    packed: bytes  # the signature as the check board posts it (``Signature.packed``)
+    launch: Launch | None = None
+
+    def watch_label(self, phase: str) -> str:
+        """What the watchdog calls a call of this record in ``phase`` ("check" or "data")."""
+        x = self.x
+        if phase == "check":
+            return f"allreduce of {x.size} {x.dtype.name} (cross-rank argument check)"
+        return f"allreduce({self.choice.backend}, {x.dtype.name} x {x.size}, op={self.op.value})"
+
+
+def detach(view: ArrayView) -> ArrayView:
+    """``view`` without the caller's array (nor anything keeping it alive): what a record keeps."""
+    return ArrayView(
+        None, view.ptr, view.shape, view.dtype, view.device, view.readonly, view.framework, order=view.order
+    )
+
+
+def values_key(xv: ArrayView, outv: ArrayView | None, op: Op, backend: str) -> tuple[Any, ...]:
+    """The key of a call from its views (``outv`` None: in place): what validation depends on. Host
+    arrays in place without their pointer; pointers wherever the memory itself matters."""
+    if outv is None:
+        return ("values", None if xv.device is None else xv.ptr, xv.shape, xv.dtype, xv.device, xv.order,
+                xv.readonly, xv.framework, op, backend)  # fmt: skip
+    return ("values", xv.ptr, xv.shape, xv.dtype, xv.device, xv.order, xv.readonly, xv.framework, op, backend,
+            outv.ptr, outv.shape, outv.dtype, outv.device, outv.order, outv.readonly, outv.framework)  # fmt: skip
+
+
+def remember(ctx: Context, key: tuple[Any, ...], record: Record) -> None:
+    """Store ``record`` under ``key`` in the context's plan cache (bounded as runtime.plan bounds it)."""
+    cache = ctx.plan_cache
+    if len(cache) >= _LIMIT:
+        cache.clear()
+    cache[key] = record
+
+
+# -- the keys read on every call --------------------------------------------------------------------
+# NumPy's flags that matter to a call: C and F order, aligned, writable, write-back (not: owns its data)
+_NUMPY_FLAGS = 0x1 | 0x2 | 0x100 | 0x400 | 0x2000
+
+
+def _numpy(x: np.ndarray) -> tuple[Any, ...]:
+    return (x.shape, x.dtype, x.flags.num & _NUMPY_FLAGS)
+
+
+def _torch(x: Any) -> tuple[Any, ...] | None:
+    device = x.get_device()  # -1 on the CPU
+    if device < 0:
+        return None  # CPU tensors: the full path (their view is a NumPy array made per call)
+    return (x.data_ptr(), x.shape, x.dtype, device, x.is_contiguous())
+
+
+def _cupy(x: Any) -> tuple[Any, ...]:
+    return (x.data.ptr, x.shape, x.dtype, x.data.device_id, x.flags.c_contiguous)
+
+
+def _keyer(kind: type) -> Callable[[Any], tuple[Any, ...] | None] | None:
+    """How to read the key of an array of type ``kind`` (exact types only: a subclass may redefine
+    what its memory means), or None."""
+    if kind is np.ndarray:
+        return _numpy
+    if kind.__name__ == "Tensor" and kind.__module__ == "torch":
+        return _torch
+    if kind.__name__ == "ndarray" and kind.__module__.startswith("cupy"):
+        return _cupy
+    return None
+
+
+_KEYERS: dict[type, Callable[[Any], tuple[Any, ...] | None] | None] = {}
+
+
+def _read(x: Any) -> tuple[Any, ...] | None:
+    kind = type(x)
+    try:
+        keyer = _KEYERS[kind]
+    except KeyError:
+        keyer = _KEYERS[kind] = _keyer(kind)
+    if keyer is None:
+        return None
+    try:
+        return keyer(x)
+    except Exception:  # a sparse tensor, say: the full path refuses it, on every rank
+        return None
+
+
+def call_key(x: Any, op: Any, out: Any, backend: Any) -> tuple[Any, ...] | None:
+    """The key of ``allreduce(x, op, out=out, backend=backend)``'s record, or None where it has none
+    (an array type without a cheap key, or two NumPy arrays that may share memory). It may hold an
+    unhashable ``op`` or ``backend``: the lookup's TypeError sends the call down the full path."""
+    xk = (x.shape, x.dtype, x.flags.num & _NUMPY_FLAGS) if type(x) is np.ndarray else _read(x)  # NumPy: inline
+    if xk is None:
+        return None
+    if out is None:
+        return (type(x), xk, op, backend)
+    if out is x:
+        return (type(x), xk, op, backend, "x")
+    ok = _read(out)
+    if ok is None or (type(x) is np.ndarray and type(out) is np.ndarray and np.may_share_memory(x, out)):
+        return None
+    return (type(x), xk, op, backend, type(out), ok)
