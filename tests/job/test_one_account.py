@@ -31,6 +31,20 @@ print("not reached", flush=True)
 """
 
 
+def _run_ended_together(n: int, script: Path) -> subprocess.CompletedProcess[str]:
+    """``mpiexec -n n python -m mpigpu.run script``, run again (at most twice more) when MPICH's hydra
+    killed a rank that was leaving MPI_Finalize: once one process exits non-zero, hydra SIGKILLs those
+    still alive, and the job then reports status 9 with its "BAD TERMINATION" banner. A launcher race,
+    not mpigpu's: four plain mpi4py processes that each call MPI_Finalize and exit 1 gave status 9 in 6
+    of 12 runs on the loaded 2-core machine (2026-11-26). mpigpu's report is what these tests check."""
+    for _ in range(3):
+        result = run_mpi(n, ["-m", "mpigpu.run", str(script)], timeout=60)
+        output = result.stdout + result.stderr
+        if not (result.returncode == 9 and "BAD TERMINATION" in output and "EXIT CODE: 9" in output):
+            break
+    return result
+
+
 def _no_banner(output: str) -> None:
     for banner in BANNERS:
         assert banner not in output, f"{banner!r} in:\n{output}"
@@ -40,7 +54,7 @@ def _no_banner(output: str) -> None:
 def test_a_rank_rejecting_its_arguments_is_reported_once(tmp_path: Path, n: int) -> None:
     script = tmp_path / "rejects.py"
     script.write_text(textwrap.dedent(ONE_RANK_REJECTS))
-    result = run_mpi(n, ["-m", "mpigpu.run", str(script)], timeout=60)
+    result = _run_ended_together(n, script)
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
     assert output.count("InvalidArgument: the array is not contiguous") == 1, output
@@ -55,7 +69,7 @@ def test_a_rank_rejecting_its_arguments_is_reported_once(tmp_path: Path, n: int)
 def test_ranks_passing_different_counts_report_it_once(tmp_path: Path, n: int) -> None:
     script = tmp_path / "counts.py"
     script.write_text(textwrap.dedent(COUNTS_DIFFER))
-    result = run_mpi(n, ["-m", "mpigpu.run", str(script)], timeout=60)
+    result = _run_ended_together(n, script)
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
     assert output.count("MismatchError: allreduce: ranks passed different arguments") == 1, output
