@@ -1,5 +1,7 @@
-"""mpigpu's pytest plugin (entry point ``pytest11``): a stall report or a timeout's abort message reaches
-the terminal even while pytest captures output (mpigpu.core.console). Imports nothing else of mpigpu."""
+"""mpigpu's pytest plugin: a stall report or a timeout's abort message reaches the terminal even while
+pytest captures output (mpigpu.core.console). Opt in with ``pytest -p mpigpu.pytest_plugin`` or
+``pytest_plugins = ["mpigpu.pytest_plugin"]`` in a conftest.py. Not registered as an entry point on
+purpose: that would import mpigpu, and install its abort hooks, in every pytest run of the environment."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ pytest captures file descriptor 2 during each test. A stall report or a timeout'
 written there is lost: the job ends inside the test, before pytest prints what it captured (seen on
 2 x H100: the GPU suite stalled and ended by the timeout's abort with nothing printed that named the
 call). ``follow_pytest_capture`` gives mpigpu a duplicate of the descriptor pytest saved, and
-``report`` writes to it as well as to stderr. mpigpu's pytest plugin (mpigpu.pytest_plugin, loaded
-by pytest where mpigpu is installed) does this for every run."""
+``report`` writes to it as well as to stderr. mpigpu's pytest plugin (``pytest -p mpigpu.pytest_plugin``)
+does this for a run; mpigpu's own tests/conftest.py does it too."""
 
 from __future__ import annotations
 
