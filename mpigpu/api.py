@@ -16,9 +16,9 @@ from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op, parse_op
 from mpigpu.job.check import Signature, check_packed, check_signature, raise_mismatch
 from mpigpu.job.device import GpuInfo
-from mpigpu.records import Launch, Record, call_key, detach, remember, values_key
+from mpigpu.records import Launch, Record, call_key, detach, values_key
 from mpigpu.runtime.context import Context, announce_rejection
-from mpigpu.runtime.plan import Choice, choose, choose_cached
+from mpigpu.runtime.plan import Choice, choose, choose_cached, remember
 
 __all__ = [
     "Prepared",

@@ -49,7 +49,8 @@ def _validate(
     backend, an array the collective can take.
 
     All but reading the array is a function of the values in the memo's key (and the context's
-    fixed state): a call repeating the last call's values skips it, as allreduce's validate does.
+    fixed state): a call repeating the last call's values skips it (allreduce keeps a record per
+    signature instead: mpigpu.records).
     Values, not objects: the memo holds no reference to the caller's array. It lives in the plan
     cache, so whatever forgets the remembered choices (a new tuning table) forgets it too."""
     if not isinstance(backend, str):

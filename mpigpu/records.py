@@ -38,13 +38,11 @@ if TYPE_CHECKING:
     from mpigpu.runtime.context import Context
     from mpigpu.runtime.plan import Choice
 
-__all__ = ["Launch", "Record", "call_key", "detach", "remember", "values_key"]
+__all__ = ["Launch", "Record", "call_key", "detach", "values_key"]
 
 # (stream, x's host array, out's host array): the backend's bound call; the arrays are None for
 # device arrays and for views that hold their own (a persistent request's)
 Launch = Callable[..., None]
-
-_LIMIT = 4096  # entries of a plan cache (runtime.plan's limit): past it, everything is forgotten
 
 
 @dataclass(slots=True, eq=False)
@@ -86,14 +84,6 @@ def values_key(xv: ArrayView, outv: ArrayView | None, op: Op, backend: str) -> t
                 xv.readonly, xv.framework, op, backend)  # fmt: skip
     return ("values", xv.ptr, xv.shape, xv.dtype, xv.device, xv.order, xv.readonly, xv.framework, op, backend,
             outv.ptr, outv.shape, outv.dtype, outv.device, outv.order, outv.readonly, outv.framework)  # fmt: skip
-
-
-def remember(ctx: Context, key: tuple[Any, ...], record: Record) -> None:
-    """Store ``record`` under ``key`` in the context's plan cache (bounded as runtime.plan bounds it)."""
-    cache = ctx.plan_cache
-    if len(cache) >= _LIMIT:
-        cache.clear()
-    cache[key] = record
 
 
 # -- the keys read on every call --------------------------------------------------------------------

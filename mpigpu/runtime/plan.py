@@ -15,7 +15,7 @@ rank 0) is identical on every rank, so ranks agree without talking.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mpigpu.backends import BACKEND_NAMES, backend_class, preference
 from mpigpu.core.errors import BackendUnavailable, InvalidArgument
@@ -59,18 +59,24 @@ def _usable(ctx: Context, name: str, view: ArrayView, op: Op, collective: str = 
 _CACHE_LIMIT = 4096
 
 
+def remember(ctx: Context, key: Any, value: Any) -> None:
+    """Store ``value`` under ``key`` in the context's plan cache, which is bounded: past its limit,
+    everything is forgotten (choices and call records alike)."""
+    cache = ctx.plan_cache
+    if len(cache) >= _CACHE_LIMIT:
+        cache.clear()
+    cache[key] = value
+
+
 def choose_cached(ctx: Context, view: ArrayView, op: Op, requested: str, collective: str = "allreduce") -> Choice:
     """``choose``, remembered per (placement, shape, dtype, op, request, collective) on the context:
     the decision depends on nothing else (bytes follow from shape and dtype), and repeated calls (a
     training loop) then cost a lookup."""
     key = (view.device is not None, view.shape, view.dtype.name, op, requested, collective)
-    cache = ctx.plan_cache
-    choice = cache.get(key)
+    choice = ctx.plan_cache.get(key)
     if choice is None:
         choice = choose(ctx, view, op, requested, collective)
-        if len(cache) >= _CACHE_LIMIT:
-            cache.clear()
-        cache[key] = choice
+        remember(ctx, key, choice)
     return choice
 
 
