@@ -25,10 +25,9 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from threading import get_ident
 from typing import Any
 
-from mpigpu.api import Prepared, _log_choice, bind, bound, prepare
+from mpigpu.api import Prepared, _log_choice, _nothing, _unwatched, _watched, bind, bound, prepare
 from mpigpu.backends import backend_class, backend_code
 from mpigpu.core._cuda import StreamRef, core_stream, resolve_stream
 from mpigpu.core.errors import DeviceError, InvalidArgument, MpigpuError
@@ -163,17 +162,11 @@ class Request:
         if not ctx.watchdog.on:
             self._launch(ref)
             return
-        active = ctx.watchdog.active  # the Watchdog's protocol: a new tuple, named only if reported
-        ident = get_ident()
-        previous = active.get(ident)
-        active[ident] = (self, "data")
+        previous = _watched(ctx, self, "data")  # the Watchdog's protocol: a new tuple, named only if reported
         try:
             self._launch(ref)
         finally:
-            if previous is None:
-                active.pop(ident, None)
-            else:
-                active[ident] = previous
+            _unwatched(ctx, previous)
 
     def watch_label(self, phase: str) -> str:
         """What the watchdog calls a start of this request (``phase`` is "data")."""
@@ -318,10 +311,6 @@ class Request:
 def _lent(launch: Callable[..., None], x_host: Any, out_host: Any, stream: StreamRef | None) -> None:
     """``launch`` on this request's host arrays."""
     launch(stream, x_host, out_host)
-
-
-def _nothing(stream: StreamRef | None) -> None:
-    return None
 
 
 class Graph:
