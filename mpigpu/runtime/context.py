@@ -352,12 +352,12 @@ class Context:
                     comm.Free()
 
 
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))} have"
-
-
 def _on(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"{_on(ranks)} {'has' if len(ranks) == 1 else 'have'}"
 
 
 _TEST_VARIABLES = ("MPIGPU_REQUIRE_GPU",)  # read by the test suite, not by mpigpu
