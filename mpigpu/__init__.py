@@ -30,6 +30,7 @@ from mpigpu.ipc import IpcGraph, ipc_buffer, ipc_graph
 from mpigpu.job import failsafe as _failsafe
 from mpigpu.job.device import GpuInfo
 from mpigpu.job.failsafe import install_abort_handler
+from mpigpu.multi import local_devices, on_device
 from mpigpu.objects import allgather_object, broadcast_object
 from mpigpu.persistent import Graph, Request, allreduce_init
 from mpigpu.runtime.context import finalize
@@ -73,6 +74,8 @@ __all__ = [
     "explain",
     "finalize",
     "install_abort_handler",
+    "local_devices",
+    "on_device",
     "ipc_buffer",
     "ipc_graph",
     "reduce_scatter",

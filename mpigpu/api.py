@@ -16,6 +16,7 @@ from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op, parse_op
 from mpigpu.job.check import Signature, check_packed, check_signature, raise_mismatch
 from mpigpu.job.device import GpuInfo
+from mpigpu.multi.binding import thread_binding
 from mpigpu.records import Launch, Record, call_key, detach, values_key
 from mpigpu.runtime.context import Context, announce_rejection
 from mpigpu.runtime.plan import Choice, choose, choose_cached, remember
@@ -413,7 +414,16 @@ def allreduce(
 
     A call with the arguments of an earlier one (mpigpu.records) reuses what that one worked out:
     one lookup, the cross-rank check and the backend's launch, as a persistent request's start.
+
+    Several devices per process (mpigpu.multi): from a thread bound with ``mpigpu.on_device(i)`` the
+    call takes part as that device; ``x`` a list (one array per device of this process; ``out`` and
+    ``stream`` then lists too, or None) reduces them all from this thread and returns the list. Either
+    way every device of every rank is a participant, and avg divides by their number.
     """
+    if type(x) is list or type(x) is tuple or thread_binding.__dict__.get("index") is not None:
+        from mpigpu.multi.call import allreduce_devices
+
+        return allreduce_devices(x, op, out, comm, backend, stream)
     ctx = Context.get(comm)
     ctx.enter("allreduce")  # the one-thread rule; held to the end, so no refused call lands between check and data
     try:

@@ -41,6 +41,7 @@ from mpigpu.core._cuda import StreamRef, core_stream
 from mpigpu.core.errors import MismatchError, MpigpuError
 from mpigpu.core.ops import Op
 from mpigpu.job.failsafe import report_background_failure
+from mpigpu.multi.binding import thread_binding
 from mpigpu.runtime.context import Context, announce_rejection
 
 __all__ = ["Handle", "Worker", "allreduce_async", "reject", "run_queued", "start"]
@@ -268,7 +269,13 @@ def allreduce_async(
     Do not modify ``x`` (or read ``out``) until ``handle.wait()`` returns. Invalid arguments raise
     here, at once; the other ranks then get a MismatchError. For background-thread backends a
     cross-rank mismatch is raised by ``wait()``. Collective, like ``allreduce``: every rank starts
-    the same calls in the same order."""
+    the same calls in the same order. From a thread bound with ``on_device`` (or with a list) the call
+    runs at once, as the devices must meet; ``wait()`` waits for the GPU work it enqueued."""
+    if type(x) is list or type(x) is tuple or thread_binding.__dict__.get("index") is not None:
+        from mpigpu.multi.request import start_handle
+
+        name, result, enqueued = start_handle(x, op, out, comm, backend, stream)
+        return Handle(name, result=result, event=enqueued)
     ctx = Context.get(comm)
     ctx.enter("allreduce_async")  # the one-thread rule: the queue's order is this thread's order
     try:

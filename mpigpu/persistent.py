@@ -34,6 +34,7 @@ from mpigpu.core.errors import DeviceError, InvalidArgument, MpigpuError
 from mpigpu.core.ops import Op
 from mpigpu.handles import _worker
 from mpigpu.job.check import Signature, check_packed, check_signature
+from mpigpu.multi.binding import thread_binding
 
 __all__ = ["Graph", "Request", "allreduce_init"]
 
@@ -376,5 +377,12 @@ def allreduce_init(
     Collective, like ``allreduce``: every rank checks its arguments and all ranks agree on count,
     dtype, op, backend and placement here, once (MismatchError on every rank otherwise), and the
     backend is set up. Starts check nothing. Keep ``x`` and ``out`` alive and in place (the
-    request holds them); free the request with ``free()`` or a ``with`` block."""
+    request holds them); free the request with ``free()`` or a ``with`` block.
+
+    From a thread bound with ``on_device`` (or with a list) it returns a DevicesRequest, whose every
+    start is a full call over the process's devices (mpigpu.multi.request)."""
+    if type(x) is list or type(x) is tuple or thread_binding.__dict__.get("index") is not None:
+        from mpigpu.multi.request import DevicesRequest
+
+        return DevicesRequest(x, op, out, comm, backend, stream)  # type: ignore[return-value]
     return Request(prepare(x, op, out=out, comm=comm, backend=backend, stream=stream))

@@ -47,6 +47,9 @@ ENV_VARS: dict[str, str] = {
     "whole job (from `import mpigpu` on, once MPI runs with more than one rank) instead of leaving the other ranks "
     "waiting",
     "MPIGPU_ALLOW_SHARED_GPU": "1: allow more ranks on a node than visible GPUs (ranks then share GPUs)",
+    "MPIGPU_DEVICES_PER_RANK": "N: devices each process drives with mpigpu.on_device or a list call (default: its "
+    "node's visible GPUs divided among the node's ranks, at least 1; on a machine with no GPU: N host devices "
+    "holding NumPy arrays, default 1)",
     "MPIGPU_HOST_POOL_MB": "MiB: cap on the host path's pinned staging memory per rank (default 1024)",
     "MPIGPU_HOST_CHUNK": "bytes (e.g. 4M): the host path's pipeline chunk (default 4 MiB on GPUs, 16 MiB for NumPy)",
     "MPIGPU_HOST_DEPTH": "N: chunks the host path's pipeline stages ahead of the reduction (default 2)",
@@ -61,6 +64,7 @@ ENV_VARS: dict[str, str] = {
 # variable, on every rank alike, never an OverflowError on one rank.
 INT_RANGES: dict[str, tuple[int, int]] = {
     "MPIGPU_NODE_SIZE": (1, (1 << 31) - 1),  # ranks: MPI counts them in a C int
+    "MPIGPU_DEVICES_PER_RANK": (0, 1 << 10),  # devices in one process: far more than any node holds (0: default)
     "MPIGPU_HOST_POOL_MB": (1, 1 << 30),  # 1 PiB per rank: above any node's memory; its bytes fit an int64
     "MPIGPU_HOST_CHUNK": (1, 1 << 50),  # bytes: 1 PiB
     "MPIGPU_HOST_DEPTH": (1, 1 << 20),  # chunks ahead: far more than any pool holds
@@ -197,6 +201,7 @@ class Settings:
     check: bool = True
     abort_on_exception: bool = True
     allow_shared_gpu: bool = False
+    devices_per_rank: int = 0  # 0: the default (see ENV_VARS)
     host_pool_bytes: int = 1024 << 20
     host_chunk: int | None = None
     host_depth: int = 2
@@ -208,7 +213,8 @@ class Settings:
     def agreed(self) -> tuple[tuple[str, object], ...]:
         """(variable, value) of the settings that change which collectives run, or which backend is
         chosen: they must be equal on every rank (checked when a communicator is first used).
-        Per-rank on purpose: MPIGPU_TIMEOUT, MPIGPU_STALL and MPIGPU_ABORT_ON_EXCEPTION (how this rank
+        Per-rank on purpose: MPIGPU_DEVICES_PER_RANK (ranks may drive different numbers of devices),
+        MPIGPU_TIMEOUT, MPIGPU_STALL and MPIGPU_ABORT_ON_EXCEPTION (how this rank
         reacts to a failure), MPIGPU_LOG, MPIGPU_CACHE_DIR, MPIGPU_TUNE_FILE (rank 0 reads the table, then
         broadcasts it)."""
         values = (
@@ -242,6 +248,7 @@ class Settings:
             check=_bool("MPIGPU_CHECK", True),
             abort_on_exception=_bool("MPIGPU_ABORT_ON_EXCEPTION", True),
             allow_shared_gpu=_bool("MPIGPU_ALLOW_SHARED_GPU", False),
+            devices_per_rank=_count("MPIGPU_DEVICES_PER_RANK", 0) or 0,
             host_pool_bytes=pool_mb << 20,
             host_chunk=_count("MPIGPU_HOST_CHUNK", None),
             host_depth=depth,

@@ -50,6 +50,7 @@ assert len(_FIELDS) == FIELDS, "the check board's slots hold one value per field
 # different collectives fail the check like any other difference.
 COLLECTIVES: tuple[str, ...] = (
     "allreduce", "broadcast", "allgather", "broadcast_object", "allgather_object", "reduce_scatter", "alltoall",
+    "allreduce over devices",
 )  # fmt: skip
 _ZEROS = bytes(16 * len(_FIELDS))  # [v, -v] as int64 (array.array: cheaper per call than NumPy here)
 

@@ -10,6 +10,11 @@ the rank among the job's processes on the node: from the world-sized communicato
 first, else from the launcher (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, ...). Mapping by the
 rank inside a smaller communicator put rank 1 of 2, alone in its process set, on GPU 0 (seen on
 2 x H100: Horovod's process-set tests failed on rank 1 only).
+
+A process may drive several GPUs (mpigpu.multi): the node's visible GPUs are divided among its ranks,
+``MPIGPU_DEVICES_PER_RANK`` each (default: visible // ranks on the node, at least 1). Node-local rank r
+then holds GPUs r*G .. r*G+G-1, and its first one is the GPU the one-GPU calls use. With one rank per
+GPU, or more ranks than GPUs, G is 1 and the mapping is node-local rank modulo visible GPUs as before.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from mpigpu.core.errors import DeviceError
 from mpigpu.core.typed import allgather_ints, allgather_text
 from mpigpu.job.topology import Layout
 
-__all__ = ["GpuInfo", "map_device"]
+__all__ = ["GpuInfo", "map_device", "process_devices"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ def _describe(index: int, visible: int) -> GpuInfo:
 
 _warned_shared = False
 _process_gpu: list[int] = []  # this process's GPU index, fixed by the first mapping
+_process_devices: list[int] = []  # this process's GPUs (several: mpigpu.multi), fixed with it
 
 
 def _node_local_rank(layout: Layout) -> int:
@@ -75,8 +81,31 @@ def _node_local_rank(layout: Layout) -> int:
     return local if local >= 0 else layout.phys_rank
 
 
-def map_device(layout: Layout, allow_shared: bool) -> GpuInfo | None:
-    """Pick this rank's GPU (collective over the physical node). None on machines without GPUs."""
+def process_devices() -> list[int]:
+    """The CUDA ordinals of the GPUs this process drives (fixed by the first mapping; [] before it, and
+    on machines without GPUs)."""
+    return list(_process_devices)
+
+
+def _first_devices(layout: Layout, visible: int, per_rank: int) -> list[int]:
+    """This process's GPUs: ``per_rank`` of them (0: visible // ranks on the node, at least 1)."""
+    ranks = layout.phys_size
+    count = per_rank or max(1, visible // ranks)
+    local = _node_local_rank(layout)
+    if count == 1:
+        return [local % visible]
+    if count * ranks > visible:
+        raise DeviceError(
+            f"MPIGPU_DEVICES_PER_RANK={count} with {ranks} rank(s) on {layout.hostnames[layout.rank]} needs "
+            f"{count * ranks} GPUs; this process sees {visible}. Start fewer ranks per node or lower it."
+        )
+    first = local * count
+    return list(range(first, first + count))
+
+
+def map_device(layout: Layout, allow_shared: bool, per_rank: int = 0) -> GpuInfo | None:
+    """Pick this rank's GPU (collective over the physical node), and the GPUs the process drives
+    (``process_devices``; ``per_rank``: MPIGPU_DEVICES_PER_RANK). None on machines without GPUs."""
     global _warned_shared
     visible = visible_device_count()
     counts = [c for (c,) in allgather_ints(layout.phys_comm, [visible])]
@@ -89,7 +118,9 @@ def map_device(layout: Layout, allow_shared: bool) -> GpuInfo | None:
             )
         return None
     if not _process_gpu:
-        _process_gpu.append(_node_local_rank(layout) % visible)
+        devices = _first_devices(layout, visible, per_rank)
+        _process_devices.extend(devices)
+        _process_gpu.append(devices[0])
     info = _describe(_process_gpu[0], visible)
     bus_ids = allgather_text(layout.phys_comm, info.pci_bus_id)
     sharing = len(bus_ids) - len(set(bus_ids))

@@ -91,7 +91,9 @@ class Context:
         # otherwise (None) through MPI. Every later check on self.comm finds it (check_board.board_for).
         if self.settings.check:  # agreed on every rank: open_board is collective
             self.check_board = open_board(comm, None if self.layout.virtual else self.layout.phys_comm)
-        self.gpu: GpuInfo | None = map_device(self.layout, self.settings.allow_shared_gpu)
+        self.gpu: GpuInfo | None = map_device(
+            self.layout, self.settings.allow_shared_gpu, self.settings.devices_per_rank
+        )
         has_gpu = self.gpu is not None
         self.all_have_gpus: bool = bool(allreduce_int(comm, int(has_gpu), "min"))
         self.any_has_gpus: bool = bool(allreduce_int(comm, int(has_gpu), "max"))

@@ -1,0 +1,70 @@
+"""Which of its process's devices the calling thread takes part as: ``on_device(i)``, a per-thread binding.
+
+A thread started inside the block is not bound (the binding is the thread's own): bind it with its own
+``on_device``. Leaving the block by an exception marks that device's participant as failed, so the other
+devices' threads of this process raise at their pending or next call instead of waiting for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from mpigpu.core.errors import InvalidArgument
+from mpigpu.job.device import process_devices
+from mpigpu.runtime.context import Context
+
+__all__ = ["bound_index", "local_devices", "on_device", "thread_binding"]
+
+thread_binding = threading.local()  # .index: the position in local_devices() this thread is bound to
+
+
+def bound_index() -> int | None:
+    """The position (in ``local_devices()``) of the device the calling thread is bound to, or None."""
+    return thread_binding.__dict__.get("index")
+
+
+def local_devices(comm: Any = None) -> list[int]:
+    """The devices this process drives, in participant order: CUDA ordinals where the process has GPUs,
+    else host device numbers 0..N-1 (MPIGPU_DEVICES_PER_RANK, default 1). Collective the first time
+    mpigpu meets ``comm`` (default: the world), like any first call."""
+    ctx = Context.get(comm)
+    if ctx.gpu is not None:
+        return process_devices()
+    return list(range(ctx.settings.devices_per_rank or 1))
+
+
+@contextlib.contextmanager
+def on_device(index: int, *, comm: Any = None) -> Iterator[int | None]:
+    """Bind the calling thread to device ``index`` of this process (0 .. len(local_devices()) - 1): its
+    mpigpu calls take part as that device, and that GPU is made current for the thread. Yields the CUDA
+    ordinal (None for a host device). Not inherited by threads started inside the block."""
+    if type(index) is not int or index < 0:
+        raise InvalidArgument(f"on_device takes a device position >= 0, not {index!r}")
+    devices = local_devices(comm)
+    if index >= len(devices):
+        raise InvalidArgument(
+            f"on_device({index}): this process drives {len(devices)} device(s) ({devices}); positions run from 0 "
+            f"to {len(devices) - 1}. MPIGPU_DEVICES_PER_RANK sets how many each process drives."
+        )
+    ordinal = devices[index] if Context.get(comm).gpu is not None else None
+    if ordinal is not None:
+        from mpigpu.core._cuda import set_device
+
+        set_device(ordinal)
+    previous = bound_index()
+    thread_binding.index = index
+    try:
+        yield ordinal
+    except BaseException as exc:
+        from mpigpu.multi.group import fail_participant
+
+        fail_participant(index, exc)
+        raise
+    finally:
+        if previous is None:
+            thread_binding.__dict__.pop("index", None)
+        else:
+            thread_binding.index = previous

@@ -1,0 +1,232 @@
+"""``allreduce`` over several devices per process: each device's arguments checked on its own thread,
+then, once the process's devices have met (mpigpu.multi.group), one thread checks that they and the
+other ranks agree and moves the data (mpigpu.multi.paths).
+
+The safety rules of the one-device call hold per participant: a device whose arguments are wrong raises
+its own error and every other participant of that call, on every rank, raises MismatchError naming it;
+the devices of a process must agree with each other as the ranks must; and the next call pairs.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from mpigpu.backends import backend_code
+from mpigpu.core._cuda import StreamRef, resolve_stream
+from mpigpu.core.arrays import ArrayView, as_view, check_out
+from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError
+from mpigpu.core.ops import Op, parse_op
+from mpigpu.job.check import COLLECTIVES, Signature, check_signature
+from mpigpu.multi import paths
+from mpigpu.multi.binding import bound_index
+from mpigpu.multi.group import Group, Meeting, copy_error
+from mpigpu.runtime.context import Context, announce_rejection
+from mpigpu.runtime.plan import Choice
+
+__all__ = ["Entry", "allreduce_devices", "start_devices"]
+
+_COLLECTIVE = COLLECTIVES.index("allreduce over devices")
+
+
+@dataclass(slots=True)
+class Entry:
+    """One device's part of a call: its checked arguments, or the error they raised."""
+
+    index: int
+    x: ArrayView | None = None
+    out: ArrayView | None = None
+    op: Op | None = None
+    backend: str = "auto"
+    stream: StreamRef | None = None
+    result: Any = None
+    error: BaseException | None = None
+    choice: Choice | None = None  # set by the leader
+
+
+def _entry(group: Group, k: int, x: Any, op: Any, out: Any, backend: str, stream: Any) -> Entry:
+    """Device ``k``'s arguments, checked locally (no communication); errors are kept, not raised."""
+    entry = Entry(k)
+    try:
+        op_ = parse_op(op)
+        if not isinstance(backend, str):
+            raise InvalidArgument(f"backend must be a string such as 'auto' or 'nccl', not {type(backend).__name__}")
+        xv = as_view(x, name="x")
+        if xv.framework == "jax":
+            raise InvalidArgument(
+                "JAX arrays over several devices per process: call mpigpu.jax's collectives inside jax.shard_map"
+            )
+        if out is None:
+            if xv.readonly:
+                raise InvalidArgument("x is read-only, so it cannot be reduced in place: pass out=<writable array>")
+            outv, result = xv, x
+        else:
+            outv, result = as_view(out, name="out"), out
+            check_out(xv, outv)
+        if xv.on_device:
+            if group.gpus is None:
+                raise DeviceError("x is a GPU array, but this process drives host devices (it has no GPU bound)")
+            if xv.device != group.gpus[k]:
+                raise DeviceError(
+                    f"x is on GPU {xv.device}, but this thread takes part as {group.describe(k)} (position {k}): "
+                    f"allocate it there (on_device({k}) makes that GPU current)"
+                )
+        entry.x, entry.out, entry.op, entry.backend, entry.result = xv, outv, op_, backend, result
+        entry.stream = resolve_stream(stream, xv.framework, xv.device) if xv.on_device else None
+    except Exception as exc:  # every failure here must reach the other participants
+        entry.error = exc
+    return entry
+
+
+class _Steps:
+    """What the leading device of a call does (mpigpu.multi.group.Steps)."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.ctx = group.ctx
+
+    def fail(self, meeting: Meeting, error: BaseException) -> None:
+        """A participant of this process cannot take part: every rank raises for this call."""
+        meeting.error = error
+        if self.ctx.size > 1:
+            announce_rejection(self.ctx, error)  # type: ignore[arg-type]
+
+    def lead(self, meeting: Meeting) -> None:
+        entries: list[Entry] = meeting.entries
+        for entry in entries:
+            if entry.error is not None:
+                self.fail(meeting, entry.error)
+                return
+        first = entries[0]
+        assert first.x is not None and first.op is not None
+        problem = _disagreement(self.group, entries)
+        try:
+            if problem:
+                raise MismatchError(problem)
+            choice = paths.choose(self.group, first.x, first.op, first.backend)
+        except Exception as exc:
+            self.fail(meeting, exc)
+            return
+        ctx = self.ctx
+        signature = Signature(
+            count=first.x.size,
+            dtype=first.x.dtype.code,
+            op=first.op.code,
+            backend=backend_code(choice.backend),
+            placement=first.x.placement,
+            shape=first.x.shape,
+            collective=_COLLECTIVE,
+        )
+        label = f"allreduce over several devices per process ({choice.backend}, {first.x.dtype.name} x {first.x.size})"
+        try:
+            with ctx.watchdog.watch(label):
+                if ctx.settings.check and ctx.size > 1:
+                    check_signature(ctx.comm, signature, backend_name=choice.backend)
+                if first.x.on_device:
+                    ctx.activate_gpu()
+                paths.run(self.group, choice, entries, first.op)
+        except BaseException as exc:
+            meeting.error = exc
+            return
+        first.choice = choice
+        if ctx.settings.log and ctx.rank == 0:
+            _log(first, choice)
+
+
+def _disagreement(group: Group, entries: list[Entry]) -> str | None:
+    """Where this process's devices ask for different calls (None if they agree)."""
+
+    def key(e: Entry) -> tuple[Any, ...]:
+        assert e.x is not None and e.op is not None
+        return (e.x.shape, e.x.dtype.name, e.op.value, e.backend, e.x.where if e.x.device is None else "GPU")
+
+    first = key(entries[0])
+    differ = [e.index for e in entries if key(e) != first]
+    if not differ:
+        return None
+    shown = "; ".join(f"{group.describe(e.index)}: shape {key(e)[0]}, {key(e)[1]}, op={key(e)[2]}, backend={key(e)[3]}"
+                      for e in entries)  # fmt: skip
+    return (
+        f"allreduce over several devices per process: the devices of rank {group.ctx.rank} asked for different calls "
+        f"({shown}). Every device must make the same calls in the same order."
+    )
+
+
+_logged: set[tuple[str, str]] = set()
+
+
+def _log(entry: Entry, choice: Choice) -> None:
+    key = (choice.backend, choice.reason)
+    if key not in _logged:
+        _logged.add(key)
+        assert entry.x is not None
+        sys.stderr.write(
+            f"mpigpu: {entry.x.nbytes} B {entry.x.dtype.name} x several devices -> {choice.backend} ({choice.reason})\n"
+        )
+
+
+def _steps(group: Group) -> _Steps:
+    steps = group.paths.get("steps")
+    if steps is None:
+        steps = group.paths["steps"] = _Steps(group)
+    return steps
+
+
+def start_devices(x: Any, op: Any, out: Any, comm: Any, backend: str, stream: Any) -> tuple[Any, list[Entry]]:
+    """The call of a bound thread (one device) or of a list (every device, from this thread): returns
+    (what allreduce returns, this thread's entries: one, or one per device for a list; the leader's
+    first entry of the meeting holds the ``choice``)."""
+    ctx = Context.get(comm)
+    group = Group.of(ctx)
+    steps = _steps(group)
+    if type(x) in (list, tuple):
+        return _list_call(group, steps, x, op, out, backend, stream)
+    k = bound_index()
+    assert k is not None
+    if k >= group.count:
+        entry = Entry(k, error=InvalidArgument(f"on_device({k}): this process drives {group.count} device(s)"))
+        k = 0  # takes part in the meeting of device 0's next call, which then fails on every rank
+    else:
+        entry = _entry(group, k, x, op, out, backend, stream)
+    meeting = group.meet(k, entry, steps)
+    _raise_for(meeting, entry)
+    entry.choice = meeting.entries[0].choice
+    return entry.result, [entry]
+
+
+def _list_call(
+    group: Group, steps: _Steps, xs: Any, op: Any, out: Any, backend: str, stream: Any
+) -> tuple[Any, list[Entry]]:
+    """One thread, one array per device (and one out and one stream per device, if given)."""
+    n = group.count
+    outs = [None] * n if out is None else out
+    streams = [stream] * n if stream is None or type(stream) not in (list, tuple) else stream
+    entries = [_entry(group, k, xs[k], op, outs[k], backend, streams[k]) if k < len(xs) else Entry(k) for k in range(n)]
+    problem = None
+    if len(xs) != n:
+        problem = f"a list call takes one array per device of this process ({n}), not {len(xs)}"
+    elif type(outs) not in (list, tuple) or len(outs) != n:
+        problem = f"out must be None or a list with one array per device ({n})"
+    elif len(streams) != n:
+        problem = f"stream must be None, one stream, or a list with one per device ({n})"
+    if problem:
+        entries[0].error = InvalidArgument(problem)
+    meeting = group.meet_all(entries, steps)
+    own = next((e for e in entries if e.error is not None and e.error is meeting.error), entries[0])
+    _raise_for(meeting, own)
+    return [entry.result for entry in entries], entries
+
+
+def _raise_for(meeting: Meeting, entry: Entry) -> None:
+    error = meeting.error
+    if error is None:
+        return
+    if entry.error is error:
+        raise error
+    raise copy_error(error)
+
+
+def allreduce_devices(x: Any, op: Any, out: Any, comm: Any, backend: str, stream: Any) -> Any:
+    """``mpigpu.allreduce`` for a bound thread or a list (see mpigpu.multi)."""
+    return start_devices(x, op, out, comm, backend, stream)[0]

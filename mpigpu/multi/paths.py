@@ -1,0 +1,203 @@
+"""How a call over several devices per process moves its data, once its devices have met.
+
+- ``nccl``: one NCCL communicator per (rank, GPU) pair, created in one NCCL group per process; a call is
+  one ncclAllReduce per local GPU, issued in a group on each device's stream (NCCL divides avg by every
+  participant). Float min/max and integer avg, whose exact forms need passes of their own, are not taken.
+- ``host`` (GPU arrays) and ``cpu`` (host arrays): every participant's rows, gathered on every rank
+  (each process copies its devices' rows in, MPI_Allgatherv moves them across ranks) and reduced in
+  participant order with mpigpu's NumPy semantics. The order is the participants', whatever the layout,
+  so 1 process x 2 devices and 2 processes x 1 device give the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mpigpu.backends.device_scratch import needs_keys_or_parts
+from mpigpu.backends.host_reduce import CPU_BLOCK, reduce_rows
+from mpigpu.core.errors import BackendUnavailable, InvalidArgument
+from mpigpu.core.ops import Op
+from mpigpu.job.check import fail_together
+from mpigpu.runtime.plan import Choice
+
+if TYPE_CHECKING:
+    from mpigpu.core.arrays import ArrayView
+    from mpigpu.multi.group import Group
+
+__all__ = ["BUILT", "choose", "run"]
+
+BUILT = ("auto", "nccl", "host", "cpu")  # the backends a call over several devices per process takes
+
+
+def _nccl_problem(group: Group, x: ArrayView, op: Op) -> str | None:
+    ctx = group.ctx
+    availability = ctx.availability.get("nccl")
+    if availability is None or not availability.ok:
+        return f"NCCL is unavailable ({availability.reason if availability else 'not probed'})"
+    if x.dtype.nccl is None:
+        return f"NCCL has no {x.dtype.name} type"
+    if needs_keys_or_parts(x.dtype, op):
+        return f"{op.value} of {x.dtype.name} over several devices per process runs on the host path"
+    return None
+
+
+def choose(group: Group, x: ArrayView, op: Op, backend: str) -> Choice:
+    """The path of a call (the same on every rank: it depends on agreed state, dtype, op and backend)."""
+    if backend not in BUILT:
+        raise InvalidArgument(
+            f"backend {backend!r} does not take calls over several devices per process: use one of {', '.join(BUILT)}"
+        )
+    if not x.on_device:
+        if backend not in ("auto", "cpu"):
+            raise InvalidArgument(f"backend {backend!r} takes GPU arrays; host arrays take 'cpu' or 'auto'")
+        return Choice(
+            "cpu", "host arrays over several devices per process: rows gathered, reduced in participant order"
+        )
+    if backend == "cpu":
+        raise InvalidArgument("backend 'cpu' takes host arrays; GPU arrays take 'nccl', 'host' or 'auto'")
+    problem = _nccl_problem(group, x, op)
+    if backend == "nccl":
+        if problem:
+            raise BackendUnavailable(f"backend 'nccl' over several devices per process: {problem}")
+        return Choice("nccl", "requested")
+    if backend == "host":
+        return Choice("host", "requested")
+    if problem:
+        return Choice("host", f"{problem}: host staging")
+    return Choice("nccl", "GPU arrays over several devices per process: one NCCL communicator per GPU")
+
+
+def run(group: Group, choice: Choice, entries: list[Any], op: Op) -> None:
+    """Move and reduce the data of a call whose devices have met and whose ranks agreed."""
+    x = entries[0].x
+    if x.size == 0:
+        return
+    if group.total == 1:
+        _copy_own(entries[0])
+        return
+    if choice.backend == "nccl":
+        comms = group.paths.get("nccl")
+        if comms is None:
+            comms = group.paths["nccl"] = DeviceComms(group)
+        comms.allreduce(entries, op)
+    else:
+        _gather_fold(group, entries, op)
+
+
+def _copy_own(entry: Any) -> None:
+    """One participant in the job: the result is the input."""
+    x, out = entry.x, entry.out
+    if x.same_memory(out):
+        return
+    if x.host is not None:
+        out.host[...] = x.host
+        return
+    from mpigpu.core._cuda import cupy
+
+    rt = cupy().cuda.runtime
+    rt.memcpyAsync(out.ptr, x.ptr, x.nbytes, rt.memcpyDeviceToDevice, entry.stream.handle)
+
+
+class DeviceComms:
+    """One NCCL communicator per local GPU, each a participant of the job's (collective to create)."""
+
+    def __init__(self, group: Group) -> None:
+        ctx = group.ctx
+        self.gpus = list(group.gpus or [])
+        error: BaseException | None = None
+        nccl: Any = None
+        uid = None
+        try:
+            from cupy.cuda import nccl
+
+            if ctx.rank == 0:
+                uid = nccl.get_unique_id()
+        except Exception as exc:
+            error = BackendUnavailable(f"NCCL could not prepare per-GPU communicators: {type(exc).__name__}: {exc}")
+        fail_together(ctx.comm, error, "nccl over several devices per process: preparing")
+        uid = ctx.comm.bcast(uid, root=0)
+        self.comms: list[Any] = []
+        try:
+            import cupy
+
+            nccl.groupStart()
+            try:
+                for k, gpu in enumerate(self.gpus):
+                    with cupy.cuda.Device(gpu):
+                        self.comms.append(nccl.NcclCommunicator(group.total, uid, group.first + k))
+            finally:
+                nccl.groupEnd()
+        except Exception as exc:
+            error = BackendUnavailable(f"NCCL could not create per-GPU communicators: {type(exc).__name__}: {exc}")
+        fail_together(ctx.comm, error, "nccl over several devices per process: creating the communicators")
+
+    def allreduce(self, entries: list[Any], op: Op) -> None:
+        """ncclAllReduce on every local GPU, one NCCL group (one thread drives them all)."""
+        import cupy
+        from cupy.cuda import nccl
+
+        x = entries[0].x
+        nccl.groupStart()
+        try:
+            for k, entry in enumerate(entries):
+                with cupy.cuda.Device(self.gpus[k]):
+                    self.comms[k].allReduce(
+                        entry.x.ptr, entry.out.ptr, x.size, x.dtype.nccl, op.nccl, entry.stream.handle
+                    )
+        finally:
+            nccl.groupEnd()
+
+    def close(self) -> None:
+        comms, self.comms = self.comms, []
+        for comm in comms:
+            comm.destroy()
+
+
+def _gather_fold(group: Group, entries: list[Any], op: Op) -> None:
+    """Every participant's rows on every rank, reduced in participant order (module docstring)."""
+    ctx = group.ctx
+    x = entries[0].x
+    dtype, count = x.dtype, x.size
+    rows = np.empty((group.total, count), dtype.np)
+    for k, entry in enumerate(entries):
+        _to_row(entry, rows[group.first + k])
+    if ctx.size > 1:
+        from mpigpu.core._mpi import MPI
+
+        mpi = MPI()
+        row = mpi.BYTE.Create_contiguous(count * dtype.itemsize).Commit()
+        try:
+            ctx.comm.Allgatherv(mpi.IN_PLACE, [rows, (group.counts, group.offsets), row])
+        finally:
+            row.Free()
+    result = np.empty(count, dtype.np)
+    scratch = np.empty(max(1, min(count, CPU_BLOCK // dtype.itemsize)), np.float32)
+    reduce_rows(list(rows), op, dtype, group.total, result, final=True, scratch=scratch)
+    for entry in entries:
+        _from_result(entry, result)
+
+
+def _to_row(entry: Any, row: np.ndarray) -> None:
+    x = entry.x
+    if x.host is not None:
+        row[...] = x.host.reshape(-1)
+        return
+    from mpigpu.core._cuda import cupy
+
+    rt = cupy().cuda.runtime
+    rt.memcpyAsync(row.ctypes.data, x.ptr, x.nbytes, rt.memcpyDeviceToHost, entry.stream.handle)
+    rt.streamSynchronize(entry.stream.handle)  # the caller's producer is done, and so is the copy
+
+
+def _from_result(entry: Any, result: np.ndarray) -> None:
+    out = entry.out
+    if out.host is not None:
+        out.host[...] = result.reshape(out.host.shape)
+        return
+    from mpigpu.core._cuda import cupy
+
+    rt = cupy().cuda.runtime
+    rt.memcpyAsync(out.ptr, result.ctypes.data, out.nbytes, rt.memcpyHostToDevice, entry.stream.handle)
+    rt.streamSynchronize(entry.stream.handle)  # ``result`` is freed on return
