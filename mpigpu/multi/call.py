@@ -123,8 +123,6 @@ class _Steps:
             with ctx.watchdog.watch(label):
                 if ctx.settings.check and ctx.size > 1:
                     check_signature(ctx.comm, signature, backend_name=choice.backend)
-                if first.x.on_device:
-                    ctx.activate_gpu()
                 paths.run(self.group, choice, entries, first.op)
         except BaseException as exc:
             meeting.error = exc

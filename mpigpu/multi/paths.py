@@ -96,8 +96,9 @@ def _copy_own(entry: Any) -> None:
         return
     from mpigpu.core._cuda import cupy
 
-    rt = cupy().cuda.runtime
-    rt.memcpyAsync(out.ptr, x.ptr, x.nbytes, rt.memcpyDeviceToDevice, entry.stream.handle)
+    cp = cupy()
+    with cp.cuda.Device(x.device):
+        cp.cuda.runtime.memcpyAsync(out.ptr, x.ptr, x.nbytes, cp.cuda.runtime.memcpyDeviceToDevice, entry.stream.handle)
 
 
 class DeviceComms:
@@ -186,9 +187,11 @@ def _to_row(entry: Any, row: np.ndarray) -> None:
         return
     from mpigpu.core._cuda import cupy
 
-    rt = cupy().cuda.runtime
-    rt.memcpyAsync(row.ctypes.data, x.ptr, x.nbytes, rt.memcpyDeviceToHost, entry.stream.handle)
-    rt.streamSynchronize(entry.stream.handle)  # the caller's producer is done, and so is the copy
+    cp = cupy()
+    rt = cp.cuda.runtime
+    with cp.cuda.Device(x.device):  # the device's own stream, from whichever thread leads
+        rt.memcpyAsync(row.ctypes.data, x.ptr, x.nbytes, rt.memcpyDeviceToHost, entry.stream.handle)
+        rt.streamSynchronize(entry.stream.handle)  # the caller's producer is done, and so is the copy
 
 
 def _from_result(entry: Any, result: np.ndarray) -> None:
@@ -198,6 +201,8 @@ def _from_result(entry: Any, result: np.ndarray) -> None:
         return
     from mpigpu.core._cuda import cupy
 
-    rt = cupy().cuda.runtime
-    rt.memcpyAsync(out.ptr, result.ctypes.data, out.nbytes, rt.memcpyHostToDevice, entry.stream.handle)
-    rt.streamSynchronize(entry.stream.handle)  # ``result`` is freed on return
+    cp = cupy()
+    rt = cp.cuda.runtime
+    with cp.cuda.Device(out.device):
+        rt.memcpyAsync(out.ptr, result.ctypes.data, out.nbytes, rt.memcpyHostToDevice, entry.stream.handle)
+        rt.streamSynchronize(entry.stream.handle)  # ``result`` is freed on return
