@@ -20,21 +20,27 @@ class Enqueued:
     mpigpu.handles.Handle asks of an event)."""
 
     def __init__(self, entries: list[Entry]) -> None:
-        from mpigpu.core._cuda import core_stream, set_device
+        self._events: list[Any] = []
+        devices = [entry for entry in entries if entry.stream is not None and entry.x is not None]
+        if not devices:
+            return
+        from mpigpu.core._cuda import cupy
 
-        self._events = []
-        for entry in entries:
-            if entry.stream is not None and entry.x is not None:
-                set_device(entry.x.device)  # type: ignore[arg-type]
-                self._events.append(core_stream(entry.stream.handle).record())
+        cp = cupy()
+        for entry in devices:
+            assert entry.x is not None and entry.stream is not None
+            with cp.cuda.Device(entry.x.device):  # the thread's current GPU is left as it was
+                event = cp.cuda.Event(block=False, disable_timing=True)
+                event.record(cp.cuda.ExternalStream(entry.stream.handle, entry.x.device))
+                self._events.append(event)
 
     @property
     def is_done(self) -> bool:
-        return all(bool(event.is_done) for event in self._events)
+        return all(event.done for event in self._events)
 
     def sync(self) -> None:
         for event in self._events:
-            event.sync()
+            event.synchronize()
 
 
 def start_handle(x: Any, op: Any, out: Any, comm: Any, backend: str, stream: Any) -> tuple[str, Any, Enqueued]:
