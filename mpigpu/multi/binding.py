@@ -2,7 +2,8 @@
 
 A thread started inside the block is not bound (the binding is the thread's own): bind it with its own
 ``on_device``. Leaving the block by an exception marks that device's participant as failed, so the other
-devices' threads of this process raise at their pending or next call instead of waiting for it.
+devices' threads of this process raise at their pending or next call instead of waiting for it; a new
+``on_device`` block for that device (or a list call) makes it take part again.
 """
 
 from __future__ import annotations
@@ -54,13 +55,14 @@ def on_device(index: int, *, comm: Any = None) -> Iterator[int | None]:
         from mpigpu.core._cuda import set_device
 
         set_device(ordinal)
+    from mpigpu.multi.group import fail_participant
+
     previous = bound_index()
     thread_binding.index = index
+    fail_participant(index, None)  # a device whose earlier thread failed takes part again
     try:
         yield ordinal
     except BaseException as exc:
-        from mpigpu.multi.group import fail_participant
-
         fail_participant(index, exc)
         raise
     finally:

@@ -145,16 +145,13 @@ class Group:
                 )
             number = numbers.pop()
             self._next = [number + 1] * self.count
+            self._failed.clear()  # one thread drives every device now
             meeting = Meeting(self, number)
             meeting.entries = list(entries)
             meeting.arrived = self.count
             meeting.claimed = True
-            dead = [k for k in range(self.count) if k in self._failed]
         try:
-            if dead:
-                steps.fail(meeting, self._dead_error(meeting, dead[0]))
-            else:
-                steps.lead(meeting)
+            steps.lead(meeting)
         except BaseException as exc:
             if meeting.error is None:
                 meeting.error = exc
@@ -178,6 +175,8 @@ class Group:
         dead = [k for k in meeting.missing() if k in self._failed]
         if dead:
             meeting.claimed = True
+            for k in dead:  # their threads skip this call: a thread bound to them again starts at the next
+                self._next[k] = max(self._next[k], meeting.number + 1)
             error = self._dead_error(meeting, dead[0])
             return lambda: steps.fail(meeting, error)
         return None
@@ -213,16 +212,26 @@ class Group:
                 watchdog.active.pop(ident, None)
 
     def fail(self, k: int, error: BaseException) -> None:
-        """Device ``k``'s thread ended with ``error``: its pending and later calls fail on every device."""
+        """Device ``k``'s thread left its block with ``error``: the calls it will not make fail on every device,
+        until a thread is bound to it again (``revive``)."""
         with self._cond:
             self._failed.setdefault(k, error)
             self._cond.notify_all()
 
+    def revive(self, k: int) -> None:
+        """A thread is bound to device ``k`` again: its calls are awaited again."""
+        with self._cond:
+            self._failed.pop(k, None)
 
-def fail_participant(k: int, error: BaseException) -> None:
-    """The calling thread, bound to device ``k``, leaves its block by ``error`` (mpigpu.multi.binding)."""
+
+def fail_participant(k: int, error: BaseException | None) -> None:
+    """The calling thread, bound to device ``k``, leaves its block by ``error``, or (None) enters one
+    (mpigpu.multi.binding)."""
     for group in list(_groups):
-        group.fail(k, error)
+        if error is None:
+            group.revive(k)
+        else:
+            group.fail(k, error)
 
 
 def copy_error(error: BaseException) -> BaseException:
