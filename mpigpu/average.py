@@ -3,6 +3,12 @@ it, every element is verified against the closed form, and the call is timed.
 
 This is the seed sample (grad[i] = rank + 0.001*i, averaged to (N-1)/2 + 0.001*i) made into a
 tool. Exit code 0 only if no element is wrong on any rank.
+
+``--devices-per-rank N`` drives N devices from every process (mpigpu.multi; it sets
+MPIGPU_DEVICES_PER_RANK before mpigpu starts): one thread per device, bound with
+``mpigpu.on_device``, computes the gradient of participant (rank, device) as the one-device run
+computes a rank's, and the average and the check cover every participant. Without GPUs the devices
+are host devices (NumPy arrays).
 """
 
 from __future__ import annotations
@@ -56,7 +62,10 @@ def build_parser() -> Parser:
             "Average a gradient across MPI ranks, verify every element and time the call.\n"
             "Each rank fills grad[i] = rank + 0.001*i (pattern 'seed'; on the GPU with an NVRTC kernel),\n"
             "the ranks reduce it, and the result is checked against (N-1)/2 + 0.001*i.\n"
-            "Run it under your MPI launcher:  mpiexec -n 4 python -m mpigpu.average --size 1M"
+            "Run it under your MPI launcher:  mpiexec -n 4 python -m mpigpu.average --size 1M\n"
+            "With --devices-per-rank N every process drives N devices, one thread each (mpigpu.on_device):\n"
+            "participant p = (rank, device) fills p + 0.001*i, and every participant's result is checked\n"
+            "against (P-1)/2 + 0.001*i, P = ranks x N.  mpiexec -n 2 python -m mpigpu.average --devices-per-rank 2"
         ),
         epilog=f"environment variables:\n{env}\n\nexit status: 0 if every element on every rank is right, "
         "1 if any is wrong, 2 for invalid options.",
@@ -105,9 +114,38 @@ def build_parser() -> Parser:
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--quiet", action="store_true", help="print only the result row and PASS/FAIL")
     parser.add_argument(
+        "--devices-per-rank",
+        type=devices_arg,
+        default=None,
+        metavar="N",
+        help="drive N devices from every process (sets MPIGPU_DEVICES_PER_RANK; N from 1 to "
+        f"{MAX_DEVICES_PER_RANK}): one thread per device, bound with mpigpu.on_device, fills the gradient "
+        "of participant (rank, device) (participant p = the ranks' devices numbered rank by rank; "
+        "grad[i] = p + 0.001*i), and the average over every participant (ranks x N) is verified. "
+        "GPU processes drive N GPUs each (N x ranks per node <= visible GPUs); without GPUs, N host "
+        "devices (NumPy). Backends: auto, nccl or host (GPU arrays), cpu (host arrays). "
+        "Default: one device per process, the one-device call",
+    )
+    parser.add_argument(
         "--corrupt", type=nonneg_int, default=0, metavar="N", help=argparse.SUPPRESS
     )  # testing aid: damage N results on rank 0 before checking
     return parser
+
+
+MAX_DEVICES_PER_RANK = 1 << 10  # MPIGPU_DEVICES_PER_RANK's own limit (mpigpu.core.config)
+
+
+def devices_arg(text: str) -> int:
+    """--devices-per-rank: a whole number from 1 to MAX_DEVICES_PER_RANK."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number: give how many devices each process drives (1 or more)"
+        ) from None
+    if not 1 <= value <= MAX_DEVICES_PER_RANK:
+        raise argparse.ArgumentTypeError(f"{value} devices per process: it must be from 1 to {MAX_DEVICES_PER_RANK}")
+    return value
 
 
 def _on_gpu(args: argparse.Namespace, ctx: Any) -> bool:
@@ -123,33 +161,66 @@ def _on_gpu(args: argparse.Namespace, ctx: Any) -> bool:
     return on_gpu
 
 
-def _memory_problem(ctx: Any, per_rank: int, on_gpu: bool) -> str | None:
+def _memory_problem(
+    ctx: Any, per_rank: int, on_gpu: bool, *, gpus: list[int] | None = None, host_bytes: int | None = None
+) -> str | None:
     """Why the buffers of ``per_rank`` bytes cannot fit (the same text on every rank), or None (collective).
 
-    Host memory is the node's, shared by its ranks; GPU memory is each rank's GPU. Ranks on other
-    nodes may see other numbers: the first problem found, in rank order, is everyone's answer."""
+    Host memory is the node's, shared by its ranks; GPU memory is each rank's GPU (each of ``gpus``,
+    where a process drives several). ``host_bytes``: the host memory each rank needs, where that is not
+    ``per_rank`` for host buffers and nothing for GPU ones (several devices: every device's buffers, and
+    the rows a gathered path stages). Ranks on other nodes may see other numbers: the first problem
+    found, in rank order, is everyone's answer."""
     from mpigpu.core.config import size_label
     from mpigpu.job.memory import gpu_free_bytes, host_available_bytes
 
     mine = None
     if on_gpu:
-        free = gpu_free_bytes(ctx.gpu.index)
-        if free is not None and per_rank > free:
-            mine = (
-                f"--size needs {size_label(per_rank)} on each rank's GPU, but GPU {ctx.gpu.index} of rank {ctx.rank} "
-                f"has {size_label(free)} free: give a smaller --size"
-            )
-    else:
+        for index in [ctx.gpu.index] if gpus is None else gpus:
+            free = gpu_free_bytes(index)
+            if free is not None and per_rank > free:
+                mine = (
+                    f"--size needs {size_label(per_rank)} on each {'rank' if gpus is None else 'device'}'s GPU, "
+                    f"but GPU {index} of rank {ctx.rank} has {size_label(free)} free: give a smaller --size"
+                )
+                break
+    need = (0 if on_gpu else per_rank) if host_bytes is None else host_bytes
+    if mine is None and need:
         local = ctx.layout.local_size
         available = host_available_bytes()
-        if available is not None and per_rank * local > available:
+        if available is not None and need * local > available:
             mine = (
-                f"--size needs {size_label(per_rank)} of host memory per rank, {size_label(per_rank * local)} for "
+                f"--size needs {size_label(need)} of host memory per rank, {size_label(need * local)} for "
                 f"the {local} rank{'s' if local != 1 else ''} on {ctx.layout.hostnames[ctx.rank]}, but it has "
                 f"{size_label(available)} available: give a smaller --size"
             )
     problems = ctx.comm.allgather(mine)
     return next((p for p in problems if p is not None), None)
+
+
+def _set_devices_per_rank(count: int, comm: Any) -> str | None:
+    """Make mpigpu start with ``count`` devices per process (MPIGPU_DEVICES_PER_RANK), or say why it is
+    too late: it is read when mpigpu first meets a communicator, and a process's GPUs are fixed then.
+    Every rank of a command is in the same state, so every rank answers alike."""
+    import os
+
+    from mpigpu.job.device import process_devices
+    from mpigpu.runtime.context import Context
+
+    ctx = Context.existing(comm)
+    gpus = process_devices()
+    if ctx is None and not gpus:
+        os.environ["MPIGPU_DEVICES_PER_RANK"] = str(count)
+        return None
+    have = len(gpus) if gpus else (ctx.settings.devices_per_rank or 1) if ctx is not None else 1
+    if have == count:
+        return None
+    return (
+        f"--devices-per-rank {count} comes too late: mpigpu has already started in this process with {have} "
+        f"device{'s' if have != 1 else ''} per process (MPIGPU_DEVICES_PER_RANK is read when mpigpu first "
+        f"meets a communicator). Set MPIGPU_DEVICES_PER_RANK={count} in the environment before the first "
+        "mpigpu call instead"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     from mpigpu.bench.workload import Workload
     from mpigpu.core._mpi import world
     from mpigpu.core.dtypes import parse_dtype
-    from mpigpu.core.errors import MpigpuError
+    from mpigpu.core.errors import DeviceError, MpigpuError
     from mpigpu.core.ops import parse_op
     from mpigpu.core.patterns import check_pattern, default_pattern
     from mpigpu.core.timing import Result, max_over_ranks, max_phases_over_ranks, summarize, time_calls
@@ -169,7 +240,16 @@ def run(args: argparse.Namespace) -> int:
     from mpigpu.runtime.plan import choose
 
     comm = world()
-    ctx = Context.get(comm)
+    if args.devices_per_rank is not None:
+        problem = _set_devices_per_rank(args.devices_per_rank, comm)
+        if problem is not None:
+            return refuse("mpigpu.average", problem, comm.Get_rank())
+    try:
+        ctx = Context.get(comm)
+    except DeviceError as exc:  # more GPUs asked of each process than its node has: every rank of it says so
+        if args.devices_per_rank is None:
+            raise
+        return refuse("mpigpu.average", f"--devices-per-rank {args.devices_per_rank}: {exc}", comm.Get_rank())
     rank, nranks = ctx.rank, ctx.size
     dtype, op = parse_dtype(args.dtype), parse_op(args.op)
     pattern = args.pattern or default_pattern(dtype)
@@ -180,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
         on_gpu = _on_gpu(args, ctx)
     except MpigpuError as exc:
         return refuse("mpigpu.average", exc, rank)
+    if args.devices_per_rank is not None:
+        return run_devices(args, ctx, comm, dtype, op, pattern, on_gpu)
     problem = _memory_problem(ctx, args.size * dtype.itemsize * (2 if args.out_of_place else 1), on_gpu)
     if problem is not None:
         return refuse("mpigpu.average", problem, rank)
@@ -276,6 +358,213 @@ def run(args: argparse.Namespace) -> int:
         }
         write_json(args.json, document)
     work.free()
+    return 0 if ok else 1
+
+
+def _participants_text(counts: list[int]) -> str:
+    """``4 participants (2 ranks x 2 devices)``, or the devices of each rank where they differ."""
+    total, nranks = sum(counts), len(counts)
+    if len(set(counts)) == 1:
+        layout = f"{nranks} rank{'s' if nranks != 1 else ''} x {counts[0]} device{'s' if counts[0] != 1 else ''}"
+    else:
+        layout = f"{nranks} ranks, devices per rank {','.join(map(str, counts))}"
+    return f"{total} participant{'s' if total != 1 else ''} ({layout})"
+
+
+class _Meet:
+    """The device threads of this process meeting the ranks' other threads: a thread barrier whose
+    last arrival runs the MPI barrier (one thread at a time in MPI), aborted when a thread fails so
+    that the others raise instead of waiting for it."""
+
+    def __init__(self, count: int, comm: Any) -> None:
+        import threading
+
+        self.barrier = threading.Barrier(count, action=comm.Barrier)
+
+    def __call__(self) -> None:
+        self.barrier.wait()
+
+
+def run_devices(args: argparse.Namespace, ctx: Any, comm: Any, dtype: Any, op: Any, pattern: str, on_gpu: bool) -> int:
+    """``--devices-per-rank``: one thread per device of this process, each bound with ``on_device``
+    and taking part as participant (rank, device); verified and timed like the one-device run."""
+    import threading
+
+    import numpy as np
+
+    import mpigpu
+    from mpigpu.bench.workload import Workload
+    from mpigpu.core.arrays import ArrayView
+    from mpigpu.core.errors import MpigpuError
+    from mpigpu.core.timing import Result, summarize, time_calls
+    from mpigpu.core.verify import total_wrong
+    from mpigpu.multi import paths
+    from mpigpu.multi.group import Group
+
+    rank, nranks = ctx.rank, ctx.size
+    try:
+        group = Group.of(ctx)  # collective: every rank states how many devices it drives
+        probe = ArrayView(
+            None, 0, (args.size,), dtype, group.gpus[0] if on_gpu and group.gpus else None, False, "numpy",
+            host=None if on_gpu else np.empty(0, dtype.np),
+        )  # fmt: skip
+        choice = paths.choose(group, probe, op, args.backend)  # what the calls will choose: agreed state only
+    except MpigpuError as exc:
+        return refuse("mpigpu.average", exc, rank)
+    count, total, first = group.count, group.total, group.first
+    if on_gpu and (group.gpus is None or len(group.gpus) != count):
+        return refuse("mpigpu.average", "GPU buffers, but this process drives host devices", rank)
+    gpus = list(group.gpus) if on_gpu and group.gpus is not None else None
+    nbytes = args.size * dtype.itemsize * (2 if args.out_of_place else 1)
+    staging = (total + 1) * args.size * dtype.itemsize if choice.backend in ("host", "cpu") else 0
+    host_bytes = staging + (0 if on_gpu else nbytes * count)
+    problem = _memory_problem(ctx, nbytes, on_gpu, gpus=gpus, host_bytes=host_bytes)
+    if problem is not None:
+        return refuse("mpigpu.average", problem, rank)
+    counts = [int(c) for c in group.counts]
+    described = ", ".join(group.describe(k) for k in range(count))
+    mine = f"#  Rank {rank:3d} drives {described}: participant{'s' if count != 1 else ''} " + (
+        f"{first}" if count == 1 else f"{first}-{first + count - 1}"
+    )
+    lines = header_lines(ctx)
+    devices_lines = comm.gather(mine, root=0)
+    where = "GPU" if on_gpu else "host"
+    if rank == 0 and not args.quiet:
+        print("\n".join(lines))
+        print(f"# {_participants_text(counts)}: one thread per device (mpigpu.on_device)")
+        print("\n".join(devices_lines))
+        print(f"# backend: {args.backend} -> {choice.backend} ({choice.reason})")
+        print(
+            f"# {args.size} {dtype.name} elements per participant, op {op.value}, pattern {pattern}, "
+            f"{where} memory, {'out of place' if args.out_of_place else 'in place'}"
+        )
+        if total == 1:
+            print("# 1 participant: there is nothing to average across; the result is the input, still verified")
+        sys.stdout.flush()
+
+    meet = _Meet(count, comm)
+    wrong = [0] * count
+    means: list[list[float]] = [[] for _ in range(count)]
+    kernel_ms = [0.0] * count
+    errors: list[BaseException | None] = [None] * count
+
+    def device(k: int) -> None:
+        try:
+            with mpigpu.on_device(k) as ordinal:
+                _device_turn(k, ordinal)
+        except BaseException as exc:  # re-raised by the main thread
+            errors[k] = exc
+            meet.barrier.abort()
+
+    def _device_turn(k: int, ordinal: int | None) -> None:
+        participant = first + k
+        stream_ref, keep = None, None
+        gpu = runtime = None
+        if on_gpu:
+            from mpigpu.core._cuda import StreamRef, cupy, set_device, visible_device_count
+            from mpigpu.job.device import _describe
+
+            cp = cupy()
+            runtime = cp.cuda.runtime
+            gpu = _describe(ordinal, visible_device_count())
+            with cp.cuda.Device(ordinal):
+                keep = cp.cuda.Stream(non_blocking=True)  # lives as long as its ref is used
+            stream_ref = StreamRef(int(keep.ptr))
+        work = Workload.allocate(
+            count=args.size, dtype=dtype, op=op, pattern=pattern, rank=participant, nranks=total,
+            device=gpu, inplace=not args.out_of_place, stream=stream_ref,
+        )  # fmt: skip
+        kwargs: dict[str, Any] = {"backend": args.backend, "stream": stream_ref}
+        if work.out is not work.x:
+            kwargs["out"] = work.out
+
+        def call() -> Any:
+            result = mpigpu.allreduce(work.x, op.value, **kwargs)
+            if runtime is not None and runtime.getDevice() != ordinal:
+                set_device(ordinal)  # the thread that led the call may come back on another GPU: this one again
+            return result
+
+        try:
+            if args.check:
+                work.fill()
+                work.poison()
+                call()
+                if participant == 0:
+                    work.corrupt(args.corrupt)
+                wrong[k] = work.wrong()
+            work.fill()
+            kernel_ms[k] = work.kernel_ms
+            for _ in range(args.warmup):
+                call()
+            means[k] = time_calls(call, args.iters, barrier=meet, stream=stream_ref)
+        finally:
+            work.free()
+
+    threads = [threading.Thread(target=device, args=(k,), name=f"mpigpu.average device {k}") for k in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failures = [e for e in errors if e is not None]
+    if failures:  # the thread's own error first, not a broken barrier another thread's failure left
+        raise next((e for e in failures if not isinstance(e, threading.BrokenBarrierError)), failures[0])
+
+    wrong_all = total_wrong(comm, sum(wrong)) if args.check else -1
+    mine_means = [summarize(m) for m in means]  # (mean, median, spread) per device
+    everyone = [row for rows in comm.allgather(mine_means) for row in rows]  # participant order
+    per_participant = tuple(float(mean) for mean, _, _ in everyone)
+    kernel_us = max(comm.allgather(max(kernel_ms) * 1e3))
+    result = Result(
+        bytes=args.size * dtype.itemsize, elements=args.size, dtype=dtype.name, op=op.value,
+        backend=choice.backend, ranks=total, time_us=max(per_participant), wrong=wrong_all,
+        inplace=not args.out_of_place, median_us=max(median for _, median, _ in everyone),
+        spread_us=max(spread for _, _, spread in everyone), per_rank_us=per_participant,
+    )  # fmt: skip
+    ok = wrong_all <= 0
+    summary = f"{_participants_text(counts)}, backend {choice.backend}"
+    if rank == 0:
+        if not args.quiet:
+            print(ROW_HEADER)
+        print(format_row(result))
+        if on_gpu and not args.quiet:
+            print(f"# gradient kernel: {kernel_us:.1f} us")
+        if not args.quiet:
+            print("# time: the slowest participant's mean per call; busbw counts every participant")
+        if wrong_all < 0:
+            print(f"# NOT VERIFIED (--no-check): the results were not compared with the expected values over {summary}")
+        else:
+            print(
+                f"# {'PASS' if ok else 'FAIL'}: {wrong_all} wrong element{'s' if wrong_all != 1 else ''} over {summary}"
+            )
+        sys.stdout.flush()
+    if args.json is not None and rank == 0:
+        from mpigpu.kernels.compile import compile_stats
+
+        document = {
+            "ok": ok,
+            "verified": wrong_all >= 0,
+            "ranks": nranks,
+            "devices_per_rank": counts,
+            "participants": total,
+            "threads": "one per device (mpigpu.on_device)",
+            "backend": choice.backend,
+            "backend_requested": args.backend,
+            "backend_reason": choice.reason,
+            "mpi_library": ctx.mpi_lib.name,
+            "mpi_version": ctx.mpi_lib.version,
+            "cuda_aware": {"aware": ctx.cuda_aware.aware, "rule": ctx.cuda_aware.rule},
+            "nccl": ctx.nccl.version if ctx.nccl.available else None,
+            "nodes": ctx.layout.num_nodes,
+            "header": lines + list(devices_lines),
+            "placement": "gpu" if on_gpu else "host",
+            "pattern": pattern,
+            "kernel_us": kernel_us if on_gpu else None,
+            "compile": [vars(s) for s in compile_stats()],
+            "versions": versions(),
+            "date": now(),
+            "results": [{**result.to_dict(), "per_participant_us": list(per_participant)}],
+        }
+        write_json(args.json, document)
     return 0 if ok else 1
 
 

@@ -1,7 +1,8 @@
 """``python -m mpigpu.info``: one screen of what mpigpu found, and what ``auto`` would choose.
 
 The first thing to run when something is off: which MPI library mpi4py loaded and how, whether it
-is CUDA-aware and which rule decided, the GPUs each rank got, NCCL, each backend's availability.
+is CUDA-aware and which rule decided, the GPUs each rank got, the devices each process drives (its
+participants, mpigpu.multi), NCCL, each backend's availability.
 Works with 1 rank (no launcher) or under mpiexec.
 """
 
@@ -45,6 +46,26 @@ def _auto_examples(ctx: Any) -> list[tuple[str, str, str]]:
     return rows
 
 
+def _devices(ctx: Any) -> list[dict[str, Any]]:
+    """Each rank's devices (``mpigpu.local_devices``: CUDA ordinals, or host device numbers) and the
+    participant numbers its devices take in a call over several devices per process (collective)."""
+    from mpigpu.core._mpi import world
+    from mpigpu.multi import local_devices
+
+    devices = local_devices(world())
+    names: list[str] = []
+    if ctx.gpu is not None:
+        from mpigpu.job.device import _describe
+
+        names = [ctx.gpu.name if d == ctx.gpu.index else _describe(d, ctx.gpu.visible).name for d in devices]
+    rows = ctx.comm.allgather({"kind": "gpu" if ctx.gpu is not None else "host", "devices": devices, "names": names})
+    first = 0
+    for row in rows:  # participants are numbered rank by rank (mpigpu.multi.group)
+        row["participants"] = list(range(first, first + len(row["devices"])))
+        first += len(row["devices"])
+    return rows
+
+
 def gather_info() -> dict[str, Any]:
     """Everything ``info`` prints, as a dict (collective)."""
     from mpigpu.core._mpi import world
@@ -69,6 +90,7 @@ def gather_info() -> dict[str, Any]:
         "ranks_per_node": list(ctx.layout.node_sizes),
         "virtual_nodes": ctx.layout.virtual,
         "gpus": gpus,
+        "devices": _devices(ctx),
         "cuda_aware": {"aware": ctx.cuda_aware.aware, "rule": ctx.cuda_aware.rule,
                        "findings": list(ctx.cuda_aware.findings)},
         "nccl": {"available": ctx.nccl.available, "version": ctx.nccl.version, "reason": ctx.nccl.reason},
@@ -101,6 +123,26 @@ def render(info: dict[str, Any]) -> str:
                     f"  ({gpu['visible']} visible, CUDA_VISIBLE_DEVICES="
                     f"{gpu['cuda_visible_devices'] if gpu['cuda_visible_devices'] is not None else 'unset'})"
                 )
+    devices = info.get("devices") or []
+    if devices:
+        total = sum(len(row["devices"]) for row in devices)
+        counts = sorted({len(row["devices"]) for row in devices})
+        ranks = f"{len(devices)} rank{'s' if len(devices) != 1 else ''}"
+        shape = f"{ranks} x {counts[0]} device{'s' if counts[0] != 1 else ''}" if len(counts) == 1 else ranks
+        lines.append(
+            f"Devices          {total} participant{'s' if total != 1 else ''} ({shape}) in calls over several "
+            "devices per process (mpigpu.on_device, list calls; MPIGPU_DEVICES_PER_RANK)"
+        )
+        if len({row["kind"] for row in devices}) > 1:
+            lines.append("  (some ranks drive GPUs and others host devices: such calls are refused)")
+        for rank, row in enumerate(devices):
+            if row["kind"] == "gpu":
+                shown = ", ".join(f"GPU {d} {name}" for d, name in zip(row["devices"], row["names"], strict=True))
+            else:
+                shown = ", ".join(f"host device {d}" for d in row["devices"])
+            numbers = row["participants"]
+            which = f"participant {numbers[0]}" if len(numbers) == 1 else f"participants {numbers[0]}-{numbers[-1]}"
+            lines.append(f"  rank {rank:3d} -> {shown}  ({which})")
     aware = info["cuda_aware"]
     lines.append(f"CUDA-aware MPI   {'yes' if aware['aware'] else 'no'}: decided by {aware['rule']}")
     for finding in aware["findings"]:

@@ -8,6 +8,12 @@
 #   env        GPUs, topology, package versions
 #   info       python -m mpigpu.info under each MPI
 #   tests      the test suite (GPU tests required: MPIGPU_REQUIRE_GPU=1) with 2 and all GPUs, each MPI
+#   per_process  several GPUs per process (mpigpu.multi; needs 2 GPUs): tests/gpu/test_per_process_gpu.py under
+#              Open MPI -n 1 (one process, both GPUs) and -n 2, Intel MPI -n 2; mpigpu.average --devices-per-rank 2
+#              (-n 1: auto, nccl, host) and --devices-per-rank 1 (-n 2: auto) at 16M; scripts/per_process_bench.py
+#              in layouts 1x2 (-n 1) and 2x1 (-n 2), JSON in $OUT, merged into
+#              $OUT/gpus-per-process-<gpu>x<n>-<date>.txt; scripts/jax_step_bench.py --local-devices (one process,
+#              both GPUs; JSON in $OUT; JAX_STEP=0 skips it). At most PER_PROCESS_LIMIT seconds (default 360)
 #   average    python -m mpigpu.average with every backend, each MPI; forced cuda-aware under Open MPI must
 #              fail cleanly (non-zero exit, no core dump)
 #   shared     two ranks sharing one GPU (MPIGPU_ALLOW_SHARED_GPU=1): host staging and training tests,
@@ -147,6 +153,40 @@ stage_tests() {
   done
 }
 
+stage_per_process() {  # several GPUs per process (mpigpu.multi): one process x 2 GPUs beside 2 processes x 1 GPU
+  if [ "$NGPU" -lt 2 ]; then
+    printf '%-4s %-38s (needs 2 GPUs, this machine has %s)\n' SKIP per_process "$NGPU" | tee -a "$SUMMARY"
+    return
+  fi
+  # the stage's own deadline (dynamic scope: step() reads it), within GPU_CHECK_DEADLINE's
+  local DEADLINE=$DEADLINE budget=$(( $(date +%s) + ${PER_PROCESS_LIMIT:-360} ))
+  [ "$budget" -lt "$DEADLINE" ] && DEADLINE=$budget
+  local tag="${GPU_TAG}x$NGPU" date run mpi n b
+  date=$(date -u +%F)
+  local test=tests/gpu/test_per_process_gpu.py
+  if [ -f "$test" ]; then
+    for run in "ompi 1" "ompi 2" "impi 2"; do
+      read -r mpi n <<<"$run"
+      step "per-process-tests-$mpi-$n" 75 0 "export MPIGPU_TIMEOUT=60; ${LAUNCH[$mpi]} -n $n $PY -m pytest -v -rfE --color=no --with-mpi --only-mpi $test -p no:cacheprovider"
+    done
+  else
+    printf '%-4s %-38s (no %s in this checkout)\n' FAIL per-process-tests "$test" | tee -a "$SUMMARY"
+    failures=$((failures + 1))
+  fi
+  for b in auto nccl host; do
+    step "per-process-average-1x2-$b" 45 0 "$OMPI -n 1 $PY -m mpigpu.average --devices-per-rank 2 --backend $b --size 16M --json $LOGS/per-process-average-1x2-$b.json"
+  done
+  step "per-process-average-2x1-auto" 45 0 "$OMPI -n 2 $PY -m mpigpu.average --devices-per-rank 1 --backend auto --size 16M --json $LOGS/per-process-average-2x1-auto.json"
+  step "per-process-bench-1x2" 90 0 "$OMPI -n 1 $PY scripts/per_process_bench.py --json $OUT/per-process-1x2-$tag-$date.json"
+  step "per-process-bench-2x1" 90 0 "$OMPI -n 2 $PY scripts/per_process_bench.py --json $OUT/per-process-2x1-$tag-$date.json"
+  step "per-process-bench-merge" 20 0 "$PY scripts/per_process_bench.py --merge $OUT/per-process-1x2-$tag-$date.json $OUT/per-process-2x1-$tag-$date.json --out $OUT/gpus-per-process-$tag-$date.txt"
+  if [ "${JAX_STEP:-1}" = 1 ]; then
+    step "per-process-jax-step" 90 0 "$OMPI -n 1 $PY scripts/jax_step_bench.py --local-devices --json $OUT/jax-step-local-$tag-$date.json"
+  else
+    printf '%-4s %-38s (JAX_STEP=0)\n' SKIP per-process-jax-step | tee -a "$SUMMARY"
+  fi
+}
+
 stage_average() {
   local b
   for b in auto nccl host ipc; do
@@ -267,7 +307,7 @@ stage_retest() {  # RETEST="pytest paths" under Open MPI with all GPUs and Intel
 }
 
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env info tests average serial sanitize bench usercall bench_impi soak train)
+[ ${#stages[@]} -eq 0 ] && stages=(env info tests per_process average serial sanitize bench usercall bench_impi soak train)
 for s in "${stages[@]}"; do
   if declare -F "stage_$s" >/dev/null; then "stage_$s"; else echo "unknown stage $s" | tee -a "$SUMMARY"; failures=$((failures + 1)); fi
 done

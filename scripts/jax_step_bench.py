@@ -20,6 +20,15 @@ every other row runs on the device init() returns.
     mpirun -np 2 python3 scripts/jax_step_bench.py --json jax-step.json
     mpirun -np 2 python3 scripts/jax_step_bench.py --device cpu --width 256     # no GPU: the CPU path
 
+--local-devices: one process drives every device it sees (several GPUs per process, mpigpu.multi), with no
+JAX multi-process runtime: (s) and (c) over a mesh of the process's devices (jax.local_devices()), each
+device with its own --batch samples; mpigpu.jax.init() is not called (it would restrict JAX to one GPU).
+Times are per step; the checks: every device ends with the same parameters, and (s) agrees with (c).
+
+    mpirun -np 1 python3 scripts/jax_step_bench.py --local-devices --json jax-step-local.json   # 2 GPUs
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \
+        python3 scripts/jax_step_bench.py --local-devices --device cpu --width 256              # no GPU
+
 Every row says which backend reduced the gradient, how many bytes it reduced per step and rank, and the
 host's dispatch time per step (time spent in the step calls, before the final wait): where that is
 close to ms/step the host is the limit, not the device. "main cpu" is the CPU time of the dispatching
@@ -63,6 +72,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument("--no-jax-distributed", action="store_true", help="skip (s) and (c)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument(
+        "--local-devices",
+        action="store_true",
+        help="one process, every device it sees: (s) shard_map + mj.average_tree and (c) lax.pmean over a mesh "
+        "of jax.local_devices() (run it with one process; on CPU give XLA several host devices)",
+    )
     return parser.parse_args(argv)
 
 
@@ -108,6 +123,8 @@ def _handler_row(comm: Any, times: Any, steps: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if args.local_devices:
+        return local_main(args)
     import mpigpu
     from mpigpu.core._mpi import MPI, world
     from mpigpu.runtime.context import Context
@@ -324,7 +341,7 @@ def _pmean(jax: Any) -> Any:
 def _goals(results: dict[str, Any]) -> dict[str, Any]:
     """Issue 23's targets: the in-jit steps at most 1.05x (c), the FFI handler at most 10 us per call."""
     goals: dict[str, Any] = {}
-    c = results.get("jax_distributed", {}).get("ms_per_step")
+    c = (results.get("jax_distributed") or results.get("jax_pmean") or {}).get("ms_per_step")
     for name in ("in_jit", "in_shard_map"):
         if c and name in results:
             ratio = results[name]["ms_per_step"] / c
@@ -364,9 +381,17 @@ def _versions(jax: Any) -> dict[str, str]:
 
 
 def _jax_variant(
-    jax: Any, loss_fn: Any, update: Any, params0: Any, x_np: np.ndarray, y_np: np.ndarray, reduce: Any
+    jax: Any,
+    loss_fn: Any,
+    update: Any,
+    params0: Any,
+    x_np: np.ndarray,
+    y_np: np.ndarray,
+    reduce: Any,
+    devices: list[Any] | None = None,
 ) -> tuple[Any, Any]:
-    """(init, one_step) for a step in JAX's SPMD form: one device per process in a global mesh, a jitted
+    """(init, one_step) for a step in JAX's SPMD form: one device per process in a global mesh (or
+    ``devices``, the process's own, with ``x_np``/``y_np`` holding every one's rows), a jitted
     shard_map step that averages the gradient with ``reduce`` (lax.pmean, or mpigpu.jax.average_tree,
     which becomes lax.pmean there)."""
     from jax.sharding import Mesh, NamedSharding
@@ -375,7 +400,7 @@ def _jax_variant(
     shard_map = getattr(jax, "shard_map", None)
     if shard_map is None:
         from jax.experimental.shard_map import shard_map
-    mesh = Mesh(np.array(jax.devices()), ("data",))
+    mesh = Mesh(np.array(jax.devices() if devices is None else devices), ("data",))
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     x = jax.make_array_from_process_local_data(split, x_np)
     y = jax.make_array_from_process_local_data(split, y_np)
@@ -396,6 +421,141 @@ def _jax_variant(
         return step(p, x, y)
 
     return init, one_step
+
+
+def local_main(args: argparse.Namespace) -> int:
+    """--local-devices: (s) and (c) over a mesh of this one process's devices (module docstring)."""
+    from mpigpu.core._mpi import world
+
+    comm = world()
+    if comm.Get_size() != 1:
+        if comm.Get_rank() == 0:
+            print("# --local-devices runs in one process (it drives every device it sees): use mpirun -np 1",
+                  file=sys.stderr)  # fmt: skip
+        return 2
+    if args.device == "cpu":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    import jax.numpy as jnp
+
+    import mpigpu.jax as mj
+    from mpigpu.runtime.context import Context
+
+    devices = jax.local_devices()
+    platform_ = devices[0].platform
+    if args.device == "gpu" and platform_ != "gpu":
+        print(f"# --device gpu: JAX runs on {platform_} here (no GPU backend): use --device cpu", file=sys.stderr)
+        return 2
+    if len(devices) < 2:
+        print(f"# --local-devices needs several devices in this process; JAX sees {len(devices)} "
+              f"({platform_}). On CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    n = len(devices)
+    params0 = _model(args.width, args.depth)
+    nparams = sum(int(a.size) for a in jax.tree_util.tree_leaves(params0))
+    xs, ys = [], []
+    for g in range(n):  # device g's samples, as rank g's in the MPI mode
+        rng = np.random.default_rng(1 + g)
+        xs.append(rng.standard_normal((args.batch, 32)).astype(np.float32))
+        ys.append(rng.standard_normal((args.batch, 8)).astype(np.float32))
+    x_np, y_np = np.concatenate(xs), np.concatenate(ys)
+    lr = args.lr
+
+    def loss_fn(p, x, y):
+        h = x
+        for w, b in zip(p["w"][:-1], p["b"][:-1], strict=True):
+            h = jnp.tanh(h @ w + b)
+        return jnp.mean((h @ p["w"][-1] + p["b"][-1] - y) ** 2)
+
+    def update(p, g):
+        return jax.tree_util.tree_map(lambda q, d: q - lr * d, p, g)
+
+    print(f"# 1 process, {n} local devices, JAX {jax.__version__} on {platform_} ({devices[0].device_kind}); MLP "
+          f"{args.depth} x {args.width}: {nparams} float32 parameters ({nparams * 4 / 2**20:.1f} MiB), "
+          f"batch {args.batch} per device, {args.steps} steps after {args.warmup}")  # fmt: skip
+    collectives = "XLA's NCCL" if platform_ == "gpu" else "XLA's CPU collectives"
+    results: dict[str, Any] = {}
+    finals: dict[str, list[np.ndarray]] = {}
+    skipped: dict[str, str] = {}
+    for name, reduce in (("in_shard_map", mj.average_tree), ("jax_pmean", _pmean(jax))):
+        try:
+            init, one_step = _jax_variant(jax, loss_fn, update, params0, x_np, y_np, reduce, devices)
+            state = {"p": init()}
+
+            def steps(count: int, one_step: Any = one_step, state: Any = state) -> tuple[float, float]:
+                p = state["p"]
+                start, cpu = time.perf_counter(), time.thread_time()
+                for _ in range(count):
+                    p = one_step(p)
+                dispatched, cpu = time.perf_counter() - start, time.thread_time() - cpu
+                jax.block_until_ready(p)
+                state["p"] = p
+                return dispatched, cpu
+
+            steps(args.warmup)
+            ms, host_ms, cpu_ms = _timed(comm, steps, args.steps)
+        except Exception as exc:
+            skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            print(f"# {name} failed: {exc}", file=sys.stderr)
+            continue
+        results[name] = {"ms_per_step": ms, "host_dispatch_ms_per_step": host_ms, "main_cpu_ms_per_step": cpu_ms,
+                         "backend": collectives, "bytes_reduced_per_step": nparams * 4}  # fmt: skip
+        # every device's copy of the parameters (out_specs P(): replicated), flattened
+        leaves = jax.tree_util.tree_leaves(state["p"])
+        finals[name] = [np.concatenate([np.asarray(leaf.addressable_shards[d].data).ravel() for leaf in leaves])
+                        for d in range(len(leaves[0].addressable_shards))]  # fmt: skip
+    ok = not skipped
+    reference = finals.get("jax_pmean")
+    for name, copies in finals.items():
+        same = all(np.array_equal(copies[0], c) for c in copies[1:])
+        results[name]["identical_on_every_device"] = same
+        results[name]["devices_holding_a_copy"] = len(copies)
+        ok &= same
+        if reference is not None:
+            diff = float(np.max(np.abs(copies[0] - reference[0]))) if copies[0].size else 0.0
+            results[name]["max_abs_diff_vs_pmean"] = diff
+            ok &= diff <= 1e-4 * max(1.0, float(np.max(np.abs(reference[0]))))
+    labels = {"in_shard_map": "(s) shard_map + mj.average_tree", "jax_pmean": "(c) shard_map + lax.pmean"}
+    print(f"# {'variant':<34} {'ms/step':>8} {'host ms':>8} {'main cpu':>8} {'vs (c)':>6}  {'backend':<22} "
+          f"{'MB/step':>8}  identical  max |diff| vs (c)")  # fmt: skip
+    base = results.get("jax_pmean", {}).get("ms_per_step")
+    for name, r in results.items():
+        ratio = f"{r['ms_per_step'] / base:6.2f}" if base else f"{'-':>6}"
+        diff = r.get("max_abs_diff_vs_pmean")
+        print(f"  {labels[name]:<34} {r['ms_per_step']:8.3f} {r['host_dispatch_ms_per_step']:8.3f} "
+              f"{r['main_cpu_ms_per_step']:8.3f} {ratio}  {r['backend']:<22} {r['bytes_reduced_per_step'] / 1e6:8.2f}  "
+              f"{r['identical_on_every_device']!s:<9}  {'-' if diff is None else f'{diff:.2e}'}")  # fmt: skip
+    for name, why in skipped.items():
+        print(f"# {labels[name]} failed: {why}")
+    goals = _goals(results)
+    for goal, value in goals.items():
+        print(f"# goal {goal}: {value}")
+    print("# PASS" if ok else "# FAIL")
+    machine = _machine(comm)
+    if args.json:
+        document = {
+            "ok": bool(ok),
+            "ranks": 1,
+            "mode": "local_devices",
+            "local_devices": n,
+            "device": platform_,
+            "device_kind": devices[0].device_kind,
+            "jax": jax.__version__,
+            "mpi_library": Context.get(comm).mpi_lib.version.splitlines()[0],
+            "host": platform.node(),
+            "machine": machine,
+            "versions": _versions(jax),
+            "goals": goals,
+            "model": {"depth": args.depth, "width": args.width, "parameters": nparams, "batch_per_device": args.batch},
+            "steps": {"warmup": args.warmup, "timed": args.steps, "total": args.warmup + args.steps},
+            "results": results,
+            "skipped": skipped,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        with open(args.json, "w") as out:
+            json.dump(document, out, indent=2)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
