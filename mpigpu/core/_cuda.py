@@ -102,8 +102,10 @@ def resolve_stream(stream: Any, framework: str, device: int | None) -> StreamRef
     """The stream a call is ordered on: ``stream`` if given, else the array framework's current
     stream (CuPy, PyTorch), else the legacy default stream."""
     if stream is None:
-        if framework == "cupy":
-            return StreamRef(int(cupy().cuda.get_current_stream().ptr))
+        if framework == "cupy":  # the array's device's current stream (a list call spans devices)
+            cp = cupy().cuda
+            current = cp.get_current_stream(device) if device is not None else cp.get_current_stream()
+            return StreamRef(int(current.ptr))
         if framework == "torch" and device is not None:
             return StreamRef(int(_torch_current_stream()(device)))
         return StreamRef(0)

@@ -82,10 +82,22 @@ def _restrict_to(index: int, visible: int, distributed: bool) -> None:
             f"jax_cuda_visible_devices is {chosen!r}, but this rank's GPU is {index} (mpigpu.select_device()): "
             "leave jax_cuda_visible_devices unset and let mpigpu.jax.init() choose"
         )
-    if visible > 1 and not any(name in os.environ for name in _MEMORY_SETTINGS):
-        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    _keep_memory(visible)
     if index == 0 or distributed:
         jax.config.update("jax_cuda_visible_devices", str(index))
+
+
+def _keep_memory(visible: int) -> None:
+    """With several GPUs visible, JAX's preallocation off unless the user chose a memory setting."""
+    if visible > 1 and not any(name in os.environ for name in _MEMORY_SETTINGS):
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+
+
+def _process_gpus(gpu: Any) -> list[int]:
+    """The GPUs this process drives (several: MPIGPU_DEVICES_PER_RANK, mpigpu.multi), its own first."""
+    from mpigpu.job.device import process_devices
+
+    return process_devices() or [gpu.index]
 
 
 def _jax_devices(platform: str) -> list[Any]:
@@ -143,7 +155,7 @@ def _start_distributed(comm: Any, gpu: Any) -> None:
     kwargs: dict[str, Any] = {"coordinator_address": address, "num_processes": comm.Get_size(),
                               "process_id": comm.Get_rank()}  # fmt: skip
     if gpu is not None:
-        kwargs["local_device_ids"] = [gpu.index]
+        kwargs["local_device_ids"] = _process_gpus(gpu)
     if "initialization_timeout" in inspect.signature(jax.distributed.initialize).parameters:
         kwargs["initialization_timeout"] = 120
     jax.distributed.initialize(**kwargs)
@@ -182,7 +194,10 @@ def init(comm: Any = None, *, distributed: bool = False) -> Any:
             if distributed and started:
                 raise DeviceError(f"JAX's distributed runtime cannot start: JAX has already started; {FIX}")
             if gpu is not None and not started and not _gpus_excluded():
-                _restrict_to(gpu.index, gpu.visible, distributed)
+                if len(_process_gpus(gpu)) > 1:  # several GPUs per process (mpigpu.multi): JAX opens them all
+                    _keep_memory(gpu.visible)
+                else:
+                    _restrict_to(gpu.index, gpu.visible, distributed)
         except Exception as exc:  # every rank must hear of it: the others are about to collect
             error = exc
         fail_together(comm, error, "mpigpu.jax.init")

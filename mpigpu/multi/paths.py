@@ -168,11 +168,15 @@ def _gather_fold(group: Group, entries: list[Any], op: Op) -> None:
         from mpigpu.core._mpi import MPI
 
         mpi = MPI()
-        row = mpi.BYTE.Create_contiguous(count * dtype.itemsize).Commit()
-        try:
-            ctx.comm.Allgatherv(mpi.IN_PLACE, [rows, (group.counts, group.offsets), row])
-        finally:
-            row.Free()
+        types = group.paths.setdefault("row types", {})  # row bytes -> MPI datatype, kept for the next calls
+        row = types.get(count * dtype.itemsize)
+        if row is None:
+            if len(types) >= 64:  # bounded: a job of ever-new sizes frees the old ones
+                for old in types.values():
+                    old.Free()
+                types.clear()
+            row = types[count * dtype.itemsize] = mpi.BYTE.Create_contiguous(count * dtype.itemsize).Commit()
+        ctx.comm.Allgatherv(mpi.IN_PLACE, [rows, (group.counts, group.offsets), row])
     result = np.empty(count, dtype.np)
     scratch = np.empty(max(1, min(count, CPU_BLOCK // dtype.itemsize)), np.float32)
     reduce_rows(list(rows), op, dtype, group.total, result, final=True, scratch=scratch)
