@@ -7,6 +7,10 @@
   (each process copies its devices' rows in, MPI_Allgatherv moves them across ranks) and reduced in
   participant order with mpigpu's NumPy semantics. The order is the participants', whatever the layout,
   so 1 process x 2 devices and 2 processes x 1 device give the same bits.
+- ``cuda-aware``: the same rows gathered in GPU memory: each GPU's array copied into its row on the
+  process's first GPU (on that GPU's stream), MPI_Allgatherv on the device buffer (a CUDA-aware MPI), and
+  the host backend's kernel (kernels/host.cu) reduces the rows in participant order there; the result
+  is copied back on each GPU's stream.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BUILT", "choose", "run"]
 
-BUILT = ("auto", "nccl", "host", "cpu")  # the backends a call over several devices per process takes
+BUILT = ("auto", "nccl", "host", "cuda-aware", "cpu")  # the backends a call over several devices per process takes
 
 
 def _nccl_problem(group: Group, x: ArrayView, op: Op) -> str | None:
@@ -64,6 +68,12 @@ def choose(group: Group, x: ArrayView, op: Op, backend: str) -> Choice:
         return Choice("nccl", "requested")
     if backend == "host":
         return Choice("host", "requested")
+    if backend == "cuda-aware":
+        availability = group.ctx.availability.get("cuda-aware")
+        if availability is None or not availability.ok:
+            reason = availability.reason if availability else "not probed"
+            raise BackendUnavailable(f"backend 'cuda-aware' over several devices per process: {reason}")
+        return Choice("cuda-aware", "requested")
     if problem:
         return Choice("host", f"{problem}: host staging")
     return Choice("nccl", "GPU arrays over several devices per process: one NCCL communicator per GPU")
@@ -82,6 +92,8 @@ def run(group: Group, choice: Choice, entries: list[Any], op: Op) -> None:
         if comms is None:
             comms = group.paths["nccl"] = DeviceComms(group)
         comms.allreduce(entries, op)
+    elif choice.backend == "cuda-aware":
+        _gather_fold_on_gpu(group, entries, op)
     else:
         _gather_fold(group, entries, op)
 
@@ -167,21 +179,75 @@ def _gather_fold(group: Group, entries: list[Any], op: Op) -> None:
     if ctx.size > 1:
         from mpigpu.core._mpi import MPI
 
-        mpi = MPI()
-        types = group.paths.setdefault("row types", {})  # row bytes -> MPI datatype, kept for the next calls
-        row = types.get(count * dtype.itemsize)
-        if row is None:
-            if len(types) >= 64:  # bounded: a job of ever-new sizes frees the old ones
-                for old in types.values():
-                    old.Free()
-                types.clear()
-            row = types[count * dtype.itemsize] = mpi.BYTE.Create_contiguous(count * dtype.itemsize).Commit()
-        ctx.comm.Allgatherv(mpi.IN_PLACE, [rows, (group.counts, group.offsets), row])
+        row = _row_type(group, count * dtype.itemsize)
+        ctx.comm.Allgatherv(MPI().IN_PLACE, [rows, (group.counts, group.offsets), row])
     result = np.empty(count, dtype.np)
     scratch = np.empty(max(1, min(count, CPU_BLOCK // dtype.itemsize)), np.float32)
     reduce_rows(list(rows), op, dtype, group.total, result, final=True, scratch=scratch)
     for entry in entries:
         _from_result(entry, result)
+
+
+def _row_type(group: Group, nbytes: int) -> Any:
+    """An MPI datatype of ``nbytes`` contiguous bytes (one participant's row), made once per size."""
+    from mpigpu.core._mpi import MPI
+
+    types = group.paths.setdefault("row types", {})  # row bytes -> MPI datatype, kept for the next calls
+    row = types.get(nbytes)
+    if row is None:
+        if len(types) >= 64:  # bounded: a job of ever-new sizes frees the old ones
+            for old in types.values():
+                old.Free()
+            types.clear()
+        row = types[nbytes] = MPI().BYTE.Create_contiguous(nbytes).Commit()
+    return row
+
+
+def _gather_fold_on_gpu(group: Group, entries: list[Any], op: Op) -> None:
+    """The rows gathered and reduced on the process's first GPU (module docstring: cuda-aware)."""
+    import cupy as cp
+
+    from mpigpu.core._cuda import core_stream
+    from mpigpu.core._mpi import MPI
+    from mpigpu.kernels.compile import i32, i64, launch, load_module
+
+    ctx, x = group.ctx, entries[0].x
+    assert group.gpus is not None and ctx.gpu is not None
+    stride = -(-x.nbytes // 16) * 16  # rows 16-byte aligned: the kernel reads 16 bytes at a time
+    state = group.paths.setdefault("cuda-aware", {})
+    lead = group.gpus[0]
+    default = cp.cuda.runtime.memcpyDefault
+    with cp.cuda.Device(lead):
+        rows = state.get("rows")
+        if rows is None or rows.nbytes < group.total * stride + stride:
+            rows = state["rows"] = cp.empty(group.total * stride + stride, dtype=cp.uint8)
+            state["stream"] = cp.cuda.Stream(non_blocking=True)
+        stream = state["stream"]
+        base = int(rows.data.ptr)
+        result = base + group.total * stride
+        for k, entry in enumerate(entries):  # each GPU's array into its row, after that GPU's producer
+            with cp.cuda.Device(entry.x.device):
+                row = base + (group.first + k) * stride
+                cp.cuda.runtime.memcpyAsync(row, entry.x.ptr, x.nbytes, default, entry.stream.handle)
+                copied = cp.cuda.Event(block=False, disable_timing=True)
+                copied.record(cp.cuda.ExternalStream(entry.stream.handle, entry.x.device))
+            stream.wait_event(copied)
+        stream.synchronize()  # MPI reads the rows only after every copy into them
+        if ctx.size > 1:
+            view = rows[: group.total * stride]
+            ctx.comm.Allgatherv(MPI().IN_PLACE, [view, (group.counts, group.offsets), _row_type(group, stride)])
+        major, minor = ctx.gpu.compute_capability
+        kernel = load_module("host.cu", f"{major}{minor}").kernel(f"reduce_final_{x.dtype.name}")
+        args = (base, i64(stride), i32(group.total), i64(x.size), i32(op.index), i32(group.total), result)
+        launch(core_stream(stream.ptr), kernel, max(1, x.nbytes // 16), *args)
+        reduced = cp.cuda.Event(block=False, disable_timing=True)
+        reduced.record(stream)
+    for entry in entries:  # the result onto each GPU, in its stream's order; the buffers are free on return
+        with cp.cuda.Device(entry.out.device):
+            target = cp.cuda.ExternalStream(entry.stream.handle, entry.out.device)
+            target.wait_event(reduced)
+            cp.cuda.runtime.memcpyAsync(entry.out.ptr, result, x.nbytes, default, entry.stream.handle)
+            target.synchronize()
 
 
 def _to_row(entry: Any, row: np.ndarray) -> None:
