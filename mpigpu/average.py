@@ -123,7 +123,7 @@ def build_parser() -> Parser:
         "of participant (rank, device) (participant p = the ranks' devices numbered rank by rank; "
         "grad[i] = p + 0.001*i), and the average over every participant (ranks x N) is verified. "
         "GPU processes drive N GPUs each (N x ranks per node <= visible GPUs); without GPUs, N host "
-        "devices (NumPy). Backends: auto, nccl or host (GPU arrays), cpu (host arrays). "
+        "devices (NumPy). Backends: auto, nccl, host or cuda-aware (GPU arrays), cpu (host arrays). "
         "Default: one device per process, the one-device call",
     )
     parser.add_argument(
