@@ -217,12 +217,21 @@ def _list_call(
 
 
 def _raise_for(meeting: Meeting, entry: Entry) -> None:
+    """Raise what this participant gets of a failed call: its own error, or a MismatchError."""
     error = meeting.error
     if error is None:
         return
     if entry.error is error:
         raise error
-    raise copy_error(error)
+    if isinstance(error, MismatchError):
+        raise copy_error(error)
+    origin = next((e.index for e in meeting.entries if e is not None and e.error is error), None)
+    group = meeting.group
+    who = f"(rank {group.ctx.rank}, {group.describe(origin)})" if origin is not None else "another device"
+    raise MismatchError(
+        f"allreduce #{meeting.number} over several devices per process did not run: {who} failed with "
+        f"{type(error).__name__}: {error}"
+    ) from error
 
 
 def allreduce_devices(x: Any, op: Any, out: Any, comm: Any, backend: str, stream: Any) -> Any:

@@ -99,6 +99,14 @@ class Group:
                     _groups.add(group)
         return group
 
+    def close(self) -> None:
+        """Free what the paths made for this communicator (its context is closing)."""
+        for state in self.paths.values():
+            close = getattr(state, "close", None)
+            if close is not None:
+                close()
+        self.paths.clear()
+
     def describe(self, k: int) -> str:
         return f"GPU {self.gpus[k]}" if self.gpus is not None else f"host device {k}"
 

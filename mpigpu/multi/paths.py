@@ -188,6 +188,33 @@ def _gather_fold(group: Group, entries: list[Any], op: Op) -> None:
         _from_result(entry, result)
 
 
+def stream_event(device: int, stream: int) -> int:
+    """A new event recorded on ``stream`` of GPU ``device`` (destroy it with ``drop_event``)."""
+    from mpigpu.core._cuda import cupy
+
+    cp = cupy()
+    rt = cp.cuda.runtime
+    with cp.cuda.Device(device):
+        event = rt.eventCreateWithFlags(rt.eventDisableTiming)
+        rt.eventRecord(event, stream)
+    return event
+
+
+def wait_event(device: int, stream: int, event: int) -> None:
+    """``stream`` of GPU ``device`` waits for ``event`` (recorded on any GPU)."""
+    from mpigpu.core._cuda import cupy
+
+    cp = cupy()
+    with cp.cuda.Device(device):
+        cp.cuda.runtime.streamWaitEvent(stream, event, 0)
+
+
+def drop_event(event: int) -> None:
+    from mpigpu.core._cuda import cupy
+
+    cupy().cuda.runtime.eventDestroy(event)
+
+
 def _row_type(group: Group, nbytes: int) -> Any:
     """An MPI datatype of ``nbytes`` contiguous bytes (one participant's row), made once per size."""
     from mpigpu.core._mpi import MPI
@@ -229,9 +256,9 @@ def _gather_fold_on_gpu(group: Group, entries: list[Any], op: Op) -> None:
             with cp.cuda.Device(entry.x.device):
                 row = base + (group.first + k) * stride
                 cp.cuda.runtime.memcpyAsync(row, entry.x.ptr, x.nbytes, default, entry.stream.handle)
-                copied = cp.cuda.Event(block=False, disable_timing=True)
-                copied.record(cp.cuda.ExternalStream(entry.stream.handle, entry.x.device))
-            stream.wait_event(copied)
+            copied = stream_event(entry.x.device, entry.stream.handle)
+            wait_event(lead, stream.ptr, copied)
+            drop_event(copied)  # freed once the wait is done with it
         stream.synchronize()  # MPI reads the rows only after every copy into them
         if ctx.size > 1:
             view = rows[: group.total * stride]
@@ -240,14 +267,15 @@ def _gather_fold_on_gpu(group: Group, entries: list[Any], op: Op) -> None:
         kernel = load_module("host.cu", f"{major}{minor}").kernel(f"reduce_final_{x.dtype.name}")
         args = (base, i64(stride), i32(group.total), i64(x.size), i32(op.index), i32(group.total), result)
         launch(core_stream(stream.ptr), kernel, max(1, x.nbytes // 16), *args)
-        reduced = cp.cuda.Event(block=False, disable_timing=True)
-        reduced.record(stream)
-    for entry in entries:  # the result onto each GPU, in its stream's order; the buffers are free on return
-        with cp.cuda.Device(entry.out.device):
-            target = cp.cuda.ExternalStream(entry.stream.handle, entry.out.device)
-            target.wait_event(reduced)
-            cp.cuda.runtime.memcpyAsync(entry.out.ptr, result, x.nbytes, default, entry.stream.handle)
-            target.synchronize()
+    reduced = stream_event(lead, stream.ptr)
+    try:
+        for entry in entries:  # the result onto each GPU, in its stream's order; the buffers are free on return
+            wait_event(entry.out.device, entry.stream.handle, reduced)
+            with cp.cuda.Device(entry.out.device):
+                cp.cuda.runtime.memcpyAsync(entry.out.ptr, result, x.nbytes, default, entry.stream.handle)
+                cp.cuda.runtime.streamSynchronize(entry.stream.handle)
+    finally:
+        drop_event(reduced)
 
 
 def _to_row(entry: Any, row: np.ndarray) -> None:

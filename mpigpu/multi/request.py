@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpigpu.core.errors import InvalidArgument
+from mpigpu.core.errors import DeviceError, InvalidArgument
 from mpigpu.multi.call import Entry, start_devices
 
 __all__ = ["DevicesRequest", "Enqueued", "start_handle"]
+
+_CUDA_NOT_READY = 600  # cudaErrorNotReady
 
 
 class Enqueued:
@@ -20,27 +22,35 @@ class Enqueued:
     mpigpu.handles.Handle asks of an event)."""
 
     def __init__(self, entries: list[Entry]) -> None:
-        self._events: list[Any] = []
-        devices = [entry for entry in entries if entry.stream is not None and entry.x is not None]
-        if not devices:
-            return
-        from mpigpu.core._cuda import cupy
+        from mpigpu.multi.paths import stream_event
 
-        cp = cupy()
-        for entry in devices:
-            assert entry.x is not None and entry.stream is not None
-            with cp.cuda.Device(entry.x.device):  # the thread's current GPU is left as it was
-                event = cp.cuda.Event(block=False, disable_timing=True)
-                event.record(cp.cuda.ExternalStream(entry.stream.handle, entry.x.device))
-                self._events.append(event)
+        self._events = [
+            stream_event(entry.x.device, entry.stream.handle)  # type: ignore[arg-type]
+            for entry in entries
+            if entry.stream is not None and entry.x is not None
+        ]
 
     @property
     def is_done(self) -> bool:
-        return all(event.done for event in self._events)
+        from mpigpu.core._cuda import cupy
+
+        rt = cupy().cuda.runtime
+        for event in self._events:
+            status = int(rt.eventQuery(event))  # CuPy returns cudaErrorNotReady (600) rather than raising it
+            if status == _CUDA_NOT_READY:
+                return False
+            if status:
+                raise DeviceError(f"querying the events of an allreduce over several devices failed: CUDA error {status}")
+        return True
 
     def sync(self) -> None:
-        for event in self._events:
-            event.synchronize()
+        from mpigpu.core._cuda import cupy
+        from mpigpu.multi.paths import drop_event
+
+        events, self._events = self._events, []
+        for event in events:
+            cupy().cuda.runtime.eventSynchronize(event)
+            drop_event(event)
 
 
 def start_handle(x: Any, op: Any, out: Any, comm: Any, backend: str, stream: Any) -> tuple[str, Any, Enqueued]:

@@ -334,6 +334,12 @@ class Context:
 
     def _free(self) -> None:
         getattr(self, "plan_cache", {}).clear()  # call records hold launches bound to the backends freed next
+        group = self.__dict__.pop("device_group", None)  # several devices per process (mpigpu.multi.group)
+        if group is not None:
+            try:
+                group.close()
+            except Exception as exc:  # report, keep closing the rest
+                sys.stderr.write(f"mpigpu: closing the per-device state failed: {exc}\n")
         for instance in reversed(list(getattr(self, "_backends", {}).values())):
             try:
                 instance.close()
