@@ -40,7 +40,7 @@ class Enqueued:
             if status == _CUDA_NOT_READY:
                 return False
             if status:
-                raise DeviceError(f"querying the events of an allreduce over several devices failed: CUDA error {status}")
+                raise DeviceError(f"querying an allreduce over several devices failed: CUDA error {status}")
         return True
 
     def sync(self) -> None:
