@@ -50,7 +50,8 @@ def on_device(index: int, *, comm: Any = None) -> Iterator[int | None]:
             f"on_device({index}): this process drives {len(devices)} device(s) ({devices}); positions run from 0 "
             f"to {len(devices) - 1}. MPIGPU_DEVICES_PER_RANK sets how many each process drives."
         )
-    ordinal = devices[index] if Context.get(comm).gpu is not None else None
+    ctx = Context.get(comm)
+    ordinal = devices[index] if ctx.gpu is not None else None
     if ordinal is not None:
         from mpigpu.core._cuda import set_device
 
@@ -59,11 +60,12 @@ def on_device(index: int, *, comm: Any = None) -> Iterator[int | None]:
 
     previous = bound_index()
     thread_binding.index = index
-    fail_participant(index, None)  # a device whose earlier thread failed takes part again
+    fail_participant(index, None, ctx)  # a device whose earlier thread failed takes part again
     try:
         yield ordinal
     except BaseException as exc:
-        fail_participant(index, exc)
+        if not getattr(exc, "mpigpu_call_failed", False):  # a call every participant raised for misses nothing
+            fail_participant(index, exc, ctx)
         raise
     finally:
         if previous is None:

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
+from threading import get_ident
+from typing import Any, NamedTuple
 
 from mpigpu.backends import backend_code
 from mpigpu.core._cuda import StreamRef, resolve_stream
 from mpigpu.core.arrays import ArrayView, as_view, check_out
 from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError
 from mpigpu.core.ops import Op, parse_op
-from mpigpu.job.check import COLLECTIVES, Signature, check_signature
+from mpigpu.job.check import COLLECTIVES, Signature, check_packed
 from mpigpu.multi import paths
 from mpigpu.multi.binding import bound_index
 from mpigpu.multi.group import Group, Meeting, copy_error
@@ -85,9 +86,13 @@ class _Steps:
     def __init__(self, group: Group) -> None:
         self.group = group
         self.ctx = group.ctx
+        self._plans: dict[tuple[Any, ...], _Plan] = {}
+        if self.ctx.watchdog.on:
+            self.ctx.watchdog.start()
 
     def fail(self, meeting: Meeting, error: BaseException) -> None:
         """A participant of this process cannot take part: every rank raises for this call."""
+        self.ctx.calls += 1  # the stall report counts calls on the communicator
         meeting.error = error
         if self.ctx.size > 1:
             announce_rejection(self.ctx, error)  # type: ignore[arg-type]
@@ -100,15 +105,44 @@ class _Steps:
                 return
         first = entries[0]
         assert first.x is not None and first.op is not None
-        problem = _disagreement(self.group, entries)
+        key = _key(first)
         try:
-            if problem:
-                raise MismatchError(problem)
-            choice = paths.choose(self.group, first.x, first.op, first.backend)
+            if any(_key(entry) != key for entry in entries):
+                raise MismatchError(_disagreement(self.group, entries))
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plan(key, first)
         except Exception as exc:
             self.fail(meeting, exc)
             return
         ctx = self.ctx
+        ctx.calls += 1  # the stall report counts calls on the communicator
+        watchdog = ctx.watchdog
+        if watchdog.on:  # watched as api's calls are: a new tuple in ``active``, named only if reported
+            ident = get_ident()
+            previous = watchdog.active.get(ident)
+            watchdog.active[ident] = (plan, "data")
+        try:
+            if ctx.settings.check and ctx.size > 1:
+                check_packed(ctx.comm, ctx.check_board, plan.signature, plan.packed, plan.choice.backend)
+            paths.run(self.group, plan.choice, entries, first.op)
+        except BaseException as exc:
+            meeting.error = exc
+            return
+        finally:
+            if watchdog.on:
+                if previous is None:
+                    watchdog.active.pop(ident, None)
+                else:
+                    watchdog.active[ident] = previous
+        first.choice = plan.choice
+        if ctx.settings.log and ctx.rank == 0:
+            _log(first, plan.choice)
+
+    def _plan(self, key: tuple[Any, ...], first: Entry) -> _Plan:
+        """The choice and signature of a call with ``key``'s arguments (local; kept for the next ones)."""
+        assert first.x is not None and first.op is not None
+        choice = paths.choose(self.group, first.x, first.op, first.backend)
         signature = Signature(
             count=first.x.size,
             dtype=first.x.dtype.code,
@@ -118,31 +152,39 @@ class _Steps:
             shape=first.x.shape,
             collective=_COLLECTIVE,
         )
-        label = f"allreduce over several devices per process ({choice.backend}, {first.x.dtype.name} x {first.x.size})"
-        try:
-            with ctx.watchdog.watch(label):
-                if ctx.settings.check and ctx.size > 1:
-                    check_signature(ctx.comm, signature, backend_name=choice.backend)
-                paths.run(self.group, choice, entries, first.op)
-        except BaseException as exc:
-            meeting.error = exc
-            return
-        first.choice = choice
-        if ctx.settings.log and ctx.rank == 0:
-            _log(first, choice)
+        plan = _Plan(choice, signature, signature.packed(), f"{first.x.dtype.name} x {first.x.size}")
+        if len(self._plans) >= 256:  # bounded, as the plan cache is
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
 
 
-def _disagreement(group: Group, entries: list[Entry]) -> str | None:
-    """Where this process's devices ask for different calls (None if they agree)."""
+class _Plan(NamedTuple):
+    """What every call with the same arguments shares: the path, and the cross-rank check's signature."""
+
+    choice: Choice
+    signature: Signature
+    packed: bytes
+    what: str
+
+    def watch_label(self, phase: str) -> str:
+        return f"allreduce over several devices per process ({self.choice.backend}, {self.what})"
+
+
+def _key(e: Entry) -> tuple[Any, ...]:
+    """What the devices of a process must agree on, and what a plan is found by."""
+    x = e.x
+    assert x is not None
+    return (x.shape, x.dtype, e.op, e.backend, x.placement)
+
+
+def _disagreement(group: Group, entries: list[Entry]) -> str:
+    """How this process's devices ask for different calls (the message of the MismatchError)."""
 
     def key(e: Entry) -> tuple[Any, ...]:
         assert e.x is not None and e.op is not None
         return (e.x.shape, e.x.dtype.name, e.op.value, e.backend, e.x.where if e.x.device is None else "GPU")
 
-    first = key(entries[0])
-    differ = [e.index for e in entries if key(e) != first]
-    if not differ:
-        return None
     shown = "; ".join(f"{group.describe(e.index)}: shape {key(e)[0]}, {key(e)[1]}, op={key(e)[2]}, backend={key(e)[3]}"
                       for e in entries)  # fmt: skip
     return (
@@ -200,7 +242,12 @@ def _list_call(
     n = group.count
     outs = [None] * n if out is None else out
     streams = [stream] * n if stream is None or type(stream) not in (list, tuple) else stream
-    entries = [_entry(group, k, xs[k], op, outs[k], backend, streams[k]) if k < len(xs) else Entry(k) for k in range(n)]
+
+    def item(values: Any, k: int) -> Any:
+        return values[k] if type(values) in (list, tuple) and k < len(values) else None
+
+    entries = [_entry(group, k, xs[k], op, item(outs, k), backend, item(streams, k)) if k < len(xs) else Entry(k)
+               for k in range(n)]  # fmt: skip
     problem = None
     if len(xs) != n:
         problem = f"a list call takes one array per device of this process ({n}), not {len(xs)}"
@@ -217,10 +264,13 @@ def _list_call(
 
 
 def _raise_for(meeting: Meeting, entry: Entry) -> None:
-    """Raise what this participant gets of a failed call: its own error, or a MismatchError."""
+    """Raise what this participant gets of a failed call: its own error, or a MismatchError. Each is
+    marked as raised by the call (``mpigpu_call_failed``): every participant raised for it, so a thread
+    leaving its on_device block with it leaves no call unmade (mpigpu.multi.binding)."""
     error = meeting.error
     if error is None:
         return
+    error.mpigpu_call_failed = True  # type: ignore[attr-defined]
     if entry.error is error:
         raise error
     if isinstance(error, MismatchError):
@@ -228,10 +278,12 @@ def _raise_for(meeting: Meeting, entry: Entry) -> None:
     origin = next((e.index for e in meeting.entries if e is not None and e.error is error), None)
     group = meeting.group
     who = f"(rank {group.ctx.rank}, {group.describe(origin)})" if origin is not None else "another device"
-    raise MismatchError(
+    mismatch = MismatchError(
         f"allreduce #{meeting.number} over several devices per process did not run: {who} failed with "
         f"{type(error).__name__}: {error}"
-    ) from error
+    )
+    mismatch.mpigpu_call_failed = True  # type: ignore[attr-defined]
+    raise mismatch from error
 
 
 def allreduce_devices(x: Any, op: Any, out: Any, comm: Any, backend: str, stream: Any) -> Any:

@@ -23,7 +23,7 @@ from mpigpu.runtime.context import Context
 __all__ = ["Group", "Meeting", "Steps", "copy_error", "fail_participant"]
 
 _groups: weakref.WeakSet[Group] = weakref.WeakSet()  # every live group of this process (fail_participant)
-_creating = threading.Lock()
+_lock = threading.Lock()  # guards the contexts' early failures and creation locks
 
 
 class Steps(Protocol):
@@ -92,11 +92,15 @@ class Group:
         """The communicator's group, created on its first call over several devices (collective)."""
         group = ctx.__dict__.get("device_group")
         if group is None:
-            with _creating:
+            with _lock:  # one creation lock per communicator: two threads may create two groups at once
+                creating = ctx.__dict__.setdefault("device_group_lock", threading.Lock())
+            with creating:
                 group = ctx.__dict__.get("device_group")
                 if group is None:
                     group = ctx.device_group = cls(ctx)
-                    _groups.add(group)
+                    with _lock:
+                        group._failed.update(ctx.__dict__.get("devices_failed_early", {}))
+                        _groups.add(group)
         return group
 
     def close(self) -> None:
@@ -232,10 +236,18 @@ class Group:
             self._failed.pop(k, None)
 
 
-def fail_participant(k: int, error: BaseException | None) -> None:
-    """The calling thread, bound to device ``k``, leaves its block by ``error``, or (None) enters one
-    (mpigpu.multi.binding)."""
-    for group in list(_groups):
+def fail_participant(k: int, error: BaseException | None, ctx: Context) -> None:
+    """The calling thread, bound to device ``k`` for ``ctx``'s communicator (its block's), leaves its block
+    by ``error``, or (None) enters one (mpigpu.multi.binding). The failure also holds for a group not yet
+    created on that communicator (a thread that failed before the first call)."""
+    with _lock:
+        early = ctx.__dict__.setdefault("devices_failed_early", {})
+        if error is None:
+            early.pop(k, None)
+        else:
+            early.setdefault(k, error)
+        groups = list(_groups)
+    for group in groups:
         if error is None:
             group.revive(k)
         else:

@@ -148,17 +148,14 @@ class DeviceComms:
 
     def allreduce(self, entries: list[Any], op: Op) -> None:
         """ncclAllReduce on every local GPU, one NCCL group (one thread drives them all)."""
-        import cupy
         from cupy.cuda import nccl
 
         x = entries[0].x
-        nccl.groupStart()
+        count, dtype, how, comms = x.size, x.dtype.nccl, op.nccl, self.comms
+        nccl.groupStart()  # each communicator knows its GPU: no device switch between the calls
         try:
             for k, entry in enumerate(entries):
-                with cupy.cuda.Device(self.gpus[k]):
-                    self.comms[k].allReduce(
-                        entry.x.ptr, entry.out.ptr, x.size, x.dtype.nccl, op.nccl, entry.stream.handle
-                    )
+                comms[k].allReduce(entry.x.ptr, entry.out.ptr, count, dtype, how, entry.stream.handle)
         finally:
             nccl.groupEnd()
 
