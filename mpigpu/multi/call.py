@@ -273,11 +273,11 @@ def _raise_for(meeting: Meeting, entry: Entry) -> None:
     error.mpigpu_call_failed = True  # type: ignore[attr-defined]
     if entry.error is error:
         raise error
-    if isinstance(error, MismatchError):
-        raise copy_error(error)
     origin = next((e.index for e in meeting.entries if e is not None and e.error is error), None)
+    if origin is None or isinstance(error, MismatchError):  # the call's own error: every participant raises it
+        raise copy_error(error)
     group = meeting.group
-    who = f"(rank {group.ctx.rank}, {group.describe(origin)})" if origin is not None else "another device"
+    who = f"(rank {group.ctx.rank}, {group.describe(origin)})"
     mismatch = MismatchError(
         f"allreduce #{meeting.number} over several devices per process did not run: {who} failed with "
         f"{type(error).__name__}: {error}"

@@ -17,10 +17,15 @@ from conftest import run_mpi
 from multi_devices_job import COUNT, DTYPES, OPS, STEPS
 
 from mpigpu.cli import launcher_rank
+from mpigpu.core._cuda import visible_device_count
 from mpigpu.core.ops import Op
 from mpigpu.core.patterns import fill
 
-pytestmark = pytest.mark.skipif(launcher_rank() >= 0, reason="serial test: it launches mpiexec itself")
+ON_GPUS = "host devices: a process with a GPU drives GPUs (tests/gpu/test_per_process_gpu.py covers those)"
+pytestmark = [
+    pytest.mark.skipif(launcher_rank() >= 0, reason="serial test: it launches mpiexec itself"),
+    pytest.mark.skipif(visible_device_count() > 0, reason=ON_GPUS),
+]
 
 JOB = Path(__file__).with_name("multi_devices_job.py")
 

@@ -14,8 +14,13 @@ import pytest
 from conftest import run_mpi
 
 from mpigpu.cli import launcher_rank
+from mpigpu.core._cuda import visible_device_count
 
-pytestmark = pytest.mark.skipif(launcher_rank() >= 0, reason="serial test: it launches mpiexec itself")
+ON_GPUS = "host devices: a process with a GPU drives GPUs (tests/gpu/test_per_process_gpu.py covers those)"
+pytestmark = [
+    pytest.mark.skipif(launcher_rank() >= 0, reason="serial test: it launches mpiexec itself"),
+    pytest.mark.skipif(visible_device_count() > 0, reason=ON_GPUS),
+]
 
 TIMEOUT_S = 8
 ENV = {"MPIGPU_STALL": "1", "MPIGPU_TIMEOUT": str(TIMEOUT_S), "MPIGPU_DEVICES_PER_RANK": "2"}

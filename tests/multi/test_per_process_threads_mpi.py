@@ -24,11 +24,13 @@ import pytest
 from mpi4py import MPI
 
 import mpigpu
+from mpigpu.core._cuda import visible_device_count
 from mpigpu.core.errors import InvalidArgument, MismatchError, MpigpuError
 from mpigpu.multi import bound_index
 from mpigpu.multi.group import fail_participant
 
-pytestmark = pytest.mark.mpi(min_size=1)
+ON_GPUS = "host devices: a process with a GPU drives GPUs (tests/gpu/test_per_process_gpu.py covers those)"
+pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.skipif(visible_device_count() > 0, reason=ON_GPUS)]
 
 VAR = "MPIGPU_DEVICES_PER_RANK"
 COUNT = 37  # elements per call: odd, so nothing divides evenly
