@@ -327,12 +327,7 @@ def run(args: argparse.Namespace) -> int:
             print("# phases (us, max over ranks): " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
         if on_gpu and not args.quiet:
             print(f"# gradient kernel: {kernel_us:.1f} us")
-        over = f"over {nranks} rank{'s' if nranks != 1 else ''}"
-        if wrong < 0:
-            print(f"# NOT VERIFIED (--no-check): the results were not compared with the expected values {over}")
-        else:
-            print(f"# {'PASS' if ok else 'FAIL'}: {wrong} wrong element{'s' if wrong != 1 else ''} {over}")
-        sys.stdout.flush()
+        _verdict(ok, wrong, f"over {nranks} rank{'s' if nranks != 1 else ''}")
     if args.json is not None and rank == 0:
         document = {
             "ok": ok,
@@ -530,13 +525,7 @@ def run_devices(args: argparse.Namespace, ctx: Any, comm: Any, dtype: Any, op: A
             print(f"# gradient kernel: {kernel_us:.1f} us")
         if not args.quiet:
             print("# time: the slowest participant's mean per call; busbw counts every participant")
-        if wrong_all < 0:
-            print(f"# NOT VERIFIED (--no-check): the results were not compared with the expected values over {summary}")
-        else:
-            print(
-                f"# {'PASS' if ok else 'FAIL'}: {wrong_all} wrong element{'s' if wrong_all != 1 else ''} over {summary}"
-            )
-        sys.stdout.flush()
+        _verdict(ok, wrong_all, f"over {summary}")
     if args.json is not None and rank == 0:
         from mpigpu.kernels.compile import compile_stats
 
@@ -566,6 +555,15 @@ def run_devices(args: argparse.Namespace, ctx: Any, comm: Any, dtype: Any, op: A
         }
         write_json(args.json, document)
     return 0 if ok else 1
+
+
+def _verdict(ok: bool, wrong: int, over: str) -> None:
+    """The command's last line: PASS/FAIL with the wrong elements (-1: not verified), ``over`` whom."""
+    if wrong < 0:
+        print(f"# NOT VERIFIED (--no-check): the results were not compared with the expected values {over}")
+    else:
+        print(f"# {'PASS' if ok else 'FAIL'}: {wrong} wrong element{'s' if wrong != 1 else ''} {over}")
+    sys.stdout.flush()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,6 +81,23 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _step_functions(lr: float) -> tuple[Any, Any]:
+    """The MLP's loss and the SGD update every mode times (the same model in every mode)."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss_fn(p, x, y):
+        h = x
+        for w, b in zip(p["w"][:-1], p["b"][:-1], strict=True):
+            h = jnp.tanh(h @ w + b)
+        return jnp.mean((h @ p["w"][-1] + p["b"][-1] - y) ** 2)
+
+    def update(p, g):
+        return jax.tree_util.tree_map(lambda q, d: q - lr * d, p, g)
+
+    return loss_fn, update
+
+
 def _model(width: int, depth: int, seed: int = 0) -> dict[str, list[np.ndarray]]:
     rng = np.random.default_rng(seed)
     sizes = [32, *([width] * depth), 8]
@@ -139,7 +156,6 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"
 
     import jax
-    import jax.numpy as jnp
     from jax.flatten_util import ravel_pytree
 
     import mpigpu.jax as mj
@@ -163,14 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     x, y = jax.device_put(x_np, device), jax.device_put(y_np, device)
     lr = args.lr
 
-    def loss_fn(p, x, y):
-        h = x
-        for w, b in zip(p["w"][:-1], p["b"][:-1], strict=True):
-            h = jnp.tanh(h @ w + b)
-        return jnp.mean((h @ p["w"][-1] + p["b"][-1] - y) ** 2)
-
-    def update(p, g):
-        return jax.tree_util.tree_map(lambda q, d: q - lr * d, p, g)
+    loss_fn, update = _step_functions(lr)
 
     if rank == 0:
         print(f"# {size} ranks, JAX {jax.__version__} on {device.platform} ({device.device_kind}); MLP "
@@ -436,7 +445,6 @@ def local_main(args: argparse.Namespace) -> int:
     if args.device == "cpu":
         os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
-    import jax.numpy as jnp
 
     import mpigpu.jax as mj
     from mpigpu.runtime.context import Context
@@ -462,14 +470,7 @@ def local_main(args: argparse.Namespace) -> int:
     x_np, y_np = np.concatenate(xs), np.concatenate(ys)
     lr = args.lr
 
-    def loss_fn(p, x, y):
-        h = x
-        for w, b in zip(p["w"][:-1], p["b"][:-1], strict=True):
-            h = jnp.tanh(h @ w + b)
-        return jnp.mean((h @ p["w"][-1] + p["b"][-1] - y) ** 2)
-
-    def update(p, g):
-        return jax.tree_util.tree_map(lambda q, d: q - lr * d, p, g)
+    loss_fn, update = _step_functions(lr)
 
     print(f"# 1 process, {n} local devices, JAX {jax.__version__} on {platform_} ({devices[0].device_kind}); MLP "
           f"{args.depth} x {args.width}: {nparams} float32 parameters ({nparams * 4 / 2**20:.1f} MiB), "

@@ -230,18 +230,13 @@ class BenchPath:
 def _timed_samples(
     call: Callable[[], Any], sync: Callable[[], None], barrier: Callable[[], Any], warmup: int, iters: int
 ) -> list[float]:
+    """``warmup`` calls, then mpigpu.bench's per-call samples (barrier, clock, call, synchronize, clock)."""
+    from mpigpu.bench.calls import time_turn
+
     for _ in range(warmup):
         call()
     sync()
-    clock = time.perf_counter
-    samples = []
-    for _ in range(iters):
-        barrier()
-        t0 = clock()
-        call()
-        sync()
-        samples.append((clock() - t0) * 1e6)
-    return samples
+    return time_turn(call, sync, barrier, iters=iters, timing="call")
 
 
 class OneThread(BenchPath):
