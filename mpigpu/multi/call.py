@@ -249,7 +249,12 @@ def _list_call(
     entries = [_entry(group, k, xs[k], op, item(outs, k), backend, item(streams, k)) if k < len(xs) else Entry(k)
                for k in range(n)]  # fmt: skip
     problem = None
-    if len(xs) != n:
+    if not xs or any(isinstance(v, (bool, int, float, complex, str, bytes)) or v is None for v in xs):
+        problem = (
+            f"x must be an array (NumPy, CuPy, PyTorch, JAX, ...), not a {type(xs).__name__} of Python values: "
+            f"wrap it with numpy.asarray(x). (A list of arrays, one per device of this process, is a list call.)"
+        )
+    elif len(xs) != n:
         problem = f"a list call takes one array per device of this process ({n}), not {len(xs)}"
     elif type(outs) not in (list, tuple) or len(outs) != n:
         problem = f"out must be None or a list with one array per device ({n})"
