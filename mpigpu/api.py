@@ -11,7 +11,7 @@ import numpy as np
 
 from mpigpu.backends import backend_code
 from mpigpu.core._cuda import StreamRef, resolve_stream
-from mpigpu.core.arrays import ArrayView, as_view, check_out, scalar_fix
+from mpigpu.core.arrays import ArrayView, as_view, check_out, copy_single, scalar_fix
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op, parse_op
 from mpigpu.job.check import Signature, check_packed, check_signature, raise_mismatch
@@ -185,25 +185,6 @@ def _prepare(ctx: Context, x: Any, op: Any, out: Any, backend: str, stream: Any)
     return prepared
 
 
-def _watched(ctx: Context, call: Any, phase: str) -> Any:
-    """Show the watchdog that this thread is in ``phase`` of ``call`` (a Prepared or a Record: Watchdog's
-    protocol, a new tuple in ``active``, named only if reported); return what was there, for
-    ``_unwatched``. The hot path's ``watch``: a third of its cost, no label formatted."""
-    active = ctx.watchdog.active
-    key = get_ident()
-    previous = active.get(key)
-    active[key] = (call, phase)
-    return previous
-
-
-def _unwatched(ctx: Context, previous: Any) -> None:
-    active = ctx.watchdog.active
-    if previous is None:
-        active.pop(get_ident(), None)
-    else:
-        active[get_ident()] = previous
-
-
 def check_call(prepared: Prepared) -> None:
     """The cross-rank check of a validated call: MismatchError on every rank unless all agree
     (collective; nothing to compare with one rank)."""
@@ -222,14 +203,14 @@ def _check(ctx: Context, call: Any, signature: Signature, packed: bytes | None) 
     would leave the others waiting here."""
     name = call.choice.backend
     if ctx.watchdog.on:
-        previous = _watched(ctx, call, "check")
+        previous = ctx.watchdog.enter(call, "check")
         try:
             if packed is None:
                 check_signature(ctx.comm, signature, backend_name=name)
             else:
                 check_packed(ctx.comm, ctx.check_board, signature, packed, name)
         finally:
-            _unwatched(ctx, previous)
+            ctx.watchdog.leave(previous)
     elif packed is None:
         check_signature(ctx.comm, signature, backend_name=name)
     else:
@@ -238,27 +219,6 @@ def _check(ctx: Context, call: Any, signature: Signature, packed: bytes | None) 
 
 def _nothing(stream: StreamRef | None, x_host: Any = None, out_host: Any = None) -> None:
     return None
-
-
-def copy_single(
-    x: ArrayView, out: ArrayView, stream: StreamRef | None, x_host: Any = None, out_host: Any = None
-) -> None:
-    """One rank: every op's result is the input itself, so copy (or, in place, do nothing); the host
-    arrays, where given, are this call's (a record's views hold none).
-
-    No backend is called. Besides saving the launch, this avoids NCCL 2.28's single-rank ncclAvg on
-    float64, which leaves the last elements of an out-of-place result unwritten."""
-    if x.same_memory(out):
-        return
-    source = x.host if x_host is None else x_host
-    if source is not None:
-        (out.host if out_host is None else out_host)[...] = source
-        return
-    from mpigpu.core._cuda import cupy
-
-    runtime = cupy().cuda.runtime
-    handle = stream.handle if stream is not None else 0
-    runtime.memcpyAsync(out.ptr, x.ptr, x.nbytes, runtime.memcpyDeviceToDevice, handle)
 
 
 def bind(ctx: Context, x: ArrayView, out: ArrayView, op: Op, backend: str) -> Launch:
@@ -345,11 +305,11 @@ def run(prepared: Prepared) -> Any:
         _go(ctx, record, prepared.stream, prepared.x.host, prepared.out.host, False)
     elif prepared.x.size:
         if ctx.watchdog.on:  # creating the backend (first call) is collective too: watch it
-            previous = _watched(ctx, prepared, "data")
+            previous = ctx.watchdog.enter(prepared, "data")
             try:
                 _call_backend(prepared)
             finally:
-                _unwatched(ctx, previous)
+                ctx.watchdog.leave(previous)
         else:
             _call_backend(prepared)
         if ctx.settings.log:

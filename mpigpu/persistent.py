@@ -27,7 +27,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from mpigpu.api import Prepared, _log_choice, _nothing, _unwatched, _watched, bind, bound, prepare
+from mpigpu.api import Prepared, _log_choice, _nothing, bind, bound, prepare
 from mpigpu.backends import backend_class, backend_code
 from mpigpu.core._cuda import StreamRef, core_stream, resolve_stream
 from mpigpu.core.errors import DeviceError, InvalidArgument, MpigpuError
@@ -163,11 +163,11 @@ class Request:
         if not ctx.watchdog.on:
             self._launch(ref)
             return
-        previous = _watched(ctx, self, "data")  # the Watchdog's protocol: a new tuple, named only if reported
+        previous = ctx.watchdog.enter(self, "data")  # the Watchdog's protocol: a new tuple, named only if reported
         try:
             self._launch(ref)
         finally:
-            _unwatched(ctx, previous)
+            ctx.watchdog.leave(previous)
 
     def watch_label(self, phase: str) -> str:
         """What the watchdog calls a start of this request (``phase`` is "data")."""

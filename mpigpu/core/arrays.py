@@ -17,7 +17,16 @@ import numpy as np
 from mpigpu.core.dtypes import DType, parse_dtype
 from mpigpu.core.errors import InvalidArgument
 
-__all__ = ["ArrayView", "as_view", "check_out", "framework_of", "raw_view", "require_c_order", "scalar_fix"]
+__all__ = [
+    "ArrayView",
+    "as_view",
+    "check_out",
+    "copy_single",
+    "framework_of",
+    "raw_view",
+    "require_c_order",
+    "scalar_fix",
+]
 
 _KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 1, 2, 3, 13
 
@@ -355,6 +364,26 @@ def check_out(x: ArrayView, out: ArrayView) -> None:
         raise InvalidArgument(
             "out overlaps x only partly; pass the same array (in place) or one that does not overlap x"
         )
+
+
+def copy_single(x: ArrayView, out: ArrayView, stream: Any, x_host: Any = None, out_host: Any = None) -> None:
+    """One participant: every op's result is the input itself, so copy (or, in place, do nothing) on
+    ``stream`` (a StreamRef, or None: the legacy default stream) of the current GPU; the host arrays,
+    where given, are this call's (a record's views hold none).
+
+    No backend is called. Besides saving the launch, this avoids NCCL 2.28's single-rank ncclAvg on
+    float64, which leaves the last elements of an out-of-place result unwritten."""
+    if x.same_memory(out):
+        return
+    source = x.host if x_host is None else x_host
+    if source is not None:
+        (out.host if out_host is None else out_host)[...] = source
+        return
+    from mpigpu.core._cuda import cupy
+
+    runtime = cupy().cuda.runtime
+    handle = stream.handle if stream is not None else 0
+    runtime.memcpyAsync(out.ptr, x.ptr, x.nbytes, runtime.memcpyDeviceToDevice, handle)
 
 
 # -- raw memory: buffers handed over by a runtime (XLA's FFI), with no array object ---------------------------------

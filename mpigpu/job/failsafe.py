@@ -455,6 +455,23 @@ class Watchdog:
                     self._thread = threading.Thread(target=self._run, name="mpigpu-watchdog", daemon=True)
                     self._thread.start()
 
+    def enter(self, call: Any, phase: str) -> Any:
+        """Show that this thread is in ``phase`` of ``call`` (an object with ``watch_label(phase)``, named only
+        if reported: the hot path formats nothing); return what was there, for ``leave``. Callers test ``on``
+        first; the thread that samples ``active`` was started when the communicator's context was made."""
+        active = self.active
+        ident = threading.get_ident()
+        previous = active.get(ident)
+        active[ident] = (call, phase)
+        return previous
+
+    def leave(self, previous: Any) -> None:
+        """End what ``enter`` showed, putting back what it returned."""
+        if previous is None:
+            self.active.pop(threading.get_ident(), None)
+        else:
+            self.active[threading.get_ident()] = previous
+
     def watch(self, name: str) -> Any:
         """A context manager: report a stall, and abort the job if its body has not finished in time."""
         if not self.on:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from mpigpu.core.errors import InvalidArgument
-from mpigpu.job.device import process_devices
+from mpigpu.multi.group import devices_of, fail_participant
 from mpigpu.runtime.context import Context
 
 __all__ = ["bound_index", "local_devices", "on_device", "thread_binding"]
@@ -31,10 +31,8 @@ def local_devices(comm: Any = None) -> list[int]:
     """The devices this process drives, in participant order: CUDA ordinals where the process has GPUs,
     else host device numbers 0..N-1 (MPIGPU_DEVICES_PER_RANK, default 1). Collective the first time
     mpigpu meets ``comm`` (default: the world), like any first call."""
-    ctx = Context.get(comm)
-    if ctx.gpu is not None:
-        return process_devices()
-    return list(range(ctx.settings.devices_per_rank or 1))
+    gpus, count = devices_of(Context.get(comm))
+    return gpus if gpus is not None else list(range(count))
 
 
 @contextlib.contextmanager
@@ -44,20 +42,19 @@ def on_device(index: int, *, comm: Any = None) -> Iterator[int | None]:
     ordinal (None for a host device). Not inherited by threads started inside the block."""
     if type(index) is not int or index < 0:
         raise InvalidArgument(f"on_device takes a device position >= 0, not {index!r}")
-    devices = local_devices(comm)
-    if index >= len(devices):
-        raise InvalidArgument(
-            f"on_device({index}): this process drives {len(devices)} device(s) ({devices}); positions run from 0 "
-            f"to {len(devices) - 1}. MPIGPU_DEVICES_PER_RANK sets how many each process drives."
-        )
     ctx = Context.get(comm)
-    ordinal = devices[index] if ctx.gpu is not None else None
+    gpus, count = devices_of(ctx)
+    if index >= count:
+        shown = gpus if gpus is not None else list(range(count))
+        raise InvalidArgument(
+            f"on_device({index}): this process drives {count} device(s) ({shown}); positions run from 0 "
+            f"to {count - 1}. MPIGPU_DEVICES_PER_RANK sets how many each process drives."
+        )
+    ordinal = gpus[index] if gpus is not None else None
     if ordinal is not None:
         from mpigpu.core._cuda import set_device
 
         set_device(ordinal)
-    from mpigpu.multi.group import fail_participant
-
     previous = bound_index()
     thread_binding.index = index
     fail_participant(index, None, ctx)  # a device whose earlier thread failed takes part again

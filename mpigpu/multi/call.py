@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from threading import get_ident
 from typing import Any, NamedTuple
 
 from mpigpu.backends import backend_code
 from mpigpu.core._cuda import StreamRef, resolve_stream
-from mpigpu.core.arrays import ArrayView, as_view, check_out
+from mpigpu.core.arrays import ArrayView, as_view, check_out, scalar_fix
 from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError
 from mpigpu.core.ops import Op, parse_op
 from mpigpu.job.check import COLLECTIVES, Signature, check_packed
@@ -60,7 +59,9 @@ def _entry(group: Group, k: int, x: Any, op: Any, out: Any, backend: str, stream
             )
         if out is None:
             if xv.readonly:
-                raise InvalidArgument("x is read-only, so it cannot be reduced in place: pass out=<writable array>")
+                raise InvalidArgument(
+                    scalar_fix(xv) or "x is read-only, so it cannot be reduced in place: pass out=<writable array>"
+                )
             outv, result = xv, x
         else:
             outv, result = as_view(out, name="out"), out
@@ -87,8 +88,6 @@ class _Steps:
         self.group = group
         self.ctx = group.ctx
         self._plans: dict[tuple[Any, ...], _Plan] = {}
-        if self.ctx.watchdog.on:
-            self.ctx.watchdog.start()
 
     def fail(self, meeting: Meeting, error: BaseException) -> None:
         """A participant of this process cannot take part: every rank raises for this call."""
@@ -118,10 +117,8 @@ class _Steps:
         ctx = self.ctx
         ctx.calls += 1  # the stall report counts calls on the communicator
         watchdog = ctx.watchdog
-        if watchdog.on:  # watched as api's calls are: a new tuple in ``active``, named only if reported
-            ident = get_ident()
-            previous = watchdog.active.get(ident)
-            watchdog.active[ident] = (plan, "data")
+        if watchdog.on:  # a rank that never arrives would leave this one waiting in the check or the data
+            previous = watchdog.enter(plan, "data")
         try:
             if ctx.settings.check and ctx.size > 1:
                 check_packed(ctx.comm, ctx.check_board, plan.signature, plan.packed, plan.choice.backend)
@@ -131,10 +128,7 @@ class _Steps:
             return
         finally:
             if watchdog.on:
-                if previous is None:
-                    watchdog.active.pop(ident, None)
-                else:
-                    watchdog.active[ident] = previous
+                watchdog.leave(previous)
         first.choice = plan.choice
         if ctx.settings.log and ctx.rank == 0:
             _log(first, plan.choice)
@@ -180,16 +174,15 @@ def _key(e: Entry) -> tuple[Any, ...]:
 
 def _disagreement(group: Group, entries: list[Entry]) -> str:
     """How this process's devices ask for different calls (the message of the MismatchError)."""
-
-    def key(e: Entry) -> tuple[Any, ...]:
+    shown = []
+    for e in entries:
         assert e.x is not None and e.op is not None
-        return (e.x.shape, e.x.dtype.name, e.op.value, e.backend, e.x.where if e.x.device is None else "GPU")
-
-    shown = "; ".join(f"{group.describe(e.index)}: shape {key(e)[0]}, {key(e)[1]}, op={key(e)[2]}, backend={key(e)[3]}"
-                      for e in entries)  # fmt: skip
+        shown.append(
+            f"{group.describe(e.index)}: shape {e.x.shape}, {e.x.dtype.name}, op={e.op.value}, backend={e.backend}"
+        )
     return (
         f"allreduce over several devices per process: the devices of rank {group.ctx.rank} asked for different calls "
-        f"({shown}). Every device must make the same calls in the same order."
+        f"({'; '.join(shown)}). Every device must make the same calls in the same order."
     )
 
 

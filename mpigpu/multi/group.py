@@ -20,7 +20,7 @@ from mpigpu.job.check import mark_raised_everywhere
 from mpigpu.job.device import process_devices
 from mpigpu.runtime.context import Context
 
-__all__ = ["Group", "Meeting", "Steps", "copy_error", "fail_participant"]
+__all__ = ["Group", "Meeting", "Steps", "copy_error", "devices_of", "fail_participant"]
 
 _groups: weakref.WeakSet[Group] = weakref.WeakSet()  # every live group of this process (fail_participant)
 _lock = threading.Lock()  # guards the contexts' early failures and creation locks
@@ -59,13 +59,21 @@ class Meeting:
         )
 
 
+def devices_of(ctx: Context) -> tuple[list[int] | None, int]:
+    """The devices this process drives on ``ctx``'s communicator: (their CUDA ordinals, or None for host
+    devices; how many: MPIGPU_DEVICES_PER_RANK host devices, default 1, on a process without a GPU)."""
+    if ctx.gpu is not None:
+        gpus = process_devices()
+        return gpus, len(gpus)
+    return None, ctx.settings.devices_per_rank or 1
+
+
 class Group:
     """A communicator's participants (collective to create: every rank states how many devices it drives)."""
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.gpus: list[int] | None = process_devices() if ctx.gpu is not None else None
-        self.count = len(self.gpus) if self.gpus is not None else (ctx.settings.devices_per_rank or 1)
+        self.gpus, self.count = devices_of(ctx)
         rows = allgather_ints(ctx.comm, [self.count, int(self.gpus is not None)])
         if len({kind for _, kind in rows}) > 1:
             with_gpus = [r for r, (_, kind) in enumerate(rows) if kind]
@@ -114,9 +122,6 @@ class Group:
     def describe(self, k: int) -> str:
         return f"GPU {self.gpus[k]}" if self.gpus is not None else f"host device {k}"
 
-    def participant(self, k: int) -> int:
-        return self.first + k
-
     # -- the meeting ------------------------------------------------------------------------------
     def meet(self, k: int, entry: Any, steps: Steps) -> Meeting:
         """Bring device ``k``'s ``entry`` to its next call. The last device to arrive runs
@@ -134,6 +139,11 @@ class Group:
             if action is None:
                 self._wait(meeting, steps)
                 return meeting
+        self._end(meeting, action)
+        return meeting
+
+    def _end(self, meeting: Meeting, action: Callable[[], None]) -> None:
+        """Run the meeting's lead or fail (outside the lock), then end it and wake its waiting devices."""
         try:
             action()
         except BaseException as exc:  # lead/fail record the call's errors; anything else is one too
@@ -144,7 +154,6 @@ class Group:
                 meeting.done = True
                 self._open.pop(meeting.number, None)
                 self._cond.notify_all()
-        return meeting
 
     def meet_all(self, entries: list[Any], steps: Steps) -> Meeting:
         """Every device's entry from one thread (a list call): the next call of every device, led here."""
@@ -162,12 +171,7 @@ class Group:
             meeting.entries = list(entries)
             meeting.arrived = self.count
             meeting.claimed = True
-        try:
-            steps.lead(meeting)
-        except BaseException as exc:
-            if meeting.error is None:
-                meeting.error = exc
-        meeting.done = True
+        self._end(meeting, lambda: steps.lead(meeting))
         return meeting
 
     def _dead_error(self, meeting: Meeting, k: int) -> MismatchError:
@@ -197,31 +201,22 @@ class Group:
         """Wait (lock held) until the meeting ends, or lead it or fail it when that falls to this thread.
         Watched: the watchdog names the devices that have not arrived, and ends the job at MPIGPU_TIMEOUT."""
         watchdog = self.ctx.watchdog
-        ident = threading.get_ident()
         if watchdog.on:
-            watchdog.start()
-            watchdog.active[ident] = (meeting, "meet")
+            previous = watchdog.enter(meeting, "meet")
         try:
             while not meeting.done:
                 action = self._claim(meeting, steps)
                 if action is not None:
-                    self._cond.release()
+                    self._cond.release()  # not held while the action talks to other ranks; _end takes it
                     try:
-                        try:
-                            action()
-                        except BaseException as exc:
-                            if meeting.error is None:
-                                meeting.error = exc
+                        self._end(meeting, action)
                     finally:
                         self._cond.acquire()
-                        meeting.done = True
-                        self._open.pop(meeting.number, None)
-                        self._cond.notify_all()
                     return
                 self._cond.wait(1.0)
         finally:
             if watchdog.on:
-                watchdog.active.pop(ident, None)
+                watchdog.leave(previous)
 
     def fail(self, k: int, error: BaseException) -> None:
         """Device ``k``'s thread left its block with ``error``: the calls it will not make fail on every device,

@@ -21,6 +21,7 @@ import numpy as np
 
 from mpigpu.backends.device_scratch import needs_keys_or_parts
 from mpigpu.backends.host_reduce import CPU_BLOCK, reduce_rows
+from mpigpu.core.arrays import copy_single
 from mpigpu.core.errors import BackendUnavailable, InvalidArgument
 from mpigpu.core.ops import Op
 from mpigpu.job.check import fail_together
@@ -99,18 +100,15 @@ def run(group: Group, choice: Choice, entries: list[Any], op: Op) -> None:
 
 
 def _copy_own(entry: Any) -> None:
-    """One participant in the job: the result is the input."""
-    x, out = entry.x, entry.out
-    if x.same_memory(out):
-        return
-    if x.host is not None:
-        out.host[...] = x.host
+    """One participant in the job: the result is the input (api's one-rank copy, on the entry's GPU)."""
+    x = entry.x
+    if x.device is None:
+        copy_single(x, entry.out, None)
         return
     from mpigpu.core._cuda import cupy
 
-    cp = cupy()
-    with cp.cuda.Device(x.device):
-        cp.cuda.runtime.memcpyAsync(out.ptr, x.ptr, x.nbytes, cp.cuda.runtime.memcpyDeviceToDevice, entry.stream.handle)
+    with cupy().cuda.Device(x.device):  # whichever thread leads the call
+        copy_single(x, entry.out, entry.stream)
 
 
 class DeviceComms:
@@ -212,19 +210,39 @@ def drop_event(event: int) -> None:
     cupy().cuda.runtime.eventDestroy(event)
 
 
-def _row_type(group: Group, nbytes: int) -> Any:
-    """An MPI datatype of ``nbytes`` contiguous bytes (one participant's row), made once per size."""
-    from mpigpu.core._mpi import MPI
+class RowTypes:
+    """MPI datatypes of one participant's row (``nbytes`` contiguous bytes), made once per size and freed
+    with the communicator's per-device state (Group.close)."""
 
-    types = group.paths.setdefault("row types", {})  # row bytes -> MPI datatype, kept for the next calls
-    row = types.get(nbytes)
-    if row is None:
-        if len(types) >= 64:  # bounded: a job of ever-new sizes frees the old ones
-            for old in types.values():
-                old.Free()
-            types.clear()
-        row = types[nbytes] = MPI().BYTE.Create_contiguous(nbytes).Commit()
-    return row
+    LIMIT = 64  # a job of ever-new sizes frees the old ones
+
+    def __init__(self) -> None:
+        self._types: dict[int, Any] = {}
+
+    def get(self, nbytes: int) -> Any:
+        row = self._types.get(nbytes)
+        if row is None:
+            if len(self._types) >= self.LIMIT:
+                self.close()
+            from mpigpu.core._mpi import MPI
+
+            row = self._types[nbytes] = MPI().BYTE.Create_contiguous(nbytes).Commit()
+        return row
+
+    def close(self) -> None:
+        from mpigpu.core._mpi import MPI
+
+        types, self._types = self._types, {}
+        if not MPI().Is_finalized():
+            for row in types.values():
+                row.Free()
+
+
+def _row_type(group: Group, nbytes: int) -> Any:
+    rows = group.paths.get("row types")
+    if rows is None:
+        rows = group.paths["row types"] = RowTypes()
+    return rows.get(nbytes)
 
 
 def _gather_fold_on_gpu(group: Group, entries: list[Any], op: Op) -> None:
