@@ -235,7 +235,6 @@ def run(args: argparse.Namespace) -> int:
     from mpigpu.core.patterns import check_pattern, default_pattern
     from mpigpu.core.timing import Result, max_over_ranks, max_phases_over_ranks, summarize, time_calls
     from mpigpu.core.verify import total_wrong
-    from mpigpu.kernels.compile import compile_stats
     from mpigpu.runtime.context import Context
     from mpigpu.runtime.plan import choose
 
@@ -330,25 +329,8 @@ def run(args: argparse.Namespace) -> int:
         _verdict(ok, wrong, f"over {nranks} rank{'s' if nranks != 1 else ''}")
     if args.json is not None and rank == 0:
         document = {
-            "ok": ok,
-            "verified": wrong >= 0,
-            "ranks": nranks,
-            "backend": choice.backend,
-            "backend_requested": args.backend,
-            "backend_reason": choice.reason,
-            "mpi_library": ctx.mpi_lib.name,
-            "mpi_version": ctx.mpi_lib.version,
-            "cuda_aware": {"aware": ctx.cuda_aware.aware, "rule": ctx.cuda_aware.rule},
-            "nccl": ctx.nccl.version if ctx.nccl.available else None,
-            "nodes": ctx.layout.num_nodes,
-            "header": lines,
-            "placement": "gpu" if on_gpu else "host",
-            "pattern": pattern,
-            "kernel_us": kernel_us if on_gpu else None,
-            "compile": [vars(s) for s in compile_stats()],
+            **_document(ctx, args, choice, ok, wrong, lines, on_gpu, pattern, kernel_us),
             "backend_settings": backend.describe(),
-            "versions": versions(),
-            "date": now(),
             "results": [result.to_dict()],
         }
         write_json(args.json, document)
@@ -396,7 +378,7 @@ def run_devices(args: argparse.Namespace, ctx: Any, comm: Any, dtype: Any, op: A
     from mpigpu.multi import paths
     from mpigpu.multi.group import Group
 
-    rank, nranks = ctx.rank, ctx.size
+    rank = ctx.rank
     try:
         group = Group.of(ctx)  # collective: every rank states how many devices it drives
         probe = ArrayView(
@@ -527,34 +509,53 @@ def run_devices(args: argparse.Namespace, ctx: Any, comm: Any, dtype: Any, op: A
             print("# time: the slowest participant's mean per call; busbw counts every participant")
         _verdict(ok, wrong_all, f"over {summary}")
     if args.json is not None and rank == 0:
-        from mpigpu.kernels.compile import compile_stats
-
+        header = lines + list(devices_lines)
         document = {
-            "ok": ok,
-            "verified": wrong_all >= 0,
-            "ranks": nranks,
+            **_document(ctx, args, choice, ok, wrong_all, header, on_gpu, pattern, kernel_us),
             "devices_per_rank": counts,
             "participants": total,
             "threads": "one per device (mpigpu.on_device)",
-            "backend": choice.backend,
-            "backend_requested": args.backend,
-            "backend_reason": choice.reason,
-            "mpi_library": ctx.mpi_lib.name,
-            "mpi_version": ctx.mpi_lib.version,
-            "cuda_aware": {"aware": ctx.cuda_aware.aware, "rule": ctx.cuda_aware.rule},
-            "nccl": ctx.nccl.version if ctx.nccl.available else None,
-            "nodes": ctx.layout.num_nodes,
-            "header": lines + list(devices_lines),
-            "placement": "gpu" if on_gpu else "host",
-            "pattern": pattern,
-            "kernel_us": kernel_us if on_gpu else None,
-            "compile": [vars(s) for s in compile_stats()],
-            "versions": versions(),
-            "date": now(),
             "results": [{**result.to_dict(), "per_participant_us": list(per_participant)}],
         }
         write_json(args.json, document)
     return 0 if ok else 1
+
+
+def _document(
+    ctx: Any,
+    args: Any,
+    choice: Any,
+    ok: bool,
+    wrong: int,
+    header: list[str],
+    on_gpu: bool,
+    pattern: str,
+    kernel_us: float,
+) -> dict[str, Any]:
+    """What --json writes about the job and the run, in both forms of the command (one device per
+    process, or several); each adds its own results."""
+    from mpigpu.kernels.compile import compile_stats
+
+    return {
+        "ok": ok,
+        "verified": wrong >= 0,
+        "ranks": ctx.size,
+        "backend": choice.backend,
+        "backend_requested": args.backend,
+        "backend_reason": choice.reason,
+        "mpi_library": ctx.mpi_lib.name,
+        "mpi_version": ctx.mpi_lib.version,
+        "cuda_aware": {"aware": ctx.cuda_aware.aware, "rule": ctx.cuda_aware.rule},
+        "nccl": ctx.nccl.version if ctx.nccl.available else None,
+        "nodes": ctx.layout.num_nodes,
+        "header": header,
+        "placement": "gpu" if on_gpu else "host",
+        "pattern": pattern,
+        "kernel_us": kernel_us if on_gpu else None,
+        "compile": [vars(s) for s in compile_stats()],
+        "versions": versions(),
+        "date": now(),
+    }  # fmt: skip
 
 
 def _verdict(ok: bool, wrong: int, over: str) -> None:

@@ -81,6 +81,24 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _stepper(jax: Any, init: Any, one_step: Any) -> tuple[Any, dict[str, Any]]:
+    """``steps(n)``: n steps from the parameters in ``state["p"]`` (``init()`` at first), kept there;
+    returns (seconds to dispatch them, this thread's CPU seconds), after waiting for the last."""
+    state = {"p": init()}
+
+    def steps(n: int) -> tuple[float, float]:
+        p = state["p"]
+        start, cpu = time.perf_counter(), time.thread_time()
+        for _ in range(n):
+            p = one_step(p)
+        dispatched, cpu = time.perf_counter() - start, time.thread_time() - cpu
+        jax.block_until_ready(p)
+        state["p"] = p
+        return dispatched, cpu
+
+    return steps, state
+
+
 def _step_functions(lr: float) -> tuple[Any, Any]:
     """The MLP's loss and the SGD update every mode times (the same model in every mode)."""
     import jax
@@ -208,17 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ) -> None:
         """Time ``one_step``; ``reduced()`` (called after the warm-up, which compiles) says what reduced the
         gradient: (backend, bytes per step and rank)."""
-        state = {"p": init()}
-
-        def steps(n: int) -> tuple[float, float]:
-            p = state["p"]
-            start, cpu = time.perf_counter(), time.thread_time()
-            for _ in range(n):
-                p = one_step(p)
-            dispatched, cpu = time.perf_counter() - start, time.thread_time() - cpu
-            jax.block_until_ready(p)
-            state["p"] = p
-            return dispatched, cpu
+        steps, state = _stepper(jax, init, one_step)
 
         with around():
             steps(args.warmup)
@@ -482,18 +490,7 @@ def local_main(args: argparse.Namespace) -> int:
     for name, reduce in (("in_shard_map", mj.average_tree), ("jax_pmean", _pmean(jax))):
         try:
             init, one_step = _jax_variant(jax, loss_fn, update, params0, x_np, y_np, reduce, devices)
-            state = {"p": init()}
-
-            def steps(count: int, one_step: Any = one_step, state: Any = state) -> tuple[float, float]:
-                p = state["p"]
-                start, cpu = time.perf_counter(), time.thread_time()
-                for _ in range(count):
-                    p = one_step(p)
-                dispatched, cpu = time.perf_counter() - start, time.thread_time() - cpu
-                jax.block_until_ready(p)
-                state["p"] = p
-                return dispatched, cpu
-
+            steps, state = _stepper(jax, init, one_step)
             steps(args.warmup)
             ms, host_ms, cpu_ms = _timed(comm, steps, args.steps)
         except Exception as exc:

@@ -28,6 +28,7 @@ from mpigpu.core._cuda import visible_device_count
 from mpigpu.core.errors import InvalidArgument, MismatchError, MpigpuError
 from mpigpu.multi import bound_index
 from mpigpu.multi.group import fail_participant
+from mpigpu.runtime.context import Context
 
 ON_GPUS = "host devices: a process with a GPU drives GPUs (tests/gpu/test_per_process_gpu.py covers those)"
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.skipif(visible_device_count() > 0, reason=ON_GPUS)]
@@ -456,6 +457,36 @@ class Boom(RuntimeError):
     pass
 
 
+def _one_gives_up(lay: Layout, results: dict[int, list[Any]], *, warm: bool, calls: int) -> list[threading.Thread]:
+    """A started thread per device: each makes a first call if ``warm``; then rank 0's device 1 leaves its
+    on_device block by Boom, and every other device makes ``calls`` float64 sums (rank 0's device 0 only once
+    device 1's thread has left its block). What each call returned or raised goes to ``results[k]``."""
+    gave_up = threading.Event()
+
+    def call(k: int) -> None:
+        results[k].append(attempt(mpigpu.allreduce, rows(lay.participant(k), np.float64), "sum", comm=lay.comm))
+
+    def run(k: int) -> None:
+        try:
+            with mpigpu.on_device(k, comm=lay.comm):
+                if warm:
+                    call(k)
+                if lay.rank == 0 and k == 1:
+                    raise Boom("device 1 gave up")
+                if lay.rank == 0:
+                    gave_up.wait(JOIN_S)
+                for _ in range(calls):
+                    call(k)
+        except Boom as exc:
+            results[k].append(exc)
+            gave_up.set()
+
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(lay.n)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
 @pytest.mark.parametrize("when", ["after a first call", "before any call on the communicator"])
 def test_a_device_thread_that_raises_in_its_block_fails_the_calls_of_the_others(when: str) -> None:
     """Rank 0's device 1 leaves its on_device block by an exception without making the call: rank 0's
@@ -464,33 +495,11 @@ def test_a_device_thread_that_raises_in_its_block_fails_the_calls_of_the_others(
     with devices_comm(2) as lay:
         results: dict[int, list[Any]] = {k: [] for k in range(lay.n)}
         calls = 2
-        gave_up = threading.Event()  # rank 0's device 0 calls once device 1's thread has left its block
-
-        def call(k: int) -> None:
-            results[k].append(attempt(mpigpu.allreduce, rows(lay.participant(k), np.float64), "sum", comm=lay.comm))
-
-        def run(k: int) -> None:
-            try:
-                with mpigpu.on_device(k, comm=lay.comm):
-                    if warm:
-                        call(k)
-                    if lay.rank == 0 and k == 1:
-                        raise Boom("device 1 gave up")
-                    if lay.rank == 0:
-                        gave_up.wait(JOIN_S)
-                    for _ in range(calls):
-                        call(k)
-            except Boom as exc:
-                results[k].append(exc)
-                gave_up.set()
-
-        threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(lay.n)]
-        for thread in threads:
-            thread.start()
+        threads = _one_gives_up(lay, results, warm=warm, calls=calls)
         threads[0].join(RESCUE_S if lay.rank == 0 else JOIN_S)
         hung = threads[0].is_alive()
         if hung:  # the failure was never seen: tell the group now so that every rank gets out
-            fail_participant(1, Boom("rescue: device 1 gave up"))
+            fail_participant(1, Boom("rescue: device 1 gave up"), Context.get(lay.comm))
         for thread in threads:
             thread.join(JOIN_S)
         assert not any(thread.is_alive() for thread in threads)
@@ -517,27 +526,7 @@ def _fail_then(lay: Layout, after: Callable[[dict[int, list[Any]]], None]) -> di
     0's device 0 makes a call without it (which fails everywhere), while the other ranks' devices make
     that call; then ``after(results)`` runs on the main thread of every rank."""
     results: dict[int, list[Any]] = {k: [] for k in range(lay.n)}
-    gave_up = threading.Event()
-
-    def call(k: int) -> None:
-        results[k].append(attempt(mpigpu.allreduce, rows(lay.participant(k), np.float64), "sum", comm=lay.comm))
-
-    def run(k: int) -> None:
-        try:
-            with mpigpu.on_device(k, comm=lay.comm):
-                call(k)
-                if lay.rank == 0 and k == 1:
-                    raise Boom("device 1 gave up")
-                if lay.rank == 0:
-                    gave_up.wait(JOIN_S)
-                call(k)
-        except Boom as exc:
-            results[k].append(exc)
-            gave_up.set()
-
-    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(lay.n)]
-    for thread in threads:
-        thread.start()
+    threads = _one_gives_up(lay, results, warm=True, calls=1)
     for thread in threads:
         thread.join(JOIN_S)
     assert not any(thread.is_alive() for thread in threads)
