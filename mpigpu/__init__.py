@@ -8,9 +8,29 @@ exception hooks that end every rank of the job when one rank dies of an uncaught
 MPI runs with more than one rank (MPIGPU_ABORT_ON_EXCEPTION=0 turns them off).
 """
 
+from mpigpu import _moved
 from mpigpu._version import __version__
-from mpigpu.api import allreduce, explain, select_device
-from mpigpu.collectives import allgather, broadcast
+from mpigpu.calls import (
+    Graph,
+    Handle,
+    IpcGraph,
+    Request,
+    allgather,
+    allgather_object,
+    allreduce,
+    allreduce_async,
+    allreduce_init,
+    alltoall,
+    alltoall_async,
+    broadcast,
+    broadcast_object,
+    explain,
+    ipc_buffer,
+    ipc_graph,
+    reduce_scatter,
+    reduce_scatter_async,
+    select_device,
+)
 from mpigpu.core.errors import (
     BackendUnavailable,
     CollectiveTimeout,
@@ -24,15 +44,10 @@ from mpigpu.core.errors import (
 )
 from mpigpu.core.ops import Op
 from mpigpu.core.timing import Result
-from mpigpu.exchange import alltoall, alltoall_async, reduce_scatter, reduce_scatter_async
-from mpigpu.handles import Handle, allreduce_async
-from mpigpu.ipc import IpcGraph, ipc_buffer, ipc_graph
 from mpigpu.job import failsafe as _failsafe
 from mpigpu.job.device import GpuInfo
 from mpigpu.job.failsafe import install_abort_handler
 from mpigpu.multi import local_devices, on_device
-from mpigpu.objects import allgather_object, broadcast_object
-from mpigpu.persistent import Graph, Request, allreduce_init
 from mpigpu.runtime.context import finalize
 from mpigpu.runtime.plan import Choice
 from mpigpu.training.averager import Averager
@@ -84,3 +99,4 @@ __all__ = [
 ]
 
 _failsafe.hook_at_import()
+_moved.install()  # old module paths (mpigpu._moved.MOVED) keep importing, with a DeprecationWarning

@@ -224,10 +224,10 @@ def _set_devices_per_rank(count: int, comm: Any) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mpigpu.api import prepare
-    from mpigpu.api import run as run_prepared
     from mpigpu.bench.harness import command_stream
     from mpigpu.bench.workload import Workload
+    from mpigpu.calls.reduce import prepare
+    from mpigpu.calls.reduce import run as run_prepared
     from mpigpu.core._mpi import world
     from mpigpu.core.dtypes import parse_dtype
     from mpigpu.core.errors import DeviceError, MpigpuError

@@ -42,13 +42,13 @@ import numpy as np
 import mpigpu
 from mpigpu import api
 from mpigpu.backends import backend_code
+from mpigpu.calls.keys import call_key
 from mpigpu.cli import require_gpu
 from mpigpu.core._cuda import resolve_stream
 from mpigpu.core._mpi import MPI, world
 from mpigpu.core.arrays import as_view
 from mpigpu.core.ops import parse_op
 from mpigpu.job.check import Signature, check_signature
-from mpigpu.records import call_key
 from mpigpu.runtime.context import Context
 from mpigpu.runtime.plan import choose_cached
 

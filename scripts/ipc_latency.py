@@ -26,8 +26,8 @@ import cupy as cp  # noqa: E402
 from cupy.cuda import nccl  # noqa: E402
 
 import mpigpu  # noqa: E402
+from mpigpu.calls.ipc import ipc_graph  # noqa: E402
 from mpigpu.core._mpi import MPI, world  # noqa: E402
-from mpigpu.ipc import ipc_graph  # noqa: E402
 
 
 def main() -> int:
@@ -70,14 +70,14 @@ def main() -> int:
         count = max(1, nbytes // 4)
         x = cp.ones(count, cp.float32)
         out = cp.empty_like(x)
-        prepared = mpigpu.api.prepare(x, "sum", out=out, backend="ipc", stream=stream)
-        eager = timed(lambda p=prepared: mpigpu.api.run(p))
+        prepared = mpigpu.calls.reduce.prepare(x, "sum", out=out, backend="ipc", stream=stream)
+        eager = timed(lambda p=prepared: mpigpu.calls.reduce.run(p))
         api = timed(lambda x=x, out=out: mpigpu.allreduce(x, "sum", out=out, backend="ipc", stream=stream), 500)
         graph = ipc_graph(x, "sum", out=out, stream=stream)
         replay = timed(graph.launch)
         graph.close()
         ok = bool((out == comm.Get_size()).all())
-        g100 = graph_of(lambda p=prepared: mpigpu.api.run(p))
+        g100 = graph_of(lambda p=prepared: mpigpu.calls.reduce.run(p))
         ipc100 = timed(lambda g=g100: g.launch(stream), 40) / 100
         ok = ok and bool((out == comm.Get_size()).all())
 

@@ -20,10 +20,10 @@ def main() -> int:
     import mpigpu
     from mpigpu.bench.harness import command_stream
     from mpigpu.bench.workload import POISON_BYTE, count_wrong_device, fill_device
+    from mpigpu.calls.ipc import ipc_buffer, ipc_graph
     from mpigpu.core._mpi import world
     from mpigpu.core.dtypes import DTYPES
     from mpigpu.core.ops import Op
-    from mpigpu.ipc import ipc_buffer, ipc_graph
     from mpigpu.runtime.context import Context
 
     comm = world()

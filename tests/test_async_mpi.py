@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 import mpigpu
+from mpigpu.calls.handles import Handle, Worker
+from mpigpu.calls.reduce import allreduce_async
 from mpigpu.core.dtypes import DTYPES
 from mpigpu.core.errors import InvalidArgument, MismatchError, MpigpuError
 from mpigpu.core.ops import Op
 from mpigpu.core.patterns import fill
 from mpigpu.core.verify import count_wrong_host
-from mpigpu.handles import Handle, Worker, allreduce_async
 from mpigpu.runtime.context import Context
 
 
@@ -83,7 +84,7 @@ def test_one_worker_when_threads_ask_at_once(monkeypatch: pytest.MonkeyPatch) ->
     """Seen: four threads calling allreduce_async at once created three workers, and the job hung."""
     import types
 
-    import mpigpu.handles as handles
+    import mpigpu.calls.handles as handles
 
     made: list[object] = []
 
@@ -226,7 +227,7 @@ def test_jax_array_returns_a_new_jax_array(comm) -> None:
 
 @pytest.mark.mpi(min_size=1)
 def test_inline_when_mpi_is_below_thread_multiple(comm, monkeypatch) -> None:
-    import mpigpu.handles as handles
+    import mpigpu.calls.handles as handles
 
     dup = comm.Dup()
     try:

@@ -17,8 +17,9 @@ import pytest
 from conftest import fresh_context
 
 import mpigpu
+from mpigpu.calls.keys import call_key
+from mpigpu.calls.pipeline import Record
 from mpigpu.core.errors import InvalidArgument, MismatchError
-from mpigpu.records import Record, call_key
 from mpigpu.runtime.context import Context
 
 pytestmark = pytest.mark.mpi(min_size=1)

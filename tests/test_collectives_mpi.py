@@ -408,7 +408,7 @@ def test_backward_averager_broadcasts_rank0_parameters_by_default(comm) -> None:
 def test_allgather_rows_travel_in_the_check(comm, monkeypatch) -> None:
     """The first dimensions ride in the cross-rank check: equal ones (through MPI or the check board)
     and unequal ones on one node (read from the board) need no MPI_Allgather of their own."""
-    import mpigpu.collectives as collectives
+    import mpigpu.calls.move as collectives
     from mpigpu.runtime.context import Context
 
     def no_gather(ctx, mine):

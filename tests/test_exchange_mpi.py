@@ -16,10 +16,10 @@ import pytest
 from semantics import expected, inputs, problems
 
 import mpigpu
+from mpigpu.calls.reduce import scatter_rows
 from mpigpu.core.dtypes import DTYPES
 from mpigpu.core.errors import InvalidArgument, MismatchError
 from mpigpu.core.ops import Op
-from mpigpu.exchange import scatter_rows
 
 pytestmark = pytest.mark.mpi(min_size=1)
 

@@ -23,10 +23,20 @@ OLD_PATHS = [
     ("mpigpu.averager", "Averager", "mpigpu.training.averager"),
     ("mpigpu.arrays", "raw_view", "mpigpu.core.arrays"),
     ("mpigpu.plan", "machine_signature", "mpigpu.runtime.tuning"),
+    # the calls in one package (issue 36)
+    ("mpigpu.api", "allreduce", "mpigpu.calls.reduce"),
+    ("mpigpu.records", "call_key", "mpigpu.calls.keys"),
+    ("mpigpu.collectives", "broadcast", "mpigpu.calls.move"),
+    ("mpigpu.exchange", "scatter_rows", "mpigpu.calls.reduce"),
+    ("mpigpu.exchange", "alltoall", "mpigpu.calls.move"),
+    ("mpigpu.handles", "allreduce_async", "mpigpu.calls.reduce"),
+    ("mpigpu.persistent", "allreduce_init", "mpigpu.calls.persistent"),
+    ("mpigpu.objects", "broadcast_object", "mpigpu.calls.objects"),
+    ("mpigpu.ipc", "ipc_buffer", "mpigpu.calls.ipc"),
 ]
 
 
-@pytest.mark.parametrize(("old", "name", "new"), OLD_PATHS, ids=[old for old, _, _ in OLD_PATHS])
+@pytest.mark.parametrize(("old", "name", "new"), OLD_PATHS, ids=[f"{old}.{name}" for old, name, _ in OLD_PATHS])
 def test_an_old_path_imports_warns_and_gives_the_same_object(
     monkeypatch: pytest.MonkeyPatch, old: str, name: str, new: str
 ) -> None:

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 
 import mpigpu
-from mpigpu import api
 from mpigpu.backends.cpu import CpuBackend
+from mpigpu.calls import reduce
+from mpigpu.calls.persistent import Request, allreduce_init
+from mpigpu.calls.reduce import allreduce_async
 from mpigpu.core.dtypes import DTYPES
 from mpigpu.core.errors import InvalidArgument, MismatchError, MpigpuError
 from mpigpu.core.ops import Op
 from mpigpu.core.patterns import fill
 from mpigpu.core.verify import count_wrong_host
-from mpigpu.handles import allreduce_async
-from mpigpu.persistent import Request, allreduce_init
 from mpigpu.runtime.context import Context
 
 DTYPE_NAMES = ("float32", "float64", "int32", "int64", "bfloat16")
@@ -131,13 +131,14 @@ def test_placement_mismatch_raises_on_every_rank_at_init(comm, monkeypatch) -> N
     """One rank's array is seen as a GPU array (no GPU here: the view is relabelled after
     validation), so only the placement field differs."""
     if comm.Get_rank() == 1:
-        validate = api.validate
+        validate = reduce.ALLREDUCE.validate
 
         def as_gpu(*args, **kwargs):
-            prepared = validate(*args, **kwargs)
-            return dataclasses.replace(prepared, x=dataclasses.replace(prepared.x, device=0))
+            record, live = validate(*args, **kwargs)
+            signature = record.signature._replace(placement=1)
+            return dataclasses.replace(record, signature=signature, packed=signature.packed(), keep=False), live
 
-        monkeypatch.setattr(api, "validate", as_gpu)
+        monkeypatch.setattr(reduce.ALLREDUCE, "validate", as_gpu)
     with pytest.raises(MismatchError, match="placement: host array on rank"):
         allreduce_init(np.ones(4, np.float32), "sum", backend="cpu")
 
@@ -251,7 +252,7 @@ def test_failing_queued_start_is_raised_by_wait_and_breaks_the_queue(comm, own_c
     """A queued reduction that fails raises from wait(), leaving the request idle; as for
     allreduce_async, the communicator's queue then refuses later work (the ranks may no longer agree
     on the order of collectives): a later start raises that from wait(), never pairs wrongly."""
-    from mpigpu.handles import _thread_level_ok
+    from mpigpu.calls.handles import _thread_level_ok
 
     if not _thread_level_ok():
         pytest.skip("MPI below THREAD_MULTIPLE: starts run inline")

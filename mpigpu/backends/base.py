@@ -127,7 +127,7 @@ class Backend(abc.ABC):
 
     def bind_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[..., None]:
         """``allreduce(x, out, op, stream)`` with all but the stream fixed, for a call record and a
-        persistent request (mpigpu.records, mpigpu.persistent): ``call(stream, x_host=None,
+        persistent request (mpigpu.calls.pipeline, mpigpu.calls.persistent): ``call(stream, x_host=None,
         out_host=None)``, where the host arrays, if given, are this call's (a record's host views hold
         none; ``out_host`` is ``x_host`` in place). Backends override it to do once what every call
         would repeat."""

@@ -244,7 +244,7 @@ class NcclBackend(Backend):
         finally:
             nccl.groupEnd()
 
-    # -- CUDA graphs (mpigpu.persistent.Graph) --------------------------------------------------------
+    # -- CUDA graphs (mpigpu.calls.persistent.Graph) --------------------------------------------------------
     def graph_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Any:
         """A cuda.core Graph of this call (local): the NCCL launch captured on a private stream."""
         if needs_keys_or_parts(x.dtype, op):  # their scratch buffer's events cannot be captured

@@ -103,7 +103,7 @@ def bind_call(
     """The call of ``path`` (a PathSpec) on ``work`` (collective for mpigpu paths: the arguments
     are checked across ranks, so a refusal raises the same MpigpuError on every rank)."""
     from mpigpu import allreduce, allreduce_init
-    from mpigpu.api import prepare, run
+    from mpigpu.calls.reduce import prepare, run
 
     if path.kind == "anchor":
         return Bound(partial(anchor.allreduce, work.x, work.out, op), _nothing)

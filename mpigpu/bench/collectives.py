@@ -4,7 +4,7 @@ from allreduce.
 What is timed: the user's call, ``mpigpu.broadcast(x, root=0[, backend=name])`` (in place),
 ``y = mpigpu.allgather(x[, backend=name])`` (a new array, ``n x`` the input),
 ``y = mpigpu.reduce_scatter(x, "sum"[, backend=name])`` (this rank's share of the sum, split as
-``mpigpu.exchange.scatter_rows(count, n)``) or ``y = mpigpu.alltoall(x, splits[, backend=name])``
+``mpigpu.calls.reduce.scatter_rows(count, n)``) or ``y = mpigpu.alltoall(x, splits[, backend=name])``
 (``splits = scatter_rows(count, n)``: rank r receives its share of every rank's input), beside the
 anchors of ``mpigpu.bench.coll_anchors``. Sizes are the per-rank input.
 
@@ -35,11 +35,11 @@ from typing import Any
 
 import numpy as np
 
+from mpigpu.calls.reduce import scatter_rows
 from mpigpu.core.arrays import ArrayView, as_view
 from mpigpu.core.dtypes import DType
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.timing import Result
-from mpigpu.exchange import scatter_rows
 
 __all__ = [
     "COLLECTIVES",
@@ -127,8 +127,8 @@ def refuse_options(args: Any) -> list[str]:
     setting = {
         "broadcast": f"root rank {ROOT}, in place",
         "allgather": "sizes are each rank's input (the output is n times larger)",
-        "reduce_scatter": "op sum; sizes are each rank's input, split as mpigpu.exchange.scatter_rows(count, n)",
-        "alltoall": "sizes are each rank's input; splits = mpigpu.exchange.scatter_rows(count, n)",
+        "reduce_scatter": "op sum; sizes are each rank's input, split as mpigpu.calls.reduce.scatter_rows(count, n)",
+        "alltoall": "sizes are each rank's input; splits = mpigpu.calls.reduce.scatter_rows(count, n)",
     }[name]
     busbw = {
         "broadcast": "broadcast busbw = algbw = bytes/time",

@@ -147,7 +147,7 @@ def build_parser() -> Parser:
         help="how each mpigpu backend and auto is called, comma-separated or 'all' (default user,persistent; "
         "user for broadcast and allgather): "
         "user = mpigpu.allreduce(x) checked every call; persistent = req() of a request from allreduce_init; "
-        "prepared = api.run of a call prepared once (diagnostic; --tune adds it)",
+        "prepared = mpigpu.calls.reduce.run of a call prepared once (diagnostic; --tune adds it)",
     )  # fmt: skip
     what.add_argument(
         "--framework", choices=FRAMEWORKS, default="native",

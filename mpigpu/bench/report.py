@@ -53,7 +53,7 @@ CALL_SUFFIX = {"user": "", "persistent": ":req", "prepared": ":prep"}
 CALL_DESCRIPTION = {
     "user": "mpigpu.allreduce(x) as users call it: checked across ranks every call (validated on its first)",
     "persistent": "req() of req = mpigpu.allreduce_init(x, ...) made once per size: checked once, then launched",
-    "prepared": "diagnostic: api.run of a call prepared once (no per-call validation or check)",
+    "prepared": "diagnostic: mpigpu.calls.reduce.run of a call prepared once (no per-call validation or check)",
 }
 
 

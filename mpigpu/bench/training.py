@@ -102,7 +102,7 @@ def _arrays(shapes: list[tuple[int, ...]], on_gpu: bool, seed: int) -> list[Any]
 
 def measure_fusion(args: argparse.Namespace, ctx: Any, on_gpu: bool, sync: Callable[[], Any]) -> dict[str, Any]:
     """Per-tensor allreduces, one flat allreduce, and the Averager, on the ResNet-50 shapes."""
-    from mpigpu.api import allreduce
+    from mpigpu.calls.reduce import allreduce
     from mpigpu.training.averager import Averager
 
     comm, backend = ctx.comm, args.backend
@@ -333,7 +333,7 @@ def measure_training(args: argparse.Namespace, ctx: Any, on_gpu: bool, name: str
 
 def measure_accuracy(args: argparse.Namespace, ctx: Any) -> dict[str, Any]:
     """Compressed averaging against float32 averaging and a float64 reference, on the host."""
-    from mpigpu.api import allreduce
+    from mpigpu.calls.reduce import allreduce
     from mpigpu.training.averager import Averager
 
     shapes = resnet50_shapes(args.scale)

@@ -77,7 +77,7 @@ def broadcast(x: Any, root: int = 0, *, comm: Any = None, backend: str = "auto")
     Inside ``jax.jit`` (and ``grad``, ``vmap``, ``lax.scan``) and outside it, ordered and checked across
     ranks like ``allreduce`` (shape, dtype, root and backend must match). Differentiable: the gradient
     reaching root's ``x`` is the sum of every rank's cotangent, the other ranks' is zero."""
-    from mpigpu.collectives import check_root
+    from mpigpu.calls.pipeline import check_root
 
     rank, size = _rank_and_size(comm)
     root = check_root(root, size)
@@ -103,7 +103,7 @@ def _as_jax(x: Any, comm: Any) -> Any:
     node's GPUs, that default is GPU 0 on every rank, and the call would then fail on the other ranks."""
     if isinstance(x, jax.Array):  # tracers are jax.Array too
         return x
-    from mpigpu.api import select_device
+    from mpigpu.calls.reduce import select_device
 
     gpu = select_device(comm)
     if gpu is not None:

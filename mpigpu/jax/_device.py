@@ -171,7 +171,7 @@ def init(comm: Any = None, *, distributed: bool = False) -> Any:
     multi-process runtime over the world (needed for XLA's own collectives: ``jax.shard_map`` over a mesh
     of every process's device, where mpigpu.jax's calls become ``lax.psum``). Collective over ``comm``
     (default: the world); a later call returns the same device at once."""
-    from mpigpu.api import select_device
+    from mpigpu.calls.reduce import select_device
     from mpigpu.core._mpi import world
     from mpigpu.job.check import fail_together
 

@@ -1,7 +1,7 @@
 """What runs inside XLA when a compiled program reaches an mpigpu collective: the FFI handler.
 
 It runs on one of XLA's threads, never the program's, with the buffers XLA allocated and (on GPUs)
-the CUDA stream XLA runs the program on. It calls the backend directly (mpigpu.api.allreduce's public
+the CUDA stream XLA runs the program on. It calls the backend directly (mpigpu.allreduce's public
 path is for the program's own thread): the arguments were validated and agreed across ranks when
 the program was lowered, so the call carries no check.
 

@@ -187,10 +187,10 @@ def check_packed(comm: Any, board: CheckBoard | None, sig: Signature, packed: by
     check_signature(comm, sig, backend_name=backend_name)
 
 
-def raise_mismatch(comm: Any, sig: Signature, backend_name: str = "") -> NoReturn:
-    """After the board found that the ranks' allreduce signatures differ (every rank found it):
-    gather them and raise the same MismatchError on every rank (collective)."""
-    _mismatch(comm, sig, sig.values(), "allreduce", "rejected the arguments", backend_name)
+def raise_mismatch(comm: Any, sig: Signature, backend_name: str = "", name: str = "allreduce") -> NoReturn:
+    """After the board found that the ranks' signatures of collective ``name`` differ (every rank
+    found it): gather them and raise the same MismatchError on every rank (collective)."""
+    _mismatch(comm, sig, sig.values(), name, "rejected the arguments", backend_name)
 
 
 def _max_and_min(comm: Any, mine: list[int]) -> array:

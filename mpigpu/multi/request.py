@@ -19,7 +19,7 @@ _CUDA_NOT_READY = 600  # cudaErrorNotReady
 
 class Enqueued:
     """Events recorded on each device's stream after its part of a call (``is_done``, ``sync``: what
-    mpigpu.handles.Handle asks of an event)."""
+    mpigpu.calls.handles.Handle asks of an event)."""
 
     def __init__(self, entries: list[Entry]) -> None:
         from mpigpu.multi.paths import stream_event

@@ -66,7 +66,7 @@ class Context:
         self.comm: Any = None
         self.layout: Layout | None = None
         self._closed = False
-        self.async_worker: Any = None  # mpigpu.handles.Worker, started by the first allreduce_async needing it
+        self.async_worker: Any = None  # mpigpu.calls.handles.Worker, started by the first allreduce_async needing it
         self.owner: int | None = None  # the thread that issues this communicator's calls (Context.enter)
         self._violation: str | None = None  # set once a second thread has called: every call is refused
         self._calls = threading.RLock()  # held by the owner during a call; a refusal waits for it
@@ -216,7 +216,7 @@ class Context:
             self._calls.release()
 
     def _on_worker(self) -> bool:
-        """True on this communicator's background thread (``mpigpu.handles.Worker``): a call made by one
+        """True on this communicator's background thread (``mpigpu.calls.handles.Worker``): a call made by one
         of its queued tasks belongs to the call that queued it, which held the communicator then."""
         worker = self.async_worker
         return worker is not None and worker.runs_here()

@@ -34,14 +34,14 @@ from typing import Any
 
 import numpy as np
 
+from mpigpu.calls.handles import reject
+from mpigpu.calls.persistent import Request, allreduce_init
 from mpigpu.core._cuda import StreamRef, resolve_stream
 from mpigpu.core.arrays import as_view, framework_of, require_c_order
 from mpigpu.core.config import parse_count
 from mpigpu.core.dtypes import DType, parse_dtype
 from mpigpu.core.errors import InvalidArgument, MismatchError, MpigpuError
 from mpigpu.core.ops import Op, parse_op
-from mpigpu.handles import reject
-from mpigpu.persistent import Request, allreduce_init
 from mpigpu.runtime.context import Context
 from mpigpu.training.broadcast_state import broadcast_parameters
 from mpigpu.training.compression import parse_compression

@@ -12,9 +12,9 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from mpigpu.collectives import broadcast
+from mpigpu.calls.move import broadcast
+from mpigpu.calls.objects import allgather_object, broadcast_object
 from mpigpu.core.errors import InvalidArgument, MismatchError
-from mpigpu.objects import allgather_object, broadcast_object
 
 __all__ = ["broadcast_optimizer_state", "broadcast_parameters"]
 

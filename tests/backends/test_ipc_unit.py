@@ -243,7 +243,7 @@ def test_auto_never_picks_an_unavailable_ipc_even_when_the_table_says_so() -> No
 # -- import hygiene ---------------------------------------------------------------------------------
 def test_importing_the_ipc_modules_loads_no_gpu_or_mpi_library() -> None:
     code = (
-        "import sys, mpigpu.ipc, mpigpu.backends.ipc, mpigpu.backends.ipc_memory, mpigpu.backends.ipc_plan\n"
+        "import sys, mpigpu.calls.ipc, mpigpu.backends.ipc, mpigpu.backends.ipc_memory, mpigpu.backends.ipc_plan\n"
         "bad = [m for m in ('cupy', 'cuda.core', 'mpi4py.MPI', 'torch', 'jax') if m in sys.modules]\n"
         "print(bad)\n"
     )
@@ -270,7 +270,7 @@ def test_ipc_buffer_and_graph_fail_alike_on_every_rank_without_gpus(comm) -> Non
     from conftest import gpu_available
 
     import mpigpu
-    from mpigpu.ipc import ipc_buffer, ipc_graph
+    from mpigpu.calls.ipc import ipc_buffer, ipc_graph
 
     if gpu_available():
         pytest.skip("this machine has a GPU: tests/gpu/test_ipc.py covers it")

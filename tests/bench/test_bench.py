@@ -294,7 +294,7 @@ def test_every_call_and_anchor_is_verified_before_it_is_timed(tmp_path: Path) ->
         assert sorted((r["bytes"], r["inplace"]) for r in rows) == [(8, False), (8, True), (40, False), (40, True)]
         assert all(r["wrong"] == 1 for r in rows), column
     assert "# FAIL: cpu:req (host) float32 sum in-place 40 B: 1 wrong element" in done.stdout
-    assert "#   prepared: diagnostic: api.run of a call prepared once" in done.stdout
+    assert "#   prepared: diagnostic: mpigpu.calls.reduce.run of a call prepared once" in done.stdout
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])

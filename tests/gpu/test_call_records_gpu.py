@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 import mpigpu
+from mpigpu.calls.keys import call_key
+from mpigpu.calls.pipeline import Record
 from mpigpu.core.errors import MismatchError
-from mpigpu.records import Record, call_key
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1)]
 

@@ -191,7 +191,7 @@ RS_DTYPES = ["float32", "float64", "float16", "int8", "int64", "uint8"]
 
 
 def _scatter_span(rows: int, rank: int, size: int) -> tuple[int, int]:
-    from mpigpu.exchange import scatter_rows
+    from mpigpu.calls.reduce import scatter_rows
 
     counts = scatter_rows(rows, size)
     return sum(counts[:rank]), counts[rank]

@@ -280,7 +280,7 @@ def test_consecutive_calls_on_different_streams(env: Env) -> None:
 
 # -- direct allocation --------------------------------------------------------------------------------
 def test_ipc_buffer_is_read_in_place(env: Env) -> None:
-    from mpigpu.ipc import ipc_buffer
+    from mpigpu.calls.ipc import ipc_buffer
 
     count = 300000
     buf = ipc_buffer(count + 16, "float32", comm=env.comm)
@@ -310,7 +310,7 @@ def test_ipc_buffer_is_read_in_place(env: Env) -> None:
 def test_ipc_buffer_mixed_with_ordinary_arrays_across_ranks(env: Env) -> None:
     """Rank 0 reduces registered memory, the others ordinary arrays: each rank's kernel learns
     where every peer's input is for each call."""
-    from mpigpu.ipc import ipc_buffer
+    from mpigpu.calls.ipc import ipc_buffer
 
     count = 70001
     buf = ipc_buffer((count,), "bfloat16", comm=env.comm)
@@ -328,7 +328,7 @@ def test_ipc_buffer_mixed_with_ordinary_arrays_across_ranks(env: Env) -> None:
 
 
 def test_ipc_buffer_sizes_must_agree(env: Env) -> None:
-    from mpigpu.ipc import ipc_buffer
+    from mpigpu.calls.ipc import ipc_buffer
 
     with pytest.raises(mpigpu.MismatchError, match="different sizes"):
         ipc_buffer(100 + env.rank, "float32", comm=env.comm)
@@ -336,7 +336,7 @@ def test_ipc_buffer_sizes_must_agree(env: Env) -> None:
 
 def test_ipc_buffer_viewed_by_torch(env: Env) -> None:
     torch = pytest.importorskip("torch", reason="torch is not installed")
-    from mpigpu.ipc import ipc_buffer
+    from mpigpu.calls.ipc import ipc_buffer
 
     buf = ipc_buffer(4099, "float32", comm=env.comm)
     tensor = torch.as_tensor(buf, device=f"cuda:{env.ctx.gpu.index}")
@@ -348,7 +348,7 @@ def test_ipc_buffer_viewed_by_torch(env: Env) -> None:
 
 # -- graphs -------------------------------------------------------------------------------------------
 def test_graph_replays_interleaved_with_eager_calls(env: Env) -> None:
-    from mpigpu.ipc import ipc_graph
+    from mpigpu.calls.ipc import ipc_graph
 
     count = 4099
     x, out, eager_out = env.empty(count, "float32"), env.empty(count, "float32"), env.empty(count, "float32")
@@ -368,7 +368,7 @@ def test_graph_replays_interleaved_with_eager_calls(env: Env) -> None:
 
 # -- last: finalize releases everything, and ipc comes back on first use ------------------------------
 def test_finalize_then_use_again(env: Env) -> None:
-    from mpigpu.ipc import ipc_buffer
+    from mpigpu.calls.ipc import ipc_buffer
 
     mpigpu.finalize()
     count = 70001

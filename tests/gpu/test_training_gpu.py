@@ -14,11 +14,11 @@ import pytest
 
 import mpigpu
 from mpigpu.backends import backend_class
+from mpigpu.calls.reduce import allreduce_async
 from mpigpu.core.dtypes import DTYPES
 from mpigpu.core.ops import Op
 from mpigpu.core.patterns import fill
 from mpigpu.core.verify import count_wrong_host
-from mpigpu.handles import allreduce_async
 from mpigpu.training.averager import Averager
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1)]

@@ -157,7 +157,7 @@ def test_before_jax_starts_only_the_ranks_gpu_is_opened(comm, fresh_init, monkey
     preallocation off on every rank (two GPUs visible); a value set beforehand that names another GPU
     fails on every rank; with JAX told to run on the CPU (JAX_PLATFORMS=cpu), the CPU is the rank's
     device and nothing is restricted."""
-    import mpigpu.api
+    import mpigpu.calls.reduce
     import mpigpu.jax as mj
 
     rank = comm.Get_rank()
@@ -165,7 +165,7 @@ def test_before_jax_starts_only_the_ranks_gpu_is_opened(comm, fresh_init, monkey
     defaults = []
     for name in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(mpigpu.api, "select_device", lambda comm=None: _gpu(rank))
+    monkeypatch.setattr(mpigpu.calls.reduce, "select_device", lambda comm=None: _gpu(rank))
     monkeypatch.setattr(fresh_init, "_backends_started", lambda: False)
     monkeypatch.setattr(fresh_init, "_jax_devices", lambda platform: [FakeDevice("gpu", rank)])
     monkeypatch.setattr(fresh_init, "_set_default", defaults.append)
@@ -194,12 +194,12 @@ def test_before_jax_starts_only_the_ranks_gpu_is_opened(comm, fresh_init, monkey
 def test_jax_without_the_ranks_gpu_fails_on_every_rank(comm, fresh_init, monkeypatch) -> None:
     """JAX started with GPU 0 only (every rank's), and rank 1 is bound to GPU 1: rank 1 raises DeviceError
     naming the fix, every other rank MismatchError naming rank 1; nothing is bound; the next collective pairs."""
-    import mpigpu.api
+    import mpigpu.calls.reduce
     import mpigpu.jax as mj
 
     rank = comm.Get_rank()
     defaults = []
-    monkeypatch.setattr(mpigpu.api, "select_device", lambda comm=None: _gpu(1 if rank == 1 else 0))
+    monkeypatch.setattr(mpigpu.calls.reduce, "select_device", lambda comm=None: _gpu(1 if rank == 1 else 0))
     monkeypatch.setattr(fresh_init, "_backends_started", lambda: True)
     monkeypatch.setattr(fresh_init, "_jax_devices", lambda platform: [FakeDevice("gpu", 0)])
     monkeypatch.setattr(fresh_init, "_set_default", defaults.append)

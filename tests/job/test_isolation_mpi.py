@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import mpigpu
+from mpigpu.calls.reduce import allreduce_async
 from mpigpu.core._mpi import MPI
 from mpigpu.core.config import Settings
 from mpigpu.core.errors import ConfigError, InvalidArgument, MismatchError
-from mpigpu.handles import allreduce_async
 from mpigpu.runtime.context import Context
 
 

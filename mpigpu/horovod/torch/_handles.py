@@ -3,7 +3,7 @@
 - A handle is an ``int``: ``poll(handle)`` says whether the call is complete (never blocks),
   ``synchronize(handle)`` waits and returns the result. Allreduces run through
   ``mpigpu.allreduce_async``; the other collectives are queued on the communicator's background
-  thread (``mpigpu.handles.run_queued``), after the calls made before them, so all are asynchronous
+  thread (``mpigpu.calls.handles.run_queued``), after the calls made before them, so all are asynchronous
   and reach MPI in the program's order.
 - ``name=``: two calls in flight on one process set may not share a name (Horovod keys calls by it).
   The second raises ValueError on the rank that makes it, before anything is sent: in a program that
@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
+from mpigpu.calls.handles import Handle, run_queued
 from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError, MpigpuError
 from mpigpu.core.typed import allreduce_int
-from mpigpu.handles import Handle, run_queued
 from mpigpu.horovod._errors import HorovodInternalError, translated
 from mpigpu.horovod._state import ProcessSet
 from mpigpu.horovod.torch._join import take_part_in_exchange

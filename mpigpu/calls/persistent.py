@@ -27,12 +27,13 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from mpigpu.api import Prepared, _log_choice, _nothing, bind, bound, prepare
 from mpigpu.backends import backend_class, backend_code
+from mpigpu.calls.handles import _worker
+from mpigpu.calls.pipeline import log_choice
+from mpigpu.calls.reduce import Prepared, _nothing, bind, bound, prepare
 from mpigpu.core._cuda import StreamRef, core_stream, resolve_stream
 from mpigpu.core.errors import DeviceError, InvalidArgument, MpigpuError
 from mpigpu.core.ops import Op
-from mpigpu.handles import _worker
 from mpigpu.job.check import Signature, check_packed, check_signature
 from mpigpu.multi.binding import thread_binding
 
@@ -73,7 +74,7 @@ class Request:
         self._future: Any = None  # the worker's task of a queued start
         self._started_on: StreamRef | None = None
         if ctx.settings.log:
-            _log_choice(ctx, x, prepared.choice)
+            log_choice(ctx, x, prepared.choice)
 
     @staticmethod
     def _bind(prepared: Prepared) -> Callable[[StreamRef | None], None]:

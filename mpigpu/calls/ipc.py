@@ -13,8 +13,8 @@ import math
 import operator
 from typing import TYPE_CHECKING, Any
 
+from mpigpu.calls.persistent import Graph
 from mpigpu.core.errors import BackendUnavailable, InvalidArgument
-from mpigpu.persistent import Graph
 
 if TYPE_CHECKING:
     from mpigpu.core.dtypes import DType
@@ -73,7 +73,7 @@ def ipc_graph(x: Any, op: str = "avg", *, out: Any = None, comm: Any = None, str
 
     The arguments are checked across ranks once, here. ``stream`` is the default stream of
     ``launch()``. Keep ``x`` and ``out`` alive while the graph is in use."""
-    from mpigpu.persistent import allreduce_init
+    from mpigpu.calls.persistent import allreduce_init
 
     request = allreduce_init(x, op, out=out, comm=comm, backend="ipc", stream=stream)
     try:

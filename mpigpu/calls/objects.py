@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from mpigpu.collectives import check_root
+from mpigpu.calls.pipeline import check_root
 from mpigpu.core._mpi import MPI
 from mpigpu.job.check import COLLECTIVES, Signature, check_signature
 from mpigpu.runtime.context import Context, announce_rejection

@@ -1,11 +1,9 @@
-"""Call records: what a repeated ``allreduce`` reuses instead of working it out again.
+"""Call keys: what a repeated call is known by, read from its arguments by a few attribute reads.
 
-The first call with a given signature is validated in full (``api.validate``: the array's view, its
-dtype, the op, ``out``, the rank's GPU, the backend's choice) and its cross-rank signature packed.
-The record keeps all of that, and the backend's bound launch (``Backend.bind_allreduce``, the launch a
-persistent request runs) once the call has run. A later call finds its record with one dictionary
-lookup on a key read from the arguments by a few attribute reads (``call_key``), then checks across
-ranks and launches: no view, dtype, op or backend is worked out again.
+The first call with a given key is validated in full by its family (mpigpu.calls.pipeline: the
+array's view, its dtype, the op, ``out``, the rank's GPU, the backend's choice) and its cross-rank
+signature packed into a record. A later call finds that record with one dictionary lookup, then
+checks across ranks and launches: no view, dtype, op or backend is worked out again.
 
 What the key reads, per array type (other types, and JAX arrays, take the full path every call):
 
@@ -25,7 +23,6 @@ so whatever forgets the remembered choices (a new tuning table, a new ``ipc_buff
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,39 +31,12 @@ from mpigpu.core.arrays import ArrayView
 
 if TYPE_CHECKING:
     from mpigpu.core.ops import Op
-    from mpigpu.job.check import Signature
-    from mpigpu.runtime.context import Context
-    from mpigpu.runtime.plan import Choice
 
-__all__ = ["Launch", "Record", "call_key", "detach", "values_key"]
+__all__ = ["Launch", "array_key", "call_key", "detach", "family_key", "values_key"]
 
 # (stream, x's host array, out's host array): the backend's bound call; the arrays are None for
 # device arrays and for views that hold their own (a persistent request's)
 Launch = Callable[..., None]
-
-
-@dataclass(slots=True, eq=False)
-class Record:
-    """A validated allreduce signature, shared by every call (and request) with its key.
-
-    ``x`` and ``out`` are views without the array (``detach``); ``out is x`` in place. ``launch`` is
-    bound at the first run (creating a backend is collective: it happens after the check)."""
-
-    ctx: Context
-    x: ArrayView
-    out: ArrayView
-    op: Op
-    choice: Choice
-    signature: Signature
-    packed: bytes  # the signature as the check board posts it (``Signature.packed``)
-    launch: Launch | None = None
-
-    def watch_label(self, phase: str) -> str:
-        """What the watchdog calls a call of this record in ``phase`` ("check" or "data")."""
-        x = self.x
-        if phase == "check":
-            return f"allreduce of {x.size} {x.dtype.name} (cross-rank argument check)"
-        return f"allreduce({self.choice.backend}, {x.dtype.name} x {x.size}, op={self.op.value})"
 
 
 def detach(view: ArrayView) -> ArrayView:
@@ -150,3 +120,23 @@ def call_key(x: Any, op: Any, out: Any, backend: Any) -> tuple[Any, ...] | None:
     if ok is None or (type(x) is np.ndarray and type(out) is np.ndarray and np.may_share_memory(x, out)):
         return None
     return (type(x), xk, op, backend, type(out), ok)
+
+
+def array_key(x: Any) -> tuple[Any, ...] | None:
+    """The key of one array argument (as ``call_key`` reads ``x``), or None where it has none."""
+    return (x.shape, x.dtype, x.flags.num & _NUMPY_FLAGS) if type(x) is np.ndarray else _read(x)
+
+
+def family_key(name: str, x: Any, out: Any, *rest: Any) -> tuple[Any, ...] | None:
+    """The key of a call of collective ``name`` (not allreduce, whose keys ``call_key`` reads: the
+    name keeps the families' records apart in one cache) on ``x``, ``out`` (None: a new array each
+    call) and the hashable ``rest`` of its arguments, or None where it has none."""
+    xk = array_key(x)
+    if xk is None:
+        return None
+    if out is None:
+        return (name, type(x), xk, *rest)
+    ok = _read(out)
+    if ok is None or (type(x) is np.ndarray and type(out) is np.ndarray and np.may_share_memory(x, out)):
+        return None
+    return (name, type(x), xk, type(out), ok, *rest)

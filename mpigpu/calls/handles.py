@@ -1,4 +1,5 @@
-"""``allreduce_async``: start an allreduce, get a ``Handle``, keep computing, ``wait()`` later.
+"""The async forms' machinery (``allreduce_async``, ``reduce_scatter_async``, ``alltoall_async``; the
+Horovod layer's queue): start a call, get a ``Handle``, keep computing, ``wait()`` later.
 
 Two ways a call proceeds, chosen by the backend:
 
@@ -30,21 +31,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
 from functools import partial
 from queue import SimpleQueue
 from typing import Any
 
-from mpigpu.api import Prepared, check_call, run, validate
 from mpigpu.backends import backend_class
 from mpigpu.core._cuda import StreamRef, core_stream
 from mpigpu.core.errors import MismatchError, MpigpuError
-from mpigpu.core.ops import Op
 from mpigpu.job.failsafe import report_background_failure
-from mpigpu.multi.binding import thread_binding
 from mpigpu.runtime.context import Context, announce_rejection
 
-__all__ = ["Handle", "Worker", "allreduce_async", "reject", "run_queued", "start"]
+__all__ = ["Handle", "Worker", "reject", "run_queued", "start"]
 
 
 class Worker:
@@ -199,15 +196,6 @@ def _failed(ctx: Context, exc: BaseException) -> None:
     )
 
 
-def _on_worker(worker: Worker, prepared: Prepared, ready: Any) -> Any:
-    """The worker's task: the cross-rank check, then the reduction (see ``_on_worker_stream``)."""
-    check_call(prepared)
-    if ready is None:
-        return run(prepared)
-    result = _on_worker_stream(worker, prepared.ctx, ready, lambda ref: run(replace(prepared, stream=ref, finish=None)))
-    return prepared.finish(result) if prepared.finish is not None else result
-
-
 def _on_worker_stream(worker: Worker, ctx: Context, ready: Any, task: Callable[[StreamRef], Any]) -> Any:
     """``task(stream)`` for GPU data on the worker's own non-blocking stream, after ``ready`` (the
     caller's stream at the call), synchronised before it returns, so the result is complete when
@@ -253,62 +241,6 @@ def reject(ctx: Context, exc: Exception) -> None:
         announce_rejection(ctx, exc)
     else:
         worker.submit(partial(announce_rejection, ctx, exc))
-
-
-def allreduce_async(
-    x: Any,
-    op: str | Op = "avg",
-    *,
-    out: Any = None,
-    comm: Any = None,
-    backend: str = "auto",
-    stream: Any = None,
-) -> Handle:
-    """Start ``allreduce(x, op, out=..., comm=..., backend=..., stream=...)`` and return its Handle.
-
-    Do not modify ``x`` (or read ``out``) until ``handle.wait()`` returns. Invalid arguments raise
-    here, at once; the other ranks then get a MismatchError. For background-thread backends a
-    cross-rank mismatch is raised by ``wait()``. Collective, like ``allreduce``: every rank starts
-    the same calls in the same order. From a thread bound with ``on_device`` (or with a list) the call
-    runs at once, as the devices must meet; ``wait()`` waits for the GPU work it enqueued."""
-    if type(x) is list or type(x) is tuple or thread_binding.__dict__.get("index") is not None:
-        from mpigpu.multi.request import start_handle
-
-        name, result, enqueued = start_handle(x, op, out, comm, backend, stream)
-        return Handle(name, result=result, event=enqueued)
-    ctx = Context.get(comm)
-    ctx.enter("allreduce_async")  # the one-thread rule: the queue's order is this thread's order
-    try:
-        return _submit(ctx, x, op, out, comm, backend, stream)
-    finally:
-        ctx.leave()
-
-
-def _submit(ctx: Context, x: Any, op: Any, out: Any, comm: Any, backend: str, stream: Any) -> Handle:
-    worker = _worker(ctx)
-    if worker is None:  # MPI below THREAD_MULTIPLE: no background thread, run it now
-        from mpigpu.api import prepare
-
-        prepared = prepare(x, op, out=out, comm=comm, backend=backend, stream=stream)
-        return Handle(prepared.choice.backend, result=run(prepared))
-    try:
-        prepared = validate(ctx, x, op, out, backend, stream)
-    except Exception as exc:  # any failure here must reach the other ranks' checks
-        reject(ctx, exc)
-        raise
-    name = prepared.choice.backend
-    if backend_class(name).enqueues:
-        ctx.wait_async()  # a queued call on another backend goes first
-        check_call(prepared)
-        result = run(prepared)
-        assert prepared.stream is not None
-        return Handle(name, result=result, event=core_stream(prepared.stream.handle).record())
-    ready = None
-    if prepared.x.on_device and prepared.x.size:
-        assert prepared.stream is not None
-        ctx.activate_gpu()
-        ready = core_stream(prepared.stream.handle).record()
-    return Handle(name, future=worker.submit(partial(_on_worker, worker, prepared, ready)))
 
 
 def run_queued(task: Callable[[], Any], *, comm: Any = None, what: str = "a queued call") -> Handle:

@@ -1,0 +1,318 @@
+"""Data movement: ``broadcast``, ``allgather`` and ``alltoall`` (and ``alltoall_async``), three
+families of the one road (mpigpu.calls.pipeline), with allreduce's conventions (array types,
+``comm``, ``backend``, ``stream``, the one-thread rule, the cross-rank check with MismatchError on
+every rank, inputs untouched on error).
+
+Backends: cpu (MPI_Bcast / MPI_Allgatherv / MPI_Alltoallv), nccl (ncclBroadcast / ncclAllGather,
+unequal first dimensions as one ncclBroadcast per rank in an NCCL group / grouped ncclSend and
+ncclRecv), cuda-aware (MPI on device pointers after synchronising the stream), host (GPU arrays
+staged through pinned memory). ipc does not implement them: ``auto`` passes over it.
+
+allgather and alltoall let the first dimension differ between ranks: it rides in the signature's
+``root`` field, which the check returns for every rank (``Family.per_rank``), so an allgather learns
+every rank's rows, and an evenly split alltoall every rank's received rows, from the check itself.
+An alltoall with explicit ``splits`` exchanges them in one MPI_Alltoall inside the call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mpigpu.calls.handles import Handle
+from mpigpu.calls.keys import detach, family_key
+from mpigpu.calls.pipeline import (
+    Family,
+    Record,
+    call,
+    call_async,
+    check_backend_name,
+    check_root,
+    copy_bytes,
+    new_array,
+    signature,
+)
+from mpigpu.calls.reduce import lent, rows_view
+from mpigpu.core._cuda import StreamRef
+from mpigpu.core.arrays import ArrayView, as_view, require_c_order, scalar_fix
+from mpigpu.core.errors import InvalidArgument
+from mpigpu.core.ops import Op
+from mpigpu.runtime.context import Context
+from mpigpu.runtime.plan import choose_cached
+
+__all__ = ["allgather", "alltoall", "alltoall_async", "broadcast"]
+
+
+def _launch(record: Record, method: str) -> Any:
+    """The backend's ``method``, bound on its first use (creating the backend is collective: after the check)."""
+    launch = record.launch
+    if launch is None:
+        launch = record.launch = getattr(record.ctx.backend(record.choice.backend), method)
+    return launch
+
+
+# -- broadcast ----------------------------------------------------------------------------------------------------
+class _Broadcast(Family):
+    name = "broadcast"
+
+    def key(self, x: Any, root: Any, backend: Any) -> tuple[Any, ...] | None:
+        return family_key("broadcast", x, None, root, backend) if type(root) is int else None
+
+    def validate(self, ctx: Context, x: Any, root: Any, backend: Any) -> tuple[Record, Any]:
+        root_ = check_root(root, ctx.size)
+        check_backend_name(backend)
+        xv = as_view(x, name="x")
+        ctx.require_own_gpu(xv)
+        if xv.readonly and xv.framework != "jax":
+            raise InvalidArgument(
+                scalar_fix(xv) or "x is read-only, so it cannot receive the broadcast in place: pass a writable array"
+            )
+        choice = choose_cached(ctx, xv, Op.SUM, backend, "broadcast")
+        sig = signature("broadcast", xv, None, choice.backend, root=root_)
+        keep = not xv.readonly  # JAX: a new array each call
+        return Record(ctx, self, detach(xv) if keep else xv, None, Op.SUM, choice, sig, sig.packed(), extra=root_,
+                      keep=keep), xv  # fmt: skip
+
+    def execute(self, record: Record, args: tuple[Any, ...], stream: StreamRef | None, ranks: Any, live: Any) -> Any:
+        ctx, x = record.ctx, args[0]
+        xv = lent(record.x, x) if live is None else live
+        result, finish, target = x, None, xv
+        if xv.device is not None:
+            ctx.activate_gpu()
+        if xv.readonly:  # JAX: broadcast into a new array
+            result, target, finish = new_array(xv, xv.shape, x)
+            copy_bytes(target, xv, stream)
+        if xv.size and ctx.size > 1:
+            _launch(record, "broadcast")(target, record.extra, stream)
+        return result if finish is None else finish(result)
+
+    def label(self, record: Record, phase: str) -> str:
+        x = record.x
+        if phase == "check":
+            return f"broadcast of {x.size} {x.dtype.name} from rank {record.extra} (cross-rank argument check)"
+        return f"broadcast({record.choice.backend}, {x.dtype.name} x {x.size}, root={record.extra})"
+
+
+BROADCAST = _Broadcast()
+
+
+def broadcast(x: Any, root: int = 0, *, comm: Any = None, backend: str = "auto", stream: Any = None) -> Any:
+    """Copy rank ``root``'s ``x`` into ``x`` on every rank of ``comm`` (in place) and return ``x``.
+
+    JAX arrays are immutable: a new JAX array is returned. backend and stream as for ``allreduce``
+    ("auto", "nccl", "cuda-aware", "host" or "cpu"; ipc does not broadcast).
+
+    Collective: every rank passes the same shape, dtype, placement, root and backend; a mismatch
+    raises MismatchError on every rank, and no array is changed.
+    """
+    return call(BROADCAST, comm, stream, (x, root, backend))
+
+
+# -- allgather ----------------------------------------------------------------------------------------------------
+def _gather_rows(ctx: Context, mine: int) -> list[int]:
+    """Every rank's first dimension (collective; one MPI_Allgather of an int64)."""
+    from mpigpu.core._mpi import MPI
+
+    everyone = np.empty(ctx.size, np.int64)
+    ctx.comm.Allgather([np.array([mine], np.int64), MPI().INT64_T], [everyone, MPI().INT64_T])
+    return [int(r) for r in everyone]
+
+
+class _Allgather(Family):
+    name = "allgather"
+    per_rank = True  # the first dimension, in the signature's root field
+
+    def key(self, x: Any, backend: Any) -> tuple[Any, ...] | None:
+        return family_key("allgather", x, None, backend)
+
+    def validate(self, ctx: Context, x: Any, backend: Any) -> tuple[Record, Any]:
+        check_backend_name(backend)
+        xv = as_view(x, name="x")
+        ctx.require_own_gpu(xv)
+        require_c_order(xv, "allgather")
+        if not xv.shape:
+            raise InvalidArgument(
+                "allgather concatenates along the first dimension, but x has none (a 0-d array): pass x.reshape(1)"
+            )
+        choice = choose_cached(ctx, xv, Op.SUM, backend, "allgather")
+        sig = signature("allgather", xv, None, choice.backend, shape=xv.shape[1:], root=xv.shape[0],
+                        placement=int(xv.on_device))  # fmt: skip
+        return Record(ctx, self, detach(xv), None, Op.SUM, choice, sig, sig.packed()), xv
+
+    def execute(self, record: Record, args: tuple[Any, ...], stream: StreamRef | None, ranks: Any, live: Any) -> Any:
+        ctx, x = record.ctx, args[0]
+        xv = lent(record.x, x) if live is None else live
+        rows = ranks if ranks is not None else _gather_rows(ctx, xv.shape[0])
+        result, out, finish = new_array(xv, (sum(rows), *xv.shape[1:]), x)
+        if xv.device is not None:
+            ctx.activate_gpu()
+        if ctx.size == 1:
+            copy_bytes(out, xv, stream)
+        elif out.nbytes:
+            _launch(record, "allgather")(xv, out, rows, stream)
+        return result if finish is None else finish(result)
+
+    def label(self, record: Record, phase: str) -> str:
+        x = record.x
+        if phase == "check":
+            return f"allgather of {x.shape[0]} x {list(x.shape[1:])} {x.dtype.name} (cross-rank argument check)"
+        return f"allgather({record.choice.backend}, {x.dtype.name}, {x.shape[0]} rows here)"
+
+
+ALLGATHER = _Allgather()
+
+
+def allgather(x: Any, *, comm: Any = None, backend: str = "auto", stream: Any = None) -> Any:
+    """Concatenate every rank's ``x`` along the first dimension, in rank order, into a new array of
+    ``x``'s framework, dtype and placement (NumPy, CuPy, PyTorch; JAX gets a JAX array).
+
+    The first dimension may differ between ranks (zero rows too); the other dimensions, the dtype,
+    the placement and the backend must match: else MismatchError on every rank. backend and stream
+    as for ``allreduce`` (ipc does not allgather). The result is ready in the stream's order.
+    """
+    return call(ALLGATHER, comm, stream, (x, backend))
+
+
+# -- alltoall -----------------------------------------------------------------------------------------------------
+_EXPLICIT = -1  # the root field of an alltoall with explicit splits (an even split carries its rows)
+
+
+def _check_splits(splits: Any, rows: int, size: int) -> list[int]:
+    """``splits`` as a list of ``size`` non-negative ints summing to ``rows`` (None: an even split)."""
+    if splits is None:
+        if rows % size:
+            raise InvalidArgument(
+                f"x has {rows} rows, which do not divide evenly over {size} ranks: pass splits, the rows for each "
+                f"rank in rank order (summing to {rows})"
+            )
+        return [rows // size] * size
+    if hasattr(splits, "tolist"):  # NumPy arrays, torch tensors
+        splits = splits.tolist()
+    if isinstance(splits, (str, bytes)) or not hasattr(splits, "__iter__"):
+        raise InvalidArgument(f"splits must be a sequence of {size} row counts, not {type(splits).__name__}")
+    values = list(splits)
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0]
+    if bad:
+        raise InvalidArgument(f"splits must hold non-negative integers; got {bad[0]!r}")
+    if len(values) != size:
+        raise InvalidArgument(
+            f"splits has {len(values)} entries, but the communicator has {size} ranks: give one per rank"
+        )
+    if sum(values) != rows:
+        raise InvalidArgument(f"splits sum to {sum(values)}, but x has {rows} rows: they must be equal")
+    return [int(v) for v in values]
+
+
+def _splits_key(splits: Any) -> Any:
+    """A hashable stand-in for ``splits`` in the call's key (exact ints only: 2.0 must be refused, not
+    found as 2), or a marker that sends the call down validation."""
+    if splits is None:
+        return None
+    if (type(splits) is list or type(splits) is tuple) and all(type(v) is int for v in splits):
+        return tuple(splits)
+    raise TypeError("no key")  # find() then validates the call
+
+
+class _Alltoall(Family):
+    name = "alltoall"
+    per_rank = True  # an even split's rows, in the signature's root field
+
+    def key(self, x: Any, splits: Any, backend: Any, return_splits: Any) -> tuple[Any, ...] | None:
+        return family_key("alltoall", x, None, _splits_key(splits), backend, bool(return_splits))
+
+    def validate(self, ctx: Context, x: Any, splits: Any, backend: Any, return_splits: Any) -> tuple[Record, Any]:
+        xv = rows_view(x, backend, "alltoall")
+        ctx.require_own_gpu(xv)
+        splits_ = _check_splits(splits, xv.shape[0], ctx.size)
+        trailing = xv.shape[1:]
+        # The first dimension differs between ranks: the backend is chosen without it, so that every
+        # rank chooses the same one (auto's size rules would otherwise split the ranks).
+        row = ArrayView(None, 0, (0, *trailing), xv.dtype, xv.device, False, xv.framework)
+        choice = choose_cached(ctx, row, Op.SUM, backend, "alltoall")
+        root = xv.shape[0] if splits is None else _EXPLICIT
+        sig = signature("alltoall", xv, None, choice.backend, shape=trailing, root=root, placement=int(xv.on_device))
+        record = Record(ctx, self, detach(xv), None, Op.SUM, choice, sig, sig.packed(),
+                        extra=(splits_, bool(return_splits)))  # fmt: skip
+        return record, xv
+
+    def execute(self, record: Record, args: tuple[Any, ...], stream: StreamRef | None, ranks: Any, live: Any) -> Any:
+        ctx, x = record.ctx, args[0]
+        xv = lent(record.x, x) if live is None else live
+        splits, return_splits = record.extra
+        received = _received(ctx, record, splits, ranks)
+        result, out, finish = new_array(xv, (sum(received), *xv.shape[1:]), x)
+        if xv.device is not None:
+            ctx.activate_gpu()
+        if ctx.size == 1:
+            copy_bytes(out, xv, stream)
+        else:
+            _launch(record, "alltoall")(xv, out, splits, received, stream)
+        result = result if finish is None else finish(result)
+        return (result, received) if return_splits else result
+
+    def label(self, record: Record, phase: str) -> str:
+        x = record.x
+        if phase == "check":
+            return f"alltoall of {x.shape[0]} x {list(x.shape[1:])} {x.dtype.name} (cross-rank argument check)"
+        return f"alltoall({record.choice.backend}, {x.dtype.name}, splits {record.extra[0]})"
+
+
+def _received(ctx: Context, record: Record, splits: list[int], ranks: list[int] | None) -> list[int]:
+    """The rows every rank sends this one, in rank order: from the check when every rank split evenly
+    (each sends a ``size``-th of its rows), else (a rank passed splits, or the check was off) one
+    MPI_Alltoall of the splits on every rank (collective)."""
+    size = ctx.size
+    if size == 1:
+        return list(splits)
+    if ranks is not None and _EXPLICIT not in ranks:  # every rank read the same posts: all decide alike
+        return [v // size for v in ranks]
+    return _exchange_splits(ctx, splits)
+
+
+def _exchange_splits(ctx: Context, splits: list[int]) -> list[int]:
+    """Every rank's splits for this one, in rank order (collective: one MPI_Alltoall)."""
+    from mpigpu.core._mpi import MPI
+
+    mine, theirs = np.array(splits, np.int64), np.empty(ctx.size, np.int64)
+    ctx.comm.Alltoall([mine, MPI().INT64_T], [theirs, MPI().INT64_T])
+    return [int(r) for r in theirs]
+
+
+ALLTOALL = _Alltoall()
+
+
+def alltoall(
+    x: Any,
+    splits: Any = None,
+    *,
+    comm: Any = None,
+    backend: str = "auto",
+    stream: Any = None,
+    return_splits: bool = False,
+) -> Any:
+    """Send ``splits[j]`` rows of ``x`` to rank j, in rank order, and return the rows every rank sent
+    this one, concatenated in rank order, as a new array of x's kind in x's place.
+
+    splits: a sequence (list, tuple, NumPy array or tensor) of one non-negative row count per rank,
+    summing to ``x.shape[0]``; None splits x evenly (then ``x.shape[0]`` must divide by the number
+    of ranks). The first dimension may differ between ranks; the
+    other dimensions, the dtype, the placement and the backend must match (else MismatchError on
+    every rank). return_splits=True returns ``(array, received)``, ``received[j]`` the rows that came
+    from rank j. backend and stream as for ``allreduce`` (ipc does not alltoall).
+    """
+    return call(ALLTOALL, comm, stream, (x, splits, backend, return_splits))
+
+
+def alltoall_async(
+    x: Any,
+    splits: Any = None,
+    *,
+    comm: Any = None,
+    backend: str = "auto",
+    stream: Any = None,
+    return_splits: bool = False,
+) -> Handle:
+    """Start ``alltoall(x, splits, ...)`` and return its Handle; ``wait()`` returns what ``alltoall``
+    returns. Runs as ``allreduce_async`` runs (see mpigpu.calls.handles): do not modify ``x`` until then."""
+    return call_async(ALLTOALL, comm, stream, (x, splits, backend, return_splits))

@@ -1,0 +1,330 @@
+"""The one road every collective call takes: allreduce, reduce_scatter, alltoall, broadcast and
+allgather, blocking and async, from one thread or (through mpigpu.multi) one thread per device.
+
+A call is its family's key, read from the arguments by a few attribute reads (``mpigpu.calls.keys``).
+A key seen before finds its record: the validated views, the backend's choice, the packed cross-rank
+signature and the bound launch. A new call is validated once by its family (a rank that rejects its
+own arguments joins the check with its error, so every rank raises for that call and the next call
+pairs), chosen, recorded and remembered. Then, on every call alike:
+
+1. the cross-rank check: every field of the signature, on every rank, before any buffer is read or
+   written (one post on the node's check board; MPI across nodes). ``MPIGPU_CHECK=0`` skips it;
+2. the family's launch on this call's stream and arrays (its output, if the call returns a new one);
+3. the choice logged once per (backend, reason) under ``MPIGPU_LOG``.
+
+Both steps are watched (``MPIGPU_TIMEOUT``, ``MPIGPU_STALL``): a rank that never arrives is named by
+the stall report. A family is a small class: its name, its key, its validation, its launch; a
+collective adds those, not a road of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from threading import get_ident
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mpigpu.backends import backend_code
+from mpigpu.calls.handles import Handle, reject, start
+from mpigpu.core._cuda import StreamRef, resolve_stream
+from mpigpu.core.arrays import ArrayView, as_view
+from mpigpu.core.errors import InvalidArgument
+from mpigpu.job.check import COLLECTIVES, Signature, check_rows, check_signature, raise_mismatch
+from mpigpu.runtime.context import Context, announce_rejection
+from mpigpu.runtime.plan import remember
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from mpigpu.core.ops import Op
+    from mpigpu.runtime.plan import Choice
+
+__all__ = [
+    "Family",
+    "Record",
+    "call",
+    "call_async",
+    "check_backend_name",
+    "check_root",
+    "copy_bytes",
+    "find",
+    "log_choice",
+    "new_array",
+    "signature",
+]
+
+
+@dataclass(slots=True, eq=False)
+class Record:
+    """A validated call, shared by every call (and request) with its key.
+
+    ``x`` and ``out`` are views without the caller's array (``keys.detach``), except in a record made
+    for one call only (``keep`` False: JAX, whose output is a new array each call). ``out is x`` in
+    place; ``out`` None where the call returns a new array. ``launch`` is bound at the first run
+    (creating a backend is collective: it happens after the check)."""
+
+    ctx: Context
+    family: Family
+    x: ArrayView
+    out: ArrayView | None
+    op: Op
+    choice: Choice
+    signature: Signature
+    packed: bytes  # the signature as the check board posts it (``Signature.packed``)
+    launch: Callable[..., Any] | None = None
+    extra: Any = None  # the family's own: a reduce_scatter's rows, an alltoall's splits, a broadcast's root
+    keep: bool = True  # False: made for one call; never remembered
+
+    def watch_label(self, phase: str) -> str:
+        """What the watchdog calls a call of this record in ``phase`` ("check" or "data")."""
+        return self.family.label(self, phase)
+
+
+class Family:
+    """One collective's part of the road. Subclasses set ``name`` and implement ``key``, ``validate``
+    and ``execute``; ``per_rank`` families (allgather, alltoall) carry a value that may differ
+    between ranks in the signature's ``root`` field (their first dimension), which the check then
+    returns for every rank instead of requiring it equal."""
+
+    name: str = ""
+    per_rank: bool = False
+
+    def key(self, *args: Any) -> tuple[Any, ...] | None:
+        """The record's key for these arguments, or None where the call has no cheap key."""
+        return None
+
+    def validate(self, ctx: Context, *args: Any) -> tuple[Record, Any]:
+        """Check this rank's arguments and choose the backend (local: no communication). Returns the
+        record and what this one call needs besides it (live views for arrays without a key), or
+        raises with the reason."""
+        raise NotImplementedError
+
+    def execute(self, record: Record, args: tuple[Any, ...], stream: StreamRef | None, ranks: list[int] | None,
+                live: Any) -> Any:  # fmt: skip
+        """The data part of one call (after the check): its output and the launch; returns the
+        call's result. ``ranks``: every rank's ``root`` field, for ``per_rank`` families (None where
+        the check did not learn them: it was off)."""
+        raise NotImplementedError
+
+    def label(self, record: Record, phase: str) -> str:
+        x = record.x
+        if phase == "check":
+            return f"{self.name} of {list(x.shape)} {x.dtype.name} (cross-rank argument check)"
+        return f"{self.name}({record.choice.backend}, {x.dtype.name} x {x.size}, op={record.op.value})"
+
+
+# -- finding a call's record ---------------------------------------------------------------------------
+def find(ctx: Context, family: Family, args: tuple[Any, ...], on_error: Any = announce_rejection) -> tuple[Record, Any]:
+    """The record of ``family``'s call with ``args``: remembered, or validated now and remembered.
+    A rank whose validation fails tells the others (``on_error``: the check, or its place in the
+    async queue) before raising, so no rank is left waiting."""
+    try:
+        key = family.key(*args)
+        record = None if key is None else ctx.plan_cache.get(key)
+    except Exception:  # an unhashable argument, say: validation refuses it on every rank
+        key = record = None
+    if record is not None:
+        return record, None
+    try:
+        record, live = family.validate(ctx, *args)
+    except Exception as exc:  # not only MpigpuError: any failure here must reach the other ranks
+        on_error(ctx, exc)
+        raise
+    if key is not None and record.keep:
+        remember(ctx, key, record)
+    return record, live
+
+
+def stream_of(ctx: Context, record: Record, stream: Any, on_error: Any = announce_rejection) -> StreamRef | None:
+    """This call's stream for a GPU record (None for host arrays); a bad one is announced first."""
+    x = record.x
+    if x.device is None:
+        return None
+    try:
+        return resolve_stream(stream, x.framework, x.device)
+    except Exception as exc:  # a bad stream: every other rank must hear of it
+        on_error(ctx, exc)
+        raise
+
+
+# -- the check and the launch ------------------------------------------------------------------------------
+def check(ctx: Context, record: Record) -> list[int] | None:
+    """The cross-rank check of ``record`` (collective): MismatchError on every rank unless all agree.
+    Returns every rank's ``root`` field for ``per_rank`` families (None when they differ and must
+    be gathered), else None."""
+    board = ctx.check_board
+    if board is not None and board.agree_packed(record.packed):
+        return [record.signature.root] * ctx.size if record.family.per_rank else None
+    family, name = record.family, record.choice.backend
+    if family.per_rank:
+        if board is not None:
+            return _rows_posted(ctx, record)
+        return check_rows(ctx.comm, record.signature, family.name, backend_name=name)
+    if board is None:
+        check_signature(ctx.comm, record.signature, family.name, backend_name=name)
+        return None
+    raise_mismatch(ctx.comm, record.signature, name, family.name)
+
+
+def _rows_posted(ctx: Context, record: Record) -> list[int] | None:
+    """After the board found that the ranks' packed signatures differ: every rank's ``root`` field
+    when nothing else differs, else MismatchError on every rank (each reads the same posts)."""
+    board = ctx.check_board
+    assert board is not None
+    posted = board.posted()
+    root = len(posted[0]) - 1  # the root field is the signature's last
+    if posted[0][0] == 0 and all(v[:root] == posted[0][:root] for v in posted):
+        return [v[root] for v in posted]
+    sig = record.signature._replace(root=0)  # the message names what must agree, not the first dimension
+    raise_mismatch(ctx.comm, sig, record.choice.backend, record.family.name)
+
+
+def go(ctx: Context, record: Record, args: tuple[Any, ...], stream: StreamRef | None, live: Any) -> Any:
+    """The check (where on: more than one rank, MPIGPU_CHECK) and the family's launch, watched as one
+    stay in the watchdog's ``active`` whose phase moves from "check" to "data"; the choice logged."""
+    checked = ctx.size > 1 and ctx.settings.check
+    family = record.family
+    watchdog = ctx.watchdog
+    if watchdog.on:
+        active = watchdog.active
+        ident = get_ident()
+        previous = active.get(ident)
+        try:
+            ranks = None
+            if checked:
+                active[ident] = (record, "check")
+                ranks = check(ctx, record)
+            active[ident] = (record, "data")
+            result = family.execute(record, args, stream, ranks, live)
+        finally:
+            if previous is None:
+                active.pop(ident, None)
+            else:
+                active[ident] = previous
+    else:
+        result = family.execute(record, args, stream, check(ctx, record) if checked else None, live)
+    if ctx.settings.log:
+        log_choice(ctx, record.x, record.choice, family.name)
+    return result
+
+
+def call(family: Family, comm: Any, stream: Any, args: tuple[Any, ...]) -> Any:
+    """One blocking call of ``family`` on ``comm`` (the road above), under the one-thread rule, after
+    the calls queued on the communicator by the async forms."""
+    ctx = Context.get(comm)
+    ctx.enter(family.name)  # held to the end, so no refused call lands between check and data
+    try:
+        worker = ctx.async_worker
+        if worker is not None:
+            worker.drain()  # calls queued by the *_async forms on this communicator reach MPI first
+        record, live = find(ctx, family, args)
+        return go(ctx, record, args, stream_of(ctx, record, stream), live)
+    finally:
+        ctx.leave()
+
+
+def call_async(family: Family, comm: Any, stream: Any, args: tuple[Any, ...]) -> Handle:
+    """Start one call of ``family`` and return its Handle (mpigpu.calls.handles says how each backend
+    runs it). Invalid arguments raise here, on every rank, in the queue's order."""
+    ctx = Context.get(comm)
+    ctx.enter(f"{family.name}_async")  # the one-thread rule: the queue's order is this thread's order
+    try:
+        record, live = find(ctx, family, args, reject)
+        ref = stream_of(ctx, record, stream, reject)
+        return start(ctx, record.choice.backend, ref, lambda s: go(ctx, record, args, s, live))
+    finally:
+        ctx.leave()
+
+
+# -- shared by the families -----------------------------------------------------------------------------------
+_logged: set[tuple[str, str]] = set()
+
+
+def log_choice(ctx: Context, x: ArrayView, choice: Choice, name: str = "allreduce") -> None:
+    """MPIGPU_LOG: rank 0 prints each (backend, reason) once."""
+    key = (choice.backend, choice.reason)
+    if ctx.rank == 0 and key not in _logged and x.size and ctx.size > 1:
+        _logged.add(key)
+        sys.stderr.write(f"mpigpu: {name} {x.nbytes} B {x.dtype.name} on {x.where} -> {choice.backend} "
+                         f"({choice.reason})\n")  # fmt: skip
+
+
+def check_backend_name(backend: Any) -> None:
+    if not isinstance(backend, str):
+        raise InvalidArgument(f"backend must be a string such as 'auto' or 'nccl', not {type(backend).__name__}")
+
+
+def check_root(root: Any, size: int) -> int:
+    """``root`` as a rank of a communicator of ``size``, or InvalidArgument."""
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+        raise InvalidArgument(f"root must be an integer rank, not {type(root).__name__}")
+    if not 0 <= int(root) < size:
+        raise InvalidArgument(f"root={int(root)} is not a rank of this communicator (0 to {size - 1})")
+    return int(root)
+
+
+def signature(name: str, x: ArrayView, op: Op | None, backend: str, *, shape: tuple[int, ...] | None = None,
+              root: int = 0, placement: int | None = None) -> Signature:  # fmt: skip
+    """What this rank asks of collective ``name``, as the cross-rank check compares it: ``shape``
+    (default x's) and ``root`` as the family defines them."""
+    shape = x.shape if shape is None else shape
+    count = x.size if shape is x.shape else int(np.prod(shape, dtype=np.int64))
+    return Signature(
+        count=count, dtype=x.dtype.code, op=0 if op is None else op.code, backend=backend_code(backend),
+        placement=x.placement if placement is None else placement, shape=shape,
+        collective=COLLECTIVES.index(name), root=root,
+    )  # fmt: skip
+
+
+def new_array(like: ArrayView, shape: tuple[int, ...], template: Any) -> tuple[Any, ArrayView, Any]:
+    """An uninitialised array of ``shape`` in ``like``'s dtype, place and framework (``template``: the
+    caller's array, whose framework makes it): (array, its view, finish), where ``finish`` turns it
+    into the caller's type (JAX) or is None. GPU views are made directly: the array is ours,
+    C-ordered and writable."""
+    framework = like.framework
+    if framework == "torch":
+        import torch
+
+        array = torch.empty(shape, dtype=template.dtype, device=template.device)
+        if like.device is None:
+            return array, as_view(array, name="out"), None
+        return array, ArrayView(array, array.data_ptr(), shape, like.dtype, like.device, False, "torch"), None
+    if like.device is not None:
+        from mpigpu.core._cuda import cupy, set_device
+
+        set_device(like.device)
+        holder = cupy().empty(shape, dtype=like.dtype.np)
+        view = ArrayView(holder, holder.data.ptr, shape, like.dtype, like.device, False, "cupy")
+    else:
+        holder = np.empty(shape, dtype=like.dtype.np)
+        view = ArrayView(holder, holder.ctypes.data, shape, like.dtype, None, False, "numpy", holder)
+    if framework != "jax":
+        return holder, view, None
+    import jax.dlpack
+    import jax.numpy as jnp
+
+    def finish(arr: Any) -> Any:
+        return jax.dlpack.from_dlpack(arr) if like.device is not None else jnp.asarray(arr)
+
+    return holder, view, finish
+
+
+def copy_bytes(dst: ArrayView, src: ArrayView, stream: StreamRef | None) -> None:
+    """dst[...] = src (same bytes, same place), in stream order for GPU arrays."""
+    if not src.nbytes:
+        return
+    if src.host is not None and dst.host is not None:
+        dst.host.reshape(-1).view(np.uint8)[...] = src.host.reshape(-1).view(np.uint8)
+        return
+    from mpigpu.core._cuda import cupy
+
+    runtime = cupy().cuda.runtime
+    handle = 0 if stream is None else stream.handle
+    runtime.memcpyAsync(dst.ptr, src.ptr, src.nbytes, runtime.memcpyDeviceToDevice, handle)
+
+
+def view_of(obj: Any, name: str) -> ArrayView:
+    """``as_view`` (the one place a call reads an array it has no record of)."""
+    return as_view(obj, name=name)
