@@ -30,6 +30,8 @@ since no rank knows whether the others move rows). One reduction besides allredu
   ``op`` as ``allreduce`` reduces it (the same bits), rank r's ``out`` receiving rows
   ``sum(rows[:r])`` to ``sum(rows[:r+1])`` of the result. Called with more than one rank and
   ``x.size`` > 0 (``out`` may be empty on some ranks); ``supports_on`` applies as for allreduce.
+  A backend may add ``bind_reduce_scatter(x, op, rows)``, returning ``launch(x, out, stream)`` with
+  all else fixed (a call record's launch; nccl's is one ncclReduceScatter for equal rows).
 """
 
 from __future__ import annotations

@@ -215,6 +215,20 @@ class NcclBackend(Backend):
             rt.memcpyAsync(out.ptr, recv, out.nbytes, d2d, handle)
         self._rows.give_back(handle)
 
+    def bind_reduce_scatter(self, x: ArrayView, op: Op, rows: list[int]) -> Callable[..., None]:
+        """``reduce_scatter`` with the op and rows fixed, for a call record: ``launch(x, out, stream)``.
+        Equal rows without key or part passes (the usual case): one ncclReduceScatter, nothing else."""
+        assert x.dtype.nccl is not None
+        method = self.reduce_scatter
+        if needs_keys_or_parts(x.dtype, op) or len(set(rows)) != 1:
+            return lambda xv, outv, stream: method(xv, outv, op, rows, stream)
+        launch, count, dtype, how = self._comm.reduceScatter, x.size // len(rows), x.dtype.nccl, op.nccl
+
+        def call(xv: ArrayView, outv: ArrayView, stream: StreamRef | None) -> None:
+            launch(xv.ptr, outv.ptr, count, dtype, how, 0 if stream is None else stream.handle)
+
+        return call
+
     def alltoall(
         self, x: ArrayView, out: ArrayView, send_rows: list[int], recv_rows: list[int], stream: StreamRef | None
     ) -> None:

@@ -30,6 +30,7 @@ from mpigpu.calls.pipeline import (
     check_backend_name,
     check_root,
     copy_bytes,
+    finished,
     new_array,
     signature,
 )
@@ -85,7 +86,7 @@ class _Broadcast(Family):
             copy_bytes(target, xv, stream)
         if xv.size and ctx.size > 1:
             _launch(record, "broadcast")(target, record.extra, stream)
-        return result if finish is None else finish(result)
+        return finished(ctx, result, finish, stream)
 
     def label(self, record: Record, phase: str) -> str:
         x = record.x
@@ -151,7 +152,7 @@ class _Allgather(Family):
             copy_bytes(out, xv, stream)
         elif out.nbytes:
             _launch(record, "allgather")(xv, out, rows, stream)
-        return result if finish is None else finish(result)
+        return finished(ctx, result, finish, stream)
 
     def label(self, record: Record, phase: str) -> str:
         x = record.x
@@ -248,7 +249,7 @@ class _Alltoall(Family):
             copy_bytes(out, xv, stream)
         else:
             _launch(record, "alltoall")(xv, out, splits, received, stream)
-        result = result if finish is None else finish(result)
+        result = finished(ctx, result, finish, stream)
         return (result, received) if return_splits else result
 
     def label(self, record: Record, phase: str) -> str:

@@ -19,7 +19,6 @@ collective adds those, not a road of its own.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from threading import get_ident
 from typing import TYPE_CHECKING, Any
@@ -33,6 +32,7 @@ from mpigpu.core.arrays import ArrayView, as_view
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.job.check import COLLECTIVES, Signature, check_rows, check_signature, raise_mismatch
 from mpigpu.runtime.context import Context, announce_rejection
+from mpigpu.runtime.plan import log_choice as plan_log
 from mpigpu.runtime.plan import remember
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ __all__ = [
     "check_root",
     "copy_bytes",
     "find",
+    "finished",
     "log_choice",
     "new_array",
     "signature",
@@ -239,16 +240,9 @@ def call_async(family: Family, comm: Any, stream: Any, args: tuple[Any, ...]) ->
 
 
 # -- shared by the families -----------------------------------------------------------------------------------
-_logged: set[tuple[str, str]] = set()
-
-
 def log_choice(ctx: Context, x: ArrayView, choice: Choice, name: str = "allreduce") -> None:
-    """MPIGPU_LOG: rank 0 prints each (backend, reason) once."""
-    key = (choice.backend, choice.reason)
-    if ctx.rank == 0 and key not in _logged and x.size and ctx.size > 1:
-        _logged.add(key)
-        sys.stderr.write(f"mpigpu: {name} {x.nbytes} B {x.dtype.name} on {x.where} -> {choice.backend} "
-                         f"({choice.reason})\n")  # fmt: skip
+    """MPIGPU_LOG: the one choice log (mpigpu.runtime.plan.log_choice)."""
+    plan_log(ctx.rank, ctx.size, name, f"{x.dtype.name} on {x.where}", x.nbytes, choice)
 
 
 def check_backend_name(backend: Any) -> None:
@@ -309,6 +303,19 @@ def new_array(like: ArrayView, shape: tuple[int, ...], template: Any) -> tuple[A
         return jax.dlpack.from_dlpack(arr) if like.device is not None else jnp.asarray(arr)
 
     return holder, view, finish
+
+
+def finished(ctx: Context, result: Any, finish: Any, stream: StreamRef | None) -> Any:
+    """The call's result: ``finish(result)`` where the caller's type is made from ours (JAX), on the
+    async worker only after its stream's work is done (JAX reads the array on a stream of its own)."""
+    if finish is None:
+        return result
+    worker = ctx.async_worker
+    if stream is not None and worker is not None and worker.runs_here():
+        from mpigpu.core._cuda import core_stream
+
+        core_stream(stream.handle).sync()
+    return finish(result)
 
 
 def copy_bytes(dst: ArrayView, src: ArrayView, stream: StreamRef | None) -> None:

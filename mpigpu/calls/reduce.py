@@ -26,6 +26,7 @@ from mpigpu.calls.pipeline import (
     check,
     check_backend_name,
     copy_bytes,
+    finished,
     log_choice,
     new_array,
     signature,
@@ -94,21 +95,19 @@ class _Allreduce(Family):
         else:
             outv, result = as_view(out, name="out"), out
         live = (xv, outv, result, finish)
-        if finish is not None:  # a new output each call: a record for this call only
-            ctx.require_own_gpu(xv)
-            choice = choose_cached(ctx, xv, op_, backend)
-            sig = signature("allreduce", xv, op_, choice.backend)
-            return Record(ctx, self, xv, outv, op_, choice, sig, sig.packed(), keep=False), live
         # check_out, require_own_gpu, the choice and the signature are functions of the values in this
-        # key alone (and of the context's fixed state): another object with these values shares the record
-        key = values_key(xv, None if out is None else outv, op_, backend)
-        record = ctx.plan_cache.get(key)
+        # key alone (and of the context's fixed state): another object with these values shares the
+        # record. A JAX input's output is a new array each call: a record for this call only.
+        key = None if finish is not None else values_key(xv, None if out is None else outv, op_, backend)
+        record = None if key is None else ctx.plan_cache.get(key)
         if record is None:
             if out is not None:
                 check_out(xv, outv)
             ctx.require_own_gpu(xv)
             choice = choose_cached(ctx, xv, op_, backend)
             sig = signature("allreduce", xv, op_, choice.backend)
+            if key is None:
+                return Record(ctx, self, xv, outv, op_, choice, sig, sig.packed(), keep=False), live
             detached = detach(xv)
             record = Record(ctx, self, detached, detached if outv is xv else detach(outv), op_, choice, sig,
                             sig.packed())  # fmt: skip
@@ -137,7 +136,7 @@ class _Allreduce(Family):
                 copy_single(xv, outv, stream)
             else:
                 ctx.backend(record.choice.backend).allreduce(xv, outv, record.op, stream)
-        return result if finish is None else finish(result)
+        return finished(record.ctx, result, finish, stream)
 
     def label(self, record: Record, phase: str) -> str:
         x = record.x
@@ -407,7 +406,7 @@ class _ReduceScatter(Family):
             if launch is None:
                 launch = record.launch = _bind_scatter(record)
             launch(xv, outv, stream)
-        return out if finish is None else finish(out)
+        return finished(ctx, out, finish, stream)
 
     def label(self, record: Record, phase: str) -> str:
         x = record.x

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from mpigpu.core.ops import Op
     from mpigpu.runtime.context import Context
 
-__all__ = ["Choice", "choose", "choose_cached"]
+__all__ = ["Choice", "choose", "choose_cached", "log_choice", "remember"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,20 @@ class Choice:
 
     backend: str
     reason: str
+
+
+_logged: set[tuple[str, str, str]] = set()
+
+
+def log_choice(rank: int, size: int, name: str, what: str, nbytes: int, choice: Choice) -> None:
+    """The one choice log (MPIGPU_LOG=1): rank 0 prints each (collective, backend, reason) once
+    (``name`` the collective, ``what`` the data: "float32 on GPU 0", "float32 x several devices")."""
+    key = (name, choice.backend, choice.reason)
+    if rank == 0 and key not in _logged and nbytes and size > 1:
+        _logged.add(key)
+        import sys
+
+        sys.stderr.write(f"mpigpu: {name} {nbytes} B {what} -> {choice.backend} ({choice.reason})\n")
 
 
 _REDUCTIONS = frozenset({"allreduce", "reduce_scatter"})  # the collectives whose dtype/op support a backend states
