@@ -144,10 +144,15 @@ def _base_ndarray(arr: np.ndarray, name: str) -> np.ndarray:
     return arr.view(np.ndarray)  # np.matrix & co. redefine operators; the memory is the same
 
 
+def _dtype_of(value: Any) -> DType:
+    """The DType of an array's dtype (NumPy, torch, CuPy, JAX): the one place a view reads it."""
+    return parse_dtype(value)
+
+
 def _from_numpy(arr: np.ndarray, obj: Any, framework: str, name: str = "x") -> ArrayView:
     if type(arr) is not np.ndarray:
         arr = _base_ndarray(arr, name)
-    dtype = parse_dtype(arr.dtype)
+    dtype = _dtype_of(arr.dtype)
     order = "C"
     if not arr.flags.c_contiguous:
         if not (arr.flags.f_contiguous and framework == "numpy"):
@@ -198,7 +203,7 @@ def _device_view(obj: Any, framework: str) -> ArrayView:
         raise InvalidArgument(f"cannot read the {framework} array's memory: {exc}") from None
     if not view.is_device_accessible or view.device_id < 0:
         return _from_numpy(np.from_dlpack(obj), obj, framework)
-    dtype = parse_dtype(view.dtype)
+    dtype = _dtype_of(view.dtype)
     shape = tuple(int(s) for s in view.shape)
     strides = None if view.strides is None else tuple(int(s) * dtype.itemsize for s in view.strides)
     if not _contiguous_c(shape, strides, dtype.itemsize):
@@ -219,7 +224,7 @@ def _cupy_view(arr: Any) -> ArrayView:
     """CuPy arrays, read directly (the generic DLPack route costs ~10 us per call)."""
     if not arr.flags.c_contiguous:
         raise _not_contiguous("cupy", arr.flags.f_contiguous)
-    return ArrayView(arr, int(arr.data.ptr), arr.shape, parse_dtype(arr.dtype), arr.device.id, False, "cupy")
+    return ArrayView(arr, int(arr.data.ptr), arr.shape, _dtype_of(arr.dtype), arr.device.id, False, "cupy")
 
 
 def _torch_cuda_view(tensor: Any) -> ArrayView:
@@ -228,7 +233,7 @@ def _torch_cuda_view(tensor: Any) -> ArrayView:
         raise _not_contiguous("torch")
     device = tensor.device.index
     return ArrayView(
-        tensor, int(tensor.data_ptr()), tuple(tensor.shape), parse_dtype(tensor.dtype), device, False, "torch"
+        tensor, int(tensor.data_ptr()), tuple(tensor.shape), _dtype_of(tensor.dtype), device, False, "torch"
     )
 
 
@@ -244,7 +249,7 @@ def _jax_gpu_view(array: Any, device: Any) -> ArrayView:
         array,
         ptr,
         tuple(array.shape),
-        parse_dtype(array.dtype),
+        _dtype_of(array.dtype),
         int(device.local_hardware_id if getattr(device, "local_hardware_id", None) is not None else device.id),
         True,
         "jax",
