@@ -21,6 +21,7 @@ from mpigpu.core.arrays import ArrayView, as_view, require_c_order, scalar_fix
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op
 from mpigpu.job.check import COLLECTIVES, Signature, check_rows, check_signature
+from mpigpu.multi.call import refuse_if_bound
 from mpigpu.runtime.context import Context, announce_rejection
 from mpigpu.runtime.plan import Choice, choose_cached
 
@@ -171,6 +172,7 @@ def broadcast(x: Any, root: int = 0, *, comm: Any = None, backend: str = "auto",
     Collective: every rank passes the same shape, dtype, placement, root and backend; a mismatch
     raises MismatchError on every rank, and no array is changed.
     """
+    refuse_if_bound("broadcast", comm)  # no form over several devices per process: refused on every rank
     ctx = Context.get(comm)
     ctx.enter("broadcast")  # the one-thread rule
     try:
@@ -206,6 +208,7 @@ def allgather(x: Any, *, comm: Any = None, backend: str = "auto", stream: Any = 
     the placement and the backend must match: else MismatchError on every rank. backend and stream
     as for ``allreduce`` (ipc does not allgather). The result is ready in the stream's order.
     """
+    refuse_if_bound("allgather", comm)  # no form over several devices per process: refused on every rank
     ctx = Context.get(comm)
     ctx.enter("allgather")  # the one-thread rule
     try:

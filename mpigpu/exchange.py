@@ -37,6 +37,7 @@ from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op, parse_op
 from mpigpu.handles import Handle, reject, start
 from mpigpu.job.check import COLLECTIVES, Signature, check_signature
+from mpigpu.multi.call import refuse_if_bound
 from mpigpu.runtime.context import Context, announce_rejection
 from mpigpu.runtime.plan import Choice, choose_cached
 
@@ -257,6 +258,7 @@ def reduce_scatter(
     Collective: a mismatch (shape, dtype, op, placement, backend) or a rank rejecting its own
     arguments raises on every rank, and no array is written.
     """
+    refuse_if_bound("reduce_scatter", comm)  # no form over several devices per process: refused on every rank
     ctx = Context.get(comm)
     ctx.enter("reduce_scatter")  # the one-thread rule
     try:
@@ -274,6 +276,7 @@ def reduce_scatter_async(
     array. Runs as ``allreduce_async`` runs (see mpigpu.handles): do not modify ``x`` (or read
     ``out``) until then. Invalid arguments raise here, on every rank; a cross-rank mismatch on a
     background-thread backend is raised by ``wait()``."""
+    refuse_if_bound("reduce_scatter_async", comm)  # no form over several devices per process: refused on every rank
     ctx = Context.get(comm)
     ctx.enter("reduce_scatter_async")
     try:
@@ -303,6 +306,7 @@ def alltoall(
     returns ``(array, received)``, ``received[j]`` the rows that came from rank j. backend and
     stream as for ``allreduce`` (ipc does not alltoall).
     """
+    refuse_if_bound("alltoall", comm)  # no form over several devices per process: refused on every rank
     ctx = Context.get(comm)
     ctx.enter("alltoall")
     try:
@@ -324,6 +328,7 @@ def alltoall_async(
 ) -> Handle:
     """Start ``alltoall(x, splits, ...)`` and return its Handle; ``wait()`` returns what ``alltoall``
     returns. Runs as ``allreduce_async`` runs (see mpigpu.handles): do not modify ``x`` until then."""
+    refuse_if_bound("alltoall_async", comm)  # no form over several devices per process: refused on every rank
     ctx = Context.get(comm)
     ctx.enter("alltoall_async")
     try:
