@@ -15,6 +15,7 @@ import numpy as np
 from mpigpu.calls.pipeline import check_root
 from mpigpu.core._mpi import MPI
 from mpigpu.job.check import COLLECTIVES, Signature, check_signature
+from mpigpu.multi.call import refuse_if_bound
 from mpigpu.runtime.context import Context, announce_rejection
 
 __all__ = ["allgather_object", "broadcast_object"]
@@ -32,6 +33,7 @@ def broadcast_object(obj: Any, root: int = 0, *, comm: Any = None) -> Any:
     """Return rank ``root``'s ``obj`` on every rank (pickled on the root, unpickled elsewhere; the
     root gets its own ``obj`` back). Collective; every rank passes the same root, else MismatchError
     on every rank. An object the root cannot pickle raises there and MismatchError on the others."""
+    refuse_if_bound("broadcast_object", comm)  # no form over several devices per process: refused on every rank
     ctx = Context.get(comm)
     ctx.enter("broadcast_object")
     try:
@@ -58,6 +60,7 @@ def broadcast_object(obj: Any, root: int = 0, *, comm: Any = None) -> Any:
 def allgather_object(obj: Any, *, comm: Any = None) -> list[Any]:
     """Every rank's ``obj``, as a list in rank order, on every rank (pickle through MPI). Collective;
     an object some rank cannot pickle raises there and MismatchError on the others."""
+    refuse_if_bound("allgather_object", comm)  # no form over several devices per process: refused on every rank
     ctx = Context.get(comm)
     ctx.enter("allgather_object")
     try:

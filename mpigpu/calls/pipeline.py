@@ -31,6 +31,8 @@ from mpigpu.core._cuda import StreamRef, resolve_stream
 from mpigpu.core.arrays import ArrayView, as_view
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.job.check import COLLECTIVES, Signature, check_rows, check_signature, raise_mismatch
+from mpigpu.multi.binding import thread_binding
+from mpigpu.multi.call import refuse_if_bound
 from mpigpu.runtime.context import Context, announce_rejection
 from mpigpu.runtime.plan import log_choice as plan_log
 from mpigpu.runtime.plan import remember
@@ -214,6 +216,8 @@ def go(ctx: Context, record: Record, args: tuple[Any, ...], stream: StreamRef | 
 def call(family: Family, comm: Any, stream: Any, args: tuple[Any, ...]) -> Any:
     """One blocking call of ``family`` on ``comm`` (the road above), under the one-thread rule, after
     the calls queued on the communicator by the async forms."""
+    if thread_binding.__dict__.get("index") is not None:  # no form over several devices per process
+        refuse_if_bound(family.name, comm)  # raises, on every participant of every rank
     ctx = Context.get(comm)
     ctx.enter(family.name)  # held to the end, so no refused call lands between check and data
     try:
@@ -229,6 +233,8 @@ def call(family: Family, comm: Any, stream: Any, args: tuple[Any, ...]) -> Any:
 def call_async(family: Family, comm: Any, stream: Any, args: tuple[Any, ...]) -> Handle:
     """Start one call of ``family`` and return its Handle (mpigpu.calls.handles says how each backend
     runs it). Invalid arguments raise here, on every rank, in the queue's order."""
+    if thread_binding.__dict__.get("index") is not None:  # no form over several devices per process
+        refuse_if_bound(f"{family.name}_async", comm)  # raises, on every participant of every rank
     ctx = Context.get(comm)
     ctx.enter(f"{family.name}_async")  # the one-thread rule: the queue's order is this thread's order
     try:

@@ -3,7 +3,13 @@
 A thread started inside the block is not bound (the binding is the thread's own): bind it with its own
 ``on_device``. Leaving the block by an exception marks that device's participant as failed, so the other
 devices' threads of this process raise at their pending or next call instead of waiting for it; a new
-``on_device`` block for that device (or a list call) makes it take part again.
+``on_device`` block for that device (or a list call) makes it take part again (mpigpu.multi.group says
+which calls a failure fails).
+
+One thread per device, one device per thread: a second thread binding a device that a thread's block
+holds, or a thread already bound opening another block, is refused at once (InvalidArgument), and the
+process's next call over several devices on that communicator fails on every participant, so nobody waits
+for a call the refused thread will not make.
 """
 
 from __future__ import annotations
@@ -14,12 +20,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from mpigpu.core.errors import InvalidArgument
-from mpigpu.multi.group import devices_of, fail_participant
+from mpigpu.multi.group import bind, devices_of, doom_next_call, fail_participant, unbind
 from mpigpu.runtime.context import Context
 
 __all__ = ["bound_index", "local_devices", "on_device", "thread_binding"]
 
-thread_binding = threading.local()  # .index: the position in local_devices() this thread is bound to
+thread_binding = threading.local()  # .index: the position in local_devices() this thread is bound to; .token: its block
 
 
 def bound_index() -> int | None:
@@ -50,22 +56,33 @@ def on_device(index: int, *, comm: Any = None) -> Iterator[int | None]:
             f"on_device({index}): this process drives {count} device(s) ({shown}); positions run from 0 "
             f"to {count - 1}. MPIGPU_DEVICES_PER_RANK sets how many each process drives."
         )
-    ordinal = gpus[index] if gpus is not None else None
-    if ordinal is not None:
-        from mpigpu.core._cuda import set_device
-
-        set_device(ordinal)
-    previous = bound_index()
-    thread_binding.index = index
-    fail_participant(index, None, ctx)  # a device whose earlier thread failed takes part again
+    outer = bound_index()
     try:
-        yield ordinal
-    except BaseException as exc:
-        if not getattr(exc, "mpigpu_call_failed", False):  # a call every participant raised for misses nothing
-            fail_participant(index, exc, ctx)
+        if outer is not None:
+            raise InvalidArgument(
+                f"on_device({index}) refused: this thread is already bound to device position {outer} (an "
+                "on_device block inside another): a thread takes part as one device. Start a thread per device, "
+                "each with its own on_device block"
+            )
+        token = bind(index)
+    except InvalidArgument as exc:
+        doom_next_call(exc, ctx)  # the call the refused thread meant to make fails everywhere: nobody waits for it
         raise
+    try:
+        ordinal = gpus[index] if gpus is not None else None
+        if ordinal is not None:
+            from mpigpu.core._cuda import set_device
+
+            set_device(ordinal)
+        thread_binding.index, thread_binding.token = index, token
+        fail_participant(index, None, ctx)  # a device whose earlier thread failed takes part again
+        try:
+            yield ordinal
+        except BaseException as exc:
+            if not getattr(exc, "mpigpu_call_failed", False):  # a call every participant raised for misses nothing
+                fail_participant(index, exc, ctx, token)
+            raise
     finally:
-        if previous is None:
-            thread_binding.__dict__.pop("index", None)
-        else:
-            thread_binding.index = previous
+        thread_binding.__dict__.pop("index", None)
+        thread_binding.__dict__.pop("token", None)
+        unbind(index, token)

@@ -20,12 +20,12 @@ from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError
 from mpigpu.core.ops import Op, parse_op
 from mpigpu.job.check import COLLECTIVES, Signature, check_packed
 from mpigpu.multi import paths
-from mpigpu.multi.binding import bound_index
+from mpigpu.multi.binding import bound_index, thread_binding
 from mpigpu.multi.group import Group, Meeting, copy_error
 from mpigpu.runtime.context import Context, announce_rejection
 from mpigpu.runtime.plan import Choice
 
-__all__ = ["Entry", "allreduce_devices", "start_devices"]
+__all__ = ["Entry", "allreduce_devices", "refuse_if_bound", "start_devices"]
 
 _COLLECTIVE = COLLECTIVES.index("allreduce over devices")
 
@@ -206,6 +206,38 @@ def _steps(group: Group) -> _Steps:
     return steps
 
 
+def _bound_entry(group: Group, entry: Entry) -> tuple[int, Entry]:
+    """The device a bound thread's call takes part as, and its entry: a position the communicator's process
+    does not drive takes part in device 0's next call, which then fails on every rank."""
+    k = entry.index
+    if k >= group.count:
+        return 0, Entry(k, error=InvalidArgument(f"on_device({k}): this process drives {group.count} device(s)"))
+    return k, entry
+
+
+def refuse_if_bound(what: str, comm: Any) -> None:
+    """Refuse ``what`` (a collective without a form over several devices per process) from a thread bound
+    with on_device, on every participant: the devices of the process meet as for allreduce, the call fails
+    there, and every rank raises (this thread InvalidArgument, the others too, or MismatchError naming
+    it), so the next call pairs. Returns at once on an unbound thread."""
+    k = bound_index()
+    if k is None:
+        return
+    error = InvalidArgument(
+        f"{what} from a thread bound with on_device: over several devices per process mpigpu runs allreduce "
+        f"(and allreduce_async, allreduce_init) only. Call {what} from one thread per process, outside any "
+        "on_device block (with one array per process), or use allreduce"
+    )
+    ctx = Context.get(comm)
+    group = Group.of(ctx)
+    k, entry = _bound_entry(group, Entry(k, error=error))
+    group.meet(k, entry, _steps(group), thread_binding.__dict__.get("token"))  # fails: this entry has an error
+    own = entry.error
+    assert own is not None
+    own.mpigpu_call_failed = True  # type: ignore[attr-defined]
+    raise own
+
+
 def start_devices(x: Any, op: Any, out: Any, comm: Any, backend: str, stream: Any) -> tuple[Any, list[Entry]]:
     """The call of a bound thread (one device) or of a list (every device, from this thread): returns
     (what allreduce returns, this thread's entries: one, or one per device for a list; the leader's
@@ -217,12 +249,8 @@ def start_devices(x: Any, op: Any, out: Any, comm: Any, backend: str, stream: An
         return _list_call(group, steps, x, op, out, backend, stream)
     k = bound_index()
     assert k is not None
-    if k >= group.count:
-        entry = Entry(k, error=InvalidArgument(f"on_device({k}): this process drives {group.count} device(s)"))
-        k = 0  # takes part in the meeting of device 0's next call, which then fails on every rank
-    else:
-        entry = _entry(group, k, x, op, out, backend, stream)
-    meeting = group.meet(k, entry, steps)
+    k, entry = _bound_entry(group, Entry(k) if k >= group.count else _entry(group, k, x, op, out, backend, stream))
+    meeting = group.meet(k, entry, steps, thread_binding.__dict__.get("token"))
     _raise_for(meeting, entry)
     entry.choice = meeting.entries[0].choice
     return entry.result, [entry]

@@ -78,3 +78,50 @@ def test_a_communicator_per_thread_never_hangs(tmp_path: Path, n: int, rounds: i
     assert result.returncode == 0, f"after {time.monotonic() - start:.1f} s:\n{output}"
     for rank in range(n):
         assert f"rank {rank}: {rounds} rounds of {THREADS} threads done" in result.stdout, output
+
+
+CALLS_SCRIPT = """
+import faulthandler, sys, threading
+import numpy as np
+from mpi4py import MPI
+import mpigpu
+
+threads, calls, limit = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+world = MPI.COMM_WORLD
+rank, size = world.Get_rank(), world.Get_size()
+faulthandler.dump_traceback_later(limit, exit=True)  # a hang: every thread's stack, then the end
+mpigpu.allreduce(np.ones(4))  # the world's context first: later Dups copy its attribute
+wrong = []
+
+def work(i, comm):
+    for k in range(calls):  # exact sums: call k of thread i holds rank + i + k
+        x = np.full(100, float(rank + i + k))
+        mpigpu.allreduce(x, "sum", comm=comm)
+        if not np.all(x == sum(range(size)) + size * (i + k)):
+            wrong.append((i, k))
+
+workers = []
+for i in range(threads):  # each communicator made (in the same order everywhere) while earlier threads call
+    workers.append(threading.Thread(target=work, args=(i, world.Dup())))
+    workers[-1].start()
+for worker in workers:
+    worker.join()
+faulthandler.cancel_dump_traceback_later()
+sys.stdout.write(f"rank {rank}: {threads} threads x {calls} calls done, wrong {wrong}\\n")
+"""
+
+
+def test_threads_calling_on_their_own_communicators_while_others_are_made(tmp_path: Path) -> None:
+    """Issue 39's pattern: 4 ranks x 8 threads, each calling allreduce many times on its own Dup of the
+    world, the communicators made on the main thread while the earlier threads already call (their
+    contexts' start-up, check boards and Win_allocate_shared overlap the main thread's Comm_dup), after
+    the main thread used mpigpu on the world. Every call is exact and the job ends (a hang prints every
+    thread's stack). Not reproduced as a hang here before this test was added: it guards the pattern."""
+    script = tmp_path / "calls.py"
+    script.write_text(CALLS_SCRIPT)
+    start = time.monotonic()
+    result = run_mpi(4, [str(script), str(THREADS), "40", "100"], timeout=150)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"after {time.monotonic() - start:.1f} s:\n{output}"
+    for rank in range(4):
+        assert f"rank {rank}: {THREADS} threads x 40 calls done, wrong []" in result.stdout, output

@@ -9,7 +9,7 @@ call). Rank 0 prints ``digest <dtype> <op> <participant> <sha256 of the result>`
 come in a different order on rank 0 than on the others. Prints ``ok <rank>``. A job that has not
 finished within LIMIT_S prints every thread's stack and exits (a hang).
 
-``steps OUTDIR``: a thread per device per step, one device failing in one step (see ``steps``)."""
+``steps OUTDIR ORDER``: a thread per device per step, one device failing in one step (see ``steps``)."""
 
 from __future__ import annotations
 
@@ -112,12 +112,13 @@ def two_comms() -> None:
     print(f"ok {rank}", flush=True)
 
 
-def steps(outdir: str) -> None:
+def steps(outdir: str, order: str) -> None:
     """The usage guide's pattern: each step starts a thread per device, each with its own ``on_device``
     block around its call; an exception leaves the block and is caught by the thread's function. In step 1
-    rank 0's device 1 raises before its call. Each step starts device 1's thread first and device 0's
-    STAGGER_S later, so the failed device's new block has begun before any call of the next step. Each
-    rank writes ``<step> <device> <result>`` lines to ``outdir/rank<r>.txt``."""
+    rank 0's device 1 raises before its call. Each step starts the threads in ``order`` ("1,0": device 1's
+    first, so the failed device's new block has begun before any call of the next step; "0,1": device 0's
+    first, so its next-step call comes while device 1 is still marked failed), STAGGER_S apart. Each rank
+    writes ``<step> <device> <result>`` lines to ``outdir/rank<r>.txt``."""
     from mpi4py import MPI
 
     os.environ["MPIGPU_DEVICES_PER_RANK"] = "2"
@@ -141,7 +142,7 @@ def steps(outdir: str) -> None:
             log.write(f"{step} {k} {type(exc).__name__}\n")
 
     for step in range(STEPS):
-        threads = [threading.Thread(target=worker, args=(step, k), daemon=True) for k in (1, 0)]
+        threads = [threading.Thread(target=worker, args=(step, int(k)), daemon=True) for k in order.split(",")]
         for thread in threads:
             thread.start()
             time.sleep(STAGGER_S)
@@ -159,7 +160,7 @@ def main() -> None:
     if sys.argv[1] == "bits":
         bits([int(n) for n in sys.argv[2].split(",")])
     elif sys.argv[1] == "steps":
-        steps(sys.argv[2])
+        steps(sys.argv[2], sys.argv[3])
     else:
         two_comms()
     faulthandler.cancel_dump_traceback_later()

@@ -77,14 +77,16 @@ def test_two_communicators_first_used_by_two_threads_at_once_do_not_hang() -> No
     assert done.returncode == 0 and "ok 0" in done.stdout and "ok 1" in done.stdout, output
 
 
+@pytest.mark.parametrize("order", ["1,0", "0,1"], ids=["failed-device-first", "sibling-first"])
 @pytest.mark.parametrize("n", [1, 2])
-def test_after_one_failed_step_the_next_steps_run(tmp_path: Path, n: int) -> None:
+def test_after_one_failed_step_the_next_steps_run(tmp_path: Path, n: int, order: str) -> None:
     """The usage guide's pattern, a fresh thread per device for each step: in step 1 rank 0's device 1
-    leaves its block by an exception before its call. That step raises on every participant. In step 2
-    device 1's new on_device block begins before device 0's thread starts, so it takes part again, and
-    steps 2 and 3 give exact sums everywhere: the MismatchError that device 0's call raised in step 1
-    (already raised on every participant) must not fail device 0's later calls in turn."""
-    done = run_mpi(n, [str(JOB), "steps", str(tmp_path)], timeout=120)
+    leaves its block by an exception before its call. That step raises on every participant. Steps 2 and
+    3 give exact sums everywhere, whichever device's thread starts first: the MismatchError that device
+    0's call raised in step 1 (already raised on every participant) must not fail device 0's later calls
+    in turn, and device 0's next-step call, made before device 1's new block begins, waits for it
+    (sibling-first: before the fix it raised a stale MismatchError and the steps after it hung)."""
+    done = run_mpi(n, [str(JOB), "steps", str(tmp_path), order], timeout=120)
     output = done.stdout + done.stderr
     seen = {r: (tmp_path / f"rank{r}.txt").read_text().splitlines() for r in range(n)
             if (tmp_path / f"rank{r}.txt").exists()}  # fmt: skip

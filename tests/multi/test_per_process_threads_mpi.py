@@ -350,6 +350,12 @@ def test_list_call_with_a_short_out_or_stream_list_raises_on_every_rank(which: s
 
 
 # -- the binding ----------------------------------------------------------------------------------
+def _enter(block: Any) -> Any:
+    """Enter and leave a context manager at once (what it yields, or its error, for ``attempt``)."""
+    with block as value:
+        return value
+
+
 def test_the_binding_is_per_thread_and_not_inherited() -> None:
     with devices_comm(2) as lay:
         seen: dict[str, Any] = {}
@@ -366,14 +372,13 @@ def test_the_binding_is_per_thread_and_not_inherited() -> None:
             thread.start()
             thread.join(JOIN_S)
             seen["child alive"] = thread.is_alive()
-            if lay.n > 1:
-                with mpigpu.on_device(lay.n - 1, comm=lay.comm):
-                    seen["nested"] = bound_index()
-                seen["after nested"] = bound_index()
+            seen["nested"] = attempt(_enter, mpigpu.on_device(lay.n - 1, comm=lay.comm))  # refused: see below
+            seen["after nested"] = bound_index()
         seen["after"] = bound_index()
     assert not seen["child alive"]
     assert seen["ordinal"] is None and seen["inside"] == 0 and seen["after"] is None, seen
-    assert seen["nested"] == lay.n - 1 and seen["after nested"] == 0, seen
+    assert is_error(seen["nested"], InvalidArgument) and "already bound to device position 0" in str(seen["nested"])
+    assert seen["after nested"] == 0, seen
     assert seen["child index"] is None
     plain = float(sum(range(1, lay.size + 1)))  # a plain call: one participant per rank
     assert same(ok(seen["child result"]), np.full(5, plain)), seen["child result"]
@@ -705,3 +710,114 @@ def test_uneven_layout_bad_argument_on_a_one_device_rank() -> None:
         mine = (lay.rank, k) == (bad_rank, lay.n - 1)
         assert same(ok(second), exact_sum(lay, np.float64)), (k, second)
         assert is_error(first, InvalidArgument if mine else MismatchError), (lay.rank, k, first)
+
+
+# -- refusals: one device per thread, one thread per device; collectives without a per-device form ---
+def _agreed(flag: bool) -> bool:
+    """True on every rank when ``flag`` is True on every rank (main thread; keeps the ranks together)."""
+    return bool(MPI.COMM_WORLD.allreduce(int(flag), op=MPI.MIN))
+
+
+def test_two_threads_bound_to_one_device_are_refused_then_the_next_call_pairs() -> None:
+    """Rank 0's second thread asks for device 0 while the first holds it (device 1 has no thread): it is
+    refused at once with InvalidArgument, the call the first thread then makes raises on every participant
+    of every rank (none waits for device 1), and the next call, correctly bound, pairs. Before the fix the
+    second binding was taken and the call waited for device 1 until the timeout."""
+    with devices_comm(2) as lay:
+        held, tried, go = threading.Event(), threading.Event(), threading.Event()
+        seen: dict[str, Any] = {}
+
+        def holder() -> None:
+            with mpigpu.on_device(0, comm=lay.comm):
+                held.set()
+                go.wait(JOIN_S)
+                if seen["refused everywhere"]:
+                    seen["call"] = attempt(mpigpu.allreduce, rows(lay.participant(0), np.float64), "sum", comm=lay.comm)
+
+        def second() -> None:
+            held.wait(JOIN_S)
+            seen["second"] = attempt(_enter, mpigpu.on_device(0, comm=lay.comm))
+            tried.set()
+
+        if lay.rank == 0:
+            threads = [threading.Thread(target=f, daemon=True) for f in (holder, second)]
+            for thread in threads:
+                thread.start()
+            tried.wait(JOIN_S)
+        refused = lay.rank != 0 or is_error(seen.get("second"), InvalidArgument)
+        seen["refused everywhere"] = _agreed(refused)  # else no rank calls: the job must not hang
+        if lay.rank == 0:
+            go.set()
+            for thread in threads:
+                thread.join(JOIN_S)
+            assert not any(thread.is_alive() for thread in threads)
+            first = [seen.get("call")]
+        elif seen["refused everywhere"]:
+            first = on_each_device(lay, lambda k: mpigpu.allreduce(rows(lay.participant(k), np.float64), "sum",
+                                                                   comm=lay.comm))  # fmt: skip
+        after = on_each_device(
+            lay, lambda k: mpigpu.allreduce(rows(lay.participant(k), np.int32), "sum", comm=lay.comm)
+        )
+    assert seen["refused everywhere"], f"rank 0's second on_device(0) was not refused: {seen.get('second')!r}"
+    if lay.rank == 0:
+        assert "already bound to device position 0" in str(seen["second"]), seen["second"]
+        assert "one thread at a time" in str(seen["second"]), seen["second"]
+    for k, value in enumerate(first):
+        assert is_error(value, MismatchError), (lay.rank, k, value)
+        assert "on_device(0) refused" in str(value), value
+    for k, value in enumerate(after):
+        assert same(ok(value), exact_sum(lay, np.int32)), (lay.rank, k, value)
+
+
+def test_a_thread_nesting_two_devices_is_refused_and_the_call_fails_everywhere() -> None:
+    """Rank 0's device-0 thread opens on_device(1) inside its block: refused at once (InvalidArgument).
+    Its next call, and device 1's thread's, raise on every participant of every rank; the next call pairs."""
+    with devices_comm(2) as lay:
+        nested = threading.Event()
+        seen: dict[str, Any] = {}
+
+        def body(k: int) -> tuple[Any, Any]:
+            if lay.rank == 0 and k == 0:
+                seen["nested"] = attempt(_enter, mpigpu.on_device(1, comm=lay.comm))
+                nested.set()
+            elif lay.rank == 0:
+                nested.wait(JOIN_S)
+            first = attempt(mpigpu.allreduce, rows(lay.participant(k), np.float64), "sum", comm=lay.comm)
+            return first, attempt(mpigpu.allreduce, rows(lay.participant(k), np.float32), "sum", comm=lay.comm)
+
+        results = on_each_device(lay, body)
+    if lay.rank == 0:
+        assert is_error(seen["nested"], InvalidArgument), seen["nested"]
+        assert "already bound to device position 0" in str(seen["nested"]), seen["nested"]
+    for k, (first, second) in enumerate(results):
+        assert is_error(first, MismatchError) and "on_device(1) refused" in str(first), (lay.rank, k, first)
+        assert same(ok(second), exact_sum(lay, np.float32)), (lay.rank, k, second)
+
+
+def one_then_two(rank: int) -> int:
+    return 1 if rank == 0 else 2
+
+
+@pytest.mark.parametrize("call", ["broadcast", "allgather", "reduce_scatter", "broadcast_object"])
+def test_collectives_without_a_per_device_form_raise_on_every_rank_from_bound_threads(call: str) -> None:
+    """The issue's layout: rank 0 drives one device, the others two; every device's thread calls ``call``.
+    Each raises InvalidArgument saying what to do (before the fix broadcast waited on the other rank),
+    and the next call, an allreduce from the same threads, pairs."""
+    calls: dict[str, Callable[[np.ndarray, Any], Any]] = {
+        "broadcast": lambda x, c: mpigpu.broadcast(x, 0, comm=c),
+        "allgather": lambda x, c: mpigpu.allgather(x, comm=c),
+        "reduce_scatter": lambda x, c: mpigpu.reduce_scatter(x, "sum", comm=c),
+        "broadcast_object": lambda x, c: mpigpu.broadcast_object(x.tolist(), comm=c),
+    }
+    with devices_comm(one_then_two) as lay:
+
+        def body(k: int) -> tuple[Any, Any]:
+            x = rows(lay.participant(k), np.float64, count=4 * lay.size)
+            refused = attempt(calls[call], x, lay.comm)
+            return refused, attempt(mpigpu.allreduce, rows(lay.participant(k), np.float64), "sum", comm=lay.comm)
+
+        results = on_each_device(lay, body)
+    for k, (refused, after) in enumerate(results):
+        assert is_error(refused, InvalidArgument), (lay.rank, k, refused)
+        assert f"{call} from a thread bound with on_device" in str(refused), refused
+        assert same(ok(after), exact_sum(lay, np.float64)), (lay.rank, k, after)
