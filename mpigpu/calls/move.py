@@ -27,7 +27,6 @@ from mpigpu.calls.pipeline import (
     Record,
     call,
     call_async,
-    check_backend_name,
     check_root,
     copy_bytes,
     finished,
@@ -36,6 +35,7 @@ from mpigpu.calls.pipeline import (
 )
 from mpigpu.calls.reduce import lent, rows_view
 from mpigpu.core._cuda import StreamRef
+from mpigpu.core.arguments import check_backend_name
 from mpigpu.core.arrays import ArrayView, as_view, require_c_order, scalar_fix
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op

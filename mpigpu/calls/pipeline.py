@@ -48,7 +48,6 @@ __all__ = [
     "Record",
     "call",
     "call_async",
-    "check_backend_name",
     "check_root",
     "copy_bytes",
     "find",
@@ -249,11 +248,6 @@ def call_async(family: Family, comm: Any, stream: Any, args: tuple[Any, ...]) ->
 def log_choice(ctx: Context, x: ArrayView, choice: Choice, name: str = "allreduce") -> None:
     """MPIGPU_LOG: the one choice log (mpigpu.runtime.plan.log_choice)."""
     plan_log(ctx.rank, ctx.size, name, f"{x.dtype.name} on {x.where}", x.nbytes, choice)
-
-
-def check_backend_name(backend: Any) -> None:
-    if not isinstance(backend, str):
-        raise InvalidArgument(f"backend must be a string such as 'auto' or 'nccl', not {type(backend).__name__}")
 
 
 def check_root(root: Any, size: int) -> int:

@@ -24,7 +24,6 @@ from mpigpu.calls.pipeline import (
     call,
     call_async,
     check,
-    check_backend_name,
     copy_bytes,
     finished,
     log_choice,
@@ -33,7 +32,8 @@ from mpigpu.calls.pipeline import (
     stream_of,
 )
 from mpigpu.core._cuda import StreamRef
-from mpigpu.core.arrays import ArrayView, as_view, check_out, copy_single, scalar_fix
+from mpigpu.core.arguments import check_backend_name, op_of, reduction_arguments
+from mpigpu.core.arrays import ArrayView, as_view, check_out, copy_single
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op, parse_op
 from mpigpu.job.device import GpuInfo
@@ -56,13 +56,6 @@ __all__ = [
     "select_device",
 ]
 
-_OPS: dict[Any, Op] = {o.value: o for o in Op}  # "sum" -> Op.SUM; Op.SUM itself hashes as "sum"
-
-
-def _op(op: Any) -> Op:
-    op_ = _OPS.get(op) if type(op) is str or type(op) is Op else None  # the common spellings: a lookup
-    return parse_op(op) if op_ is None else op_
-
 
 def _nothing(stream: StreamRef | None, x_host: Any = None, out_host: Any = None) -> None:
     return None
@@ -77,21 +70,15 @@ class _Allreduce(Family):
     key = staticmethod(call_key)  # (x, op, out, backend): mpigpu.calls.keys reads it
 
     def validate(self, ctx: Context, x: Any, op: Any, out: Any, backend: Any) -> tuple[Record, Any]:
-        op_ = _op(op)
-        check_backend_name(backend)
-        xv = as_view(x, name="x")
+        op_, xv, outv = reduction_arguments(x, op, out, backend)  # the one validator
         finish = None
-        if out is None:
-            if xv.readonly and xv.framework != "jax":
-                raise InvalidArgument(
-                    scalar_fix(xv) or "x is read-only, so it cannot be reduced in place: pass out=<writable array>"
-                )
+        if outv is None:
             if xv.framework == "jax":
                 result, outv, finish = new_array(xv, xv.shape, x)
             else:
                 outv, result = xv, x
         else:
-            outv, result = as_view(out, name="out"), out
+            result = out
         live = (xv, outv, result, finish)
         # check_out, require_own_gpu, the choice and the signature are functions of the values in this
         # key alone (and of the context's fixed state): another object with these values shares the
@@ -370,7 +357,7 @@ class _ReduceScatter(Family):
         return family_key("reduce_scatter", x, out, op, backend)
 
     def validate(self, ctx: Context, x: Any, op: Any, out: Any, backend: Any) -> tuple[Record, Any]:
-        op_ = _op(op)
+        op_ = op_of(op)
         xv = rows_view(x, backend, "reduce_scatter")
         ctx.require_own_gpu(xv)
         rows = scatter_rows(xv.shape[0], ctx.size)

@@ -9,21 +9,21 @@ the devices of a process must agree with each other as the ranks must; and the n
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from mpigpu.backends import backend_code
 from mpigpu.core._cuda import StreamRef, resolve_stream
-from mpigpu.core.arrays import ArrayView, as_view, check_out, scalar_fix
+from mpigpu.core.arguments import reduction_arguments
+from mpigpu.core.arrays import ArrayView, check_out
 from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError
-from mpigpu.core.ops import Op, parse_op
+from mpigpu.core.ops import Op
 from mpigpu.job.check import COLLECTIVES, Signature, check_packed
 from mpigpu.multi import paths
 from mpigpu.multi.binding import bound_index, thread_binding
 from mpigpu.multi.group import Group, Meeting, copy_error
 from mpigpu.runtime.context import Context, announce_rejection
-from mpigpu.runtime.plan import Choice
+from mpigpu.runtime.plan import Choice, log_choice
 
 __all__ = ["Entry", "allreduce_devices", "refuse_if_bound", "start_devices"]
 
@@ -49,22 +49,15 @@ def _entry(group: Group, k: int, x: Any, op: Any, out: Any, backend: str, stream
     """Device ``k``'s arguments, checked locally (no communication); errors are kept, not raised."""
     entry = Entry(k)
     try:
-        op_ = parse_op(op)
-        if not isinstance(backend, str):
-            raise InvalidArgument(f"backend must be a string such as 'auto' or 'nccl', not {type(backend).__name__}")
-        xv = as_view(x, name="x")
+        op_, xv, outv = reduction_arguments(x, op, out, backend)  # the one validator, as allreduce's
         if xv.framework == "jax":
             raise InvalidArgument(
                 "JAX arrays over several devices per process: call mpigpu.jax's collectives inside jax.shard_map"
             )
-        if out is None:
-            if xv.readonly:
-                raise InvalidArgument(
-                    scalar_fix(xv) or "x is read-only, so it cannot be reduced in place: pass out=<writable array>"
-                )
+        if outv is None:
             outv, result = xv, x
         else:
-            outv, result = as_view(out, name="out"), out
+            result = out
             check_out(xv, outv)
         if xv.on_device:
             if group.gpus is None:
@@ -130,8 +123,9 @@ class _Steps:
             if watchdog.on:
                 watchdog.leave(previous)
         first.choice = plan.choice
-        if ctx.settings.log and ctx.rank == 0:
-            _log(first, plan.choice)
+        if ctx.settings.log:
+            x = first.x
+            log_choice(ctx.rank, ctx.size, "allreduce", f"{x.dtype.name} x several devices", x.nbytes, plan.choice)
 
     def _plan(self, key: tuple[Any, ...], first: Entry) -> _Plan:
         """The choice and signature of a call with ``key``'s arguments (local; kept for the next ones)."""
@@ -184,19 +178,6 @@ def _disagreement(group: Group, entries: list[Entry]) -> str:
         f"allreduce over several devices per process: the devices of rank {group.ctx.rank} asked for different calls "
         f"({'; '.join(shown)}). Every device must make the same calls in the same order."
     )
-
-
-_logged: set[tuple[str, str]] = set()
-
-
-def _log(entry: Entry, choice: Choice) -> None:
-    key = (choice.backend, choice.reason)
-    if key not in _logged:
-        _logged.add(key)
-        assert entry.x is not None
-        sys.stderr.write(
-            f"mpigpu: {entry.x.nbytes} B {entry.x.dtype.name} x several devices -> {choice.backend} ({choice.reason})\n"
-        )
 
 
 def _steps(group: Group) -> _Steps:
