@@ -27,33 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mpigpu.core.arrays import ArrayView
-
 if TYPE_CHECKING:
-    from mpigpu.core.ops import Op
+    pass
 
-__all__ = ["Launch", "array_key", "call_key", "detach", "family_key", "values_key"]
+__all__ = ["Launch", "array_key", "call_key", "family_key"]
 
 # (stream, x's host array, out's host array): the backend's bound call; the arrays are None for
 # device arrays and for views that hold their own (a persistent request's)
 Launch = Callable[..., None]
-
-
-def detach(view: ArrayView) -> ArrayView:
-    """``view`` without the caller's array (nor anything keeping it alive): what a record keeps."""
-    return ArrayView(
-        None, view.ptr, view.shape, view.dtype, view.device, view.readonly, view.framework, order=view.order
-    )
-
-
-def values_key(xv: ArrayView, outv: ArrayView | None, op: Op, backend: str) -> tuple[Any, ...]:
-    """The key of a call from its views (``outv`` None: in place): what validation depends on. Host
-    arrays in place without their pointer; pointers wherever the memory itself matters."""
-    if outv is None:
-        return ("values", None if xv.device is None else xv.ptr, xv.shape, xv.dtype, xv.device, xv.order,
-                xv.readonly, xv.framework, op, backend)  # fmt: skip
-    return ("values", xv.ptr, xv.shape, xv.dtype, xv.device, xv.order, xv.readonly, xv.framework, op, backend,
-            outv.ptr, outv.shape, outv.dtype, outv.device, outv.order, outv.readonly, outv.framework)  # fmt: skip
 
 
 # -- the keys read on every call --------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from mpigpu.calls.handles import Handle
-from mpigpu.calls.keys import detach, family_key
+from mpigpu.calls.keys import family_key
 from mpigpu.calls.pipeline import (
     Family,
     Record,
@@ -29,6 +29,7 @@ from mpigpu.calls.pipeline import (
     call_async,
     check_root,
     copy_bytes,
+    detach,
     finished,
     new_array,
     signature,

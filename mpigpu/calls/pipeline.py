@@ -50,11 +50,13 @@ __all__ = [
     "call_async",
     "check_root",
     "copy_bytes",
+    "detach",
     "find",
     "finished",
     "log_choice",
     "new_array",
     "signature",
+    "values_key",
 ]
 
 
@@ -62,7 +64,7 @@ __all__ = [
 class Record:
     """A validated call, shared by every call (and request) with its key.
 
-    ``x`` and ``out`` are views without the caller's array (``keys.detach``), except in a record made
+    ``x`` and ``out`` are views without the caller's array (``detach``), except in a record made
     for one call only (``keep`` False: JAX, whose output is a new array each call). ``out is x`` in
     place; ``out`` None where the call returns a new array. ``launch`` is bound at the first run
     (creating a backend is collective: it happens after the check)."""
@@ -82,6 +84,23 @@ class Record:
     def watch_label(self, phase: str) -> str:
         """What the watchdog calls a call of this record in ``phase`` ("check" or "data")."""
         return self.family.label(self, phase)
+
+
+def detach(view: ArrayView) -> ArrayView:
+    """``view`` without the caller's array (nor anything keeping it alive): what a record keeps."""
+    return ArrayView(
+        None, view.ptr, view.shape, view.dtype, view.device, view.readonly, view.framework, order=view.order
+    )
+
+
+def values_key(xv: ArrayView, outv: ArrayView | None, op: Op, backend: str) -> tuple[Any, ...]:
+    """The key of a call from its views (``outv`` None: in place): what validation depends on. Host
+    arrays in place without their pointer; pointers wherever the memory itself matters."""
+    if outv is None:
+        return ("values", None if xv.device is None else xv.ptr, xv.shape, xv.dtype, xv.device, xv.order,
+                xv.readonly, xv.framework, op, backend)  # fmt: skip
+    return ("values", xv.ptr, xv.shape, xv.dtype, xv.device, xv.order, xv.readonly, xv.framework, op, backend,
+            outv.ptr, outv.shape, outv.dtype, outv.device, outv.order, outv.readonly, outv.framework)  # fmt: skip
 
 
 class Family:

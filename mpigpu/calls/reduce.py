@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any
 
 from mpigpu.calls.handles import Handle
-from mpigpu.calls.keys import call_key, detach, family_key, values_key
+from mpigpu.calls.keys import call_key, family_key
 from mpigpu.calls.pipeline import (
     Family,
     Record,
@@ -25,11 +25,13 @@ from mpigpu.calls.pipeline import (
     call_async,
     check,
     copy_bytes,
+    detach,
     finished,
     log_choice,
     new_array,
     signature,
     stream_of,
+    values_key,
 )
 from mpigpu.core._cuda import StreamRef
 from mpigpu.core.arguments import check_backend_name, op_of, reduction_arguments
