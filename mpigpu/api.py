@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from mpigpu.backends import backend_code
+from mpigpu.core import timeline
 from mpigpu.core._cuda import StreamRef, resolve_stream
 from mpigpu.core.arrays import ArrayView, as_view, check_out, copy_single, scalar_fix
 from mpigpu.core.errors import InvalidArgument
@@ -245,6 +246,8 @@ def _go(ctx: Context, record: Record, stream: StreamRef | None, x_host: Any, out
     """With ``check``, the cross-rank check of the record's signature; then the record's launch on this
     call's stream and host arrays. Watched as one stay in ``active`` whose phase moves from "check"
     to "data" (a rank that never arrives; the first launch may create the backend: collective)."""
+    if timeline.on:  # timeline hook: the same steps, each recorded (mpigpu/core/timeline.py)
+        return _recorded_go(ctx, record, stream, x_host, out_host, check)
     watchdog = ctx.watchdog
     if watchdog.on:
         active = watchdog.active
@@ -271,6 +274,34 @@ def _go(ctx: Context, record: Record, stream: StreamRef | None, x_host: Any, out
         (record.launch or bound(record))(stream, x_host, out_host)
     if ctx.settings.log:
         _log_choice(ctx, record.x, record.choice)
+
+
+def _recorded_go(  # timeline hook
+    ctx: Context, record: Record, stream: StreamRef | None, x_host: Any, out_host: Any, check: bool
+) -> None:
+    """``_go`` with MPIGPU_TIMELINE on: the call's start, the end of its check, the end of its launch
+    and, for GPU arrays, its completion on the stream, on the timeline."""
+    x, watchdog = record.x, ctx.watchdog
+    event = timeline.begin("allreduce", x.nbytes, record.choice.backend, ctx.serial)
+    if check:
+        previous = watchdog.enter(record, "check") if watchdog.on else None
+        try:
+            _check_record(ctx, record)
+        finally:
+            if watchdog.on:
+                watchdog.leave(previous)
+        event.mark("checked")
+    previous = watchdog.enter(record, "data") if watchdog.on else None
+    try:
+        if x.device is not None:
+            ctx.activate_gpu()
+        (record.launch or bound(record))(stream, x_host, out_host)
+    finally:
+        if watchdog.on:
+            watchdog.leave(previous)
+    timeline.end(event, None if x.device is None or stream is None else stream.handle)
+    if ctx.settings.log:
+        _log_choice(ctx, x, record.choice)
 
 
 def _check_record(ctx: Context, record: Record) -> None:
