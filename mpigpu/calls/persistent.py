@@ -31,6 +31,7 @@ from mpigpu.backends import backend_class, backend_code
 from mpigpu.calls.handles import _worker
 from mpigpu.calls.pipeline import log_choice
 from mpigpu.calls.reduce import Prepared, _nothing, bind, bound, prepare
+from mpigpu.core import timeline
 from mpigpu.core._cuda import StreamRef, core_stream, resolve_stream
 from mpigpu.core.errors import DeviceError, InvalidArgument, MpigpuError
 from mpigpu.core.ops import Op
@@ -61,6 +62,10 @@ class Request:
         # nothing to queue where no collective runs (empty arrays, one rank): those run in start()
         self._queued = not backend_class(self.backend).enqueues and x.size > 0 and ctx.size > 1
         self._launch = self._bind(prepared)
+        if timeline.on:  # timeline hook: each start's launch recorded as a call (decided once, here)
+            self._launch = timeline.wrap(
+                self._launch, "allreduce start", x.nbytes, self.backend, ctx.serial, x.on_device
+            )
         self._label = f"allreduce start({self.backend}, {x.dtype.name} x {x.size}, op={prepared.op.value})"
         record = prepared.recorded()  # the one-off call's record (None for JAX: a new output each call)
         if record is not None:

@@ -27,6 +27,7 @@ import numpy as np
 
 from mpigpu.backends import backend_code
 from mpigpu.calls.handles import Handle, reject, start
+from mpigpu.core import timeline
 from mpigpu.core._cuda import StreamRef, resolve_stream
 from mpigpu.core.arrays import ArrayView, as_view
 from mpigpu.core.errors import InvalidArgument
@@ -205,6 +206,8 @@ def _rows_posted(ctx: Context, record: Record) -> list[int] | None:
 def go(ctx: Context, record: Record, args: tuple[Any, ...], stream: StreamRef | None, live: Any) -> Any:
     """The check (where on: more than one rank, MPIGPU_CHECK) and the family's launch, watched as one
     stay in the watchdog's ``active`` whose phase moves from "check" to "data"; the choice logged."""
+    if timeline.on:  # MPIGPU_TIMELINE: the same steps, each recorded (mpigpu/core/timeline.py)
+        return _recorded_go(ctx, record, args, stream, live)
     checked = ctx.size > 1 and ctx.settings.check
     family = record.family
     watchdog = ctx.watchdog
@@ -228,6 +231,24 @@ def go(ctx: Context, record: Record, args: tuple[Any, ...], stream: StreamRef | 
         result = family.execute(record, args, stream, check(ctx, record) if checked else None, live)
     if ctx.settings.log:
         log_choice(ctx, record.x, record.choice, family.name)
+    return result
+
+
+def _recorded_go(ctx: Context, record: Record, args: tuple[Any, ...], stream: StreamRef | None, live: Any) -> Any:
+    """``go`` with MPIGPU_TIMELINE on: the call's start, the end of its check, the end of its launch
+    and, for GPU arrays, its completion on the stream, on the timeline."""
+    x, family, watchdog = record.x, record.family, ctx.watchdog
+    event = timeline.begin(family.name, x.nbytes, record.choice.backend, ctx.serial)
+    ranks = None
+    if ctx.size > 1 and ctx.settings.check:
+        with watchdog.watch(family.label(record, "check")):
+            ranks = check(ctx, record)
+        event.mark("checked")
+    with watchdog.watch(family.label(record, "data")):
+        result = family.execute(record, args, stream, ranks, live)
+    timeline.end(event, None if x.device is None or stream is None else stream.handle)
+    if ctx.settings.log:
+        log_choice(ctx, x, record.choice, family.name)
     return result
 
 

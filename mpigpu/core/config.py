@@ -57,6 +57,9 @@ ENV_VARS: dict[str, str] = {
     "MPIGPU_TUNE_FILE": "path: crossover table written by `mpigpu.bench --tune` and read by backend='auto'",
     "MPIGPU_CACHE_DIR": "directory: compiled-kernel cache (default ~/.cache/mpigpu)",
     "MPIGPU_LOG": "1: print to stderr (rank 0) which backend 'auto' picked and why, once per choice",
+    "MPIGPU_TIMELINE": "directory: every rank records its collective calls and training buckets to "
+    "<directory>/rank<r>.json (created 0700; merge with `python -m mpigpu.timeline merge`); unset: off, at no cost",
+    "MPIGPU_TIMELINE_EVENTS": "N: events each rank keeps for the timeline, the oldest dropped first (default 100000)",
 }
 
 # name -> (smallest, largest) value of each integer setting. Every value is checked against its range
@@ -69,6 +72,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "MPIGPU_HOST_CHUNK": (1, 1 << 50),  # bytes: 1 PiB
     "MPIGPU_HOST_DEPTH": (1, 1 << 20),  # chunks ahead: far more than any pool holds
     "MPIGPU_HOST_SMALL": (0, 1 << 50),  # bytes: 1 PiB
+    "MPIGPU_TIMELINE_EVENTS": (1, 1 << 28),  # ~50 GiB of events: past any useful trace
 }
 
 # the variables of Settings.agreed(), in its order
@@ -81,6 +85,7 @@ AGREED = (
     "MPIGPU_HOST_CHUNK",
     "MPIGPU_HOST_DEPTH",
     "MPIGPU_HOST_SMALL",
+    "MPIGPU_TIMELINE",
 )
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -209,6 +214,8 @@ class Settings:
     cache_dir: Path = field(default_factory=_cache_dir)
     tune_file: Path | None = None
     log: bool = False
+    timeline: Path | None = None  # MPIGPU_TIMELINE: on where set (agreed: the clock exchange is collective)
+    timeline_events: int = 100_000
 
     def agreed(self) -> tuple[tuple[str, object], ...]:
         """(variable, value) of the settings that change which collectives run, or which backend is
@@ -216,7 +223,8 @@ class Settings:
         Per-rank on purpose: MPIGPU_DEVICES_PER_RANK (ranks may drive different numbers of devices),
         MPIGPU_TIMEOUT, MPIGPU_STALL and MPIGPU_ABORT_ON_EXCEPTION (how this rank
         reacts to a failure), MPIGPU_LOG, MPIGPU_CACHE_DIR, MPIGPU_TUNE_FILE (rank 0 reads the table, then
-        broadcasts it)."""
+        broadcasts it), MPIGPU_TIMELINE_EVENTS. Of MPIGPU_TIMELINE only whether it is set is agreed (its
+        start-up exchanges clocks; the directory may differ per node)."""
         values = (
             int(self.check),
             self.node_size,
@@ -226,6 +234,7 @@ class Settings:
             self.host_chunk,
             self.host_depth,
             self.host_small,
+            None if self.timeline is None else 1,
         )
         return tuple(zip(AGREED, values, strict=True))
 
@@ -236,6 +245,9 @@ class Settings:
     @classmethod
     def from_env(cls) -> Settings:
         tune = _raw("MPIGPU_TUNE_FILE")
+        timeline = _raw("MPIGPU_TIMELINE")
+        events = _count("MPIGPU_TIMELINE_EVENTS", 100_000)
+        assert events is not None
         pool_mb = _count("MPIGPU_HOST_POOL_MB", 1024)
         depth = _count("MPIGPU_HOST_DEPTH", 2)
         small = _count("MPIGPU_HOST_SMALL", 64 << 10)
@@ -256,6 +268,8 @@ class Settings:
             cache_dir=_cache_dir(),
             tune_file=_user_path("MPIGPU_TUNE_FILE", tune) if tune else None,
             log=_bool("MPIGPU_LOG", False),
+            timeline=_user_path("MPIGPU_TIMELINE", timeline) if timeline else None,
+            timeline_events=events,
         )
 
 

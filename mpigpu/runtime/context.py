@@ -27,6 +27,7 @@ import threading
 from typing import Any, ClassVar
 
 from mpigpu.backends import BACKEND_NAMES, Availability, Backend, backend_class
+from mpigpu.core import timeline
 from mpigpu.core._mpi import MPI, LibraryInfo, library_info, world
 from mpigpu.core.config import AGREED, DEFAULT_STALL_S, DEFAULT_TIMEOUT_S, ENV_VARS, Settings, disagreement
 from mpigpu.core.errors import BackendUnavailable, ConfigError, DeviceError, InvalidArgument, MismatchError, MpigpuError
@@ -37,6 +38,7 @@ from mpigpu.job.creation import exclusive
 from mpigpu.job.detect import CudaAwareness, NcclInfo, detect_cuda_awareness, detect_nccl
 from mpigpu.job.device import GpuInfo, map_device
 from mpigpu.job.failsafe import Watchdog, install_default_handler
+from mpigpu.job.timeline_start import start_timeline
 from mpigpu.job.topology import Layout, build_layout
 from mpigpu.runtime.tuning import load_tuning
 
@@ -55,9 +57,14 @@ class Context:
     # id(communicator object) -> (that object, its ctx): the lookup on every call, cheaper than
     # Get_attr; the entries of a context go when it closes
     _known: ClassVar[dict[int, tuple[Any, Context]]] = {}
+    _made: ClassVar[int] = 0  # contexts made so far in this process
 
     def __init__(self, comm: Any) -> None:
         settings, error = _local_settings()
+        # its number in the order contexts are made (collectively: the same on every rank), which names
+        # its communicator on the timeline
+        self.serial = Context._made
+        Context._made += 1
         self.calls = 0  # mpigpu calls made on this communicator (Context.enter): the stall report names them
         self.size = comm.Get_size()  # also the size of its duplicate, self.comm
         # an invalid variable (settings None) fails start-up on every rank, watched with the defaults
@@ -85,6 +92,7 @@ class Context:
 
     def _start(self, comm: Any) -> None:
         self.rank = comm.Get_rank()
+        start_timeline(comm, self.settings)  # MPIGPU_TIMELINE (agreed): collective where set, else nothing
         self.mpi_lib: LibraryInfo = library_info()
         self.layout: Layout = build_layout(comm, self.settings.node_size)
         # The cross-rank check through node-shared memory when every rank is on one (unsplit) node;
@@ -457,7 +465,10 @@ def finalize() -> None:
     """Free all pinned memory, device buffers, NCCL communicators and IPC handles mpigpu holds.
 
     Called automatically at exit; call it earlier to release resources before MPI_Finalize.
-    Collective: contexts are closed in the order they were created, the same on every rank."""
+    Collective: contexts are closed in the order they were created, the same on every rank. With
+    MPIGPU_TIMELINE set, this rank's timeline file is written first."""
+    if timeline.on:
+        timeline.flush()
     for comm, ctx in list(Context._live.values()):
         if Context._keyval is not None:
             with contextlib.suppress(Exception):  # the attribute's delete callback closes the context

@@ -36,6 +36,7 @@ import numpy as np
 
 from mpigpu.calls.handles import reject
 from mpigpu.calls.persistent import Request, allreduce_init
+from mpigpu.core import timeline
 from mpigpu.core._cuda import StreamRef, resolve_stream
 from mpigpu.core.arrays import as_view, framework_of, require_c_order
 from mpigpu.core.config import parse_count
@@ -43,6 +44,7 @@ from mpigpu.core.dtypes import DType, parse_dtype
 from mpigpu.core.errors import InvalidArgument, MismatchError, MpigpuError
 from mpigpu.core.ops import Op, parse_op
 from mpigpu.runtime.context import Context
+from mpigpu.training import timeline_marks
 from mpigpu.training.broadcast_state import broadcast_parameters
 from mpigpu.training.compression import parse_compression
 from mpigpu.training.packing import DevicePacker, pack_host, unpack_host
@@ -270,6 +272,9 @@ class Averager:
             self._init_gpu()
         self._step: list[Any] | None = None  # the arrays of the step in flight
         self._errors: list[MpigpuError] = []
+        # the timeline (MPIGPU_TIMELINE): this Averager's number, its steps, buckets' ready times by index
+        self._tl_group = timeline.new_group() if timeline.on else -1
+        self._tl_step, self._tl_ready = -1, {}
 
     # -- construction -----------------------------------------------------------------------------
     def _configure(self, items: list[Any], op: Any, bucket_bytes: Any, first_bytes: Any, compression: Any) -> None:
@@ -396,8 +401,11 @@ class Averager:
                 self._reject(0, exc)
                 raise
             for b, plan in zip(self._buckets, plans, strict=True):
+                event = timeline_marks.bucket_started(self, b) if timeline.on else None  # timeline hook
                 self._pack(b, plan, stream)
                 self._launch(b, blocking=blocking)
+                if event is not None:  # timeline hook
+                    timeline_marks.bucket_launched(self, b, event)
         finally:
             self._ctx.leave()
 
@@ -406,6 +414,7 @@ class Averager:
         the stream the step used: later work there sees them; the host is not blocked by NCCL."""
         if self._step is None:
             raise InvalidArgument("finish() without start(): nothing is in flight")
+        began = timeline.now() if timeline.on else 0  # timeline hook
         runtime = None
         if any(b.device is not None for b in self._buckets):
             from mpigpu.core._cuda import cupy
@@ -433,6 +442,8 @@ class Averager:
                 runtime.streamWaitEvent(stream, done, 0)
         result, self._step = self._step, None
         errors, self._errors = self._errors, []
+        if began:  # timeline hook
+            timeline.span("step", "finish", began, timeline.now(), step=self._tl_step, group=self._tl_group)
         if errors:
             raise errors[0]
         return result if self._params is None else [p.grad for p in self._params]
@@ -494,14 +505,19 @@ class Averager:
             except MpigpuError as exc:
                 self._reject(index, exc)
                 raise
+            event = timeline_marks.bucket_started(self, bucket) if timeline.on else None  # timeline hook
             self._pack(bucket, entries, stream)
             self._launch(bucket)
+            if event is not None:  # timeline hook
+                timeline_marks.bucket_launched(self, bucket, event)
         finally:
             self._ctx.leave()
 
     def _begin(self, arrays: Sequence[Any] | None) -> None:
         if self._step is not None:
             raise InvalidArgument("a step is already in flight: call finish() before starting another")
+        if timeline.on:  # timeline hook
+            timeline_marks.step_started(self)
         if arrays is None or self._params is not None:
             if arrays is not None:
                 raise InvalidArgument("this Averager averages its parameters' .grad: call it without arrays")

@@ -38,7 +38,9 @@ from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
+from mpigpu.core import timeline
 from mpigpu.core.errors import InvalidArgument, MpigpuError
+from mpigpu.training import timeline_marks
 from mpigpu.training.averager import Averager
 from mpigpu.training.broadcast_state import broadcast_parameters
 
@@ -97,8 +99,13 @@ class BackwardAverager:
         self._hooks = [
             p.register_post_accumulate_grad_hook(partial(self._on_grad, i)) for i, p in enumerate(self._trainable)
         ]
+        self._tl_first: int | None = None  # the timeline: this step's first and last gradient (ns)
+        self._tl_last: int | None = None
+        self._tl_step_began = 0
         if optimizer is not None:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
+            if timeline.on:  # timeline hook: the optimizer's step as a span
+                self._hooks.append(optimizer.register_step_post_hook(self._after_step))
 
     def _new_averager(self, order: list[int]) -> Averager:
         """An Averager of the trainable parameters in ``order`` (collective: every rank the same order)."""
@@ -134,6 +141,8 @@ class BackwardAverager:
             self._averager.begin_step()
         b = self._bucket_of[index]
         self._ready[b] += 1
+        if timeline.on:  # timeline hook
+            timeline_marks.gradient(self, b)
         if self._ready[b] > self._sizes[b]:
             raise InvalidArgument(
                 "a gradient arrived twice before finish(): call finish() (or optimizer.step() with "
@@ -156,7 +165,17 @@ class BackwardAverager:
         self._next = 0
 
     def _before_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if timeline.on:  # timeline hook
+            self._tl_step_began = timeline.now()
         self.finish()
+
+    def _after_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """The optimizer's step ended (a hook registered only with the timeline on)."""
+        if self._tl_step_began:
+            averager = self._averager
+            timeline.span("step", "optimizer step", self._tl_step_began, timeline.now(),
+                          step=averager._tl_step, group=averager._tl_group)  # fmt: skip
+            self._tl_step_began = 0
 
     def finish(self) -> None:
         """Start the buckets still waiting (parameters without gradients count as zeros), wait for
@@ -164,6 +183,8 @@ class BackwardAverager:
         averager = self._averager
         if not averager.step_in_flight:
             return
+        if timeline.on:  # timeline hook
+            timeline_marks.backward_finished(self)
         try:
             while self._next < len(self._sizes):
                 self._start(self._next)
@@ -197,6 +218,7 @@ class BackwardAverager:
         if order == self._order:
             return
         rebuilt = self._new_averager(order)
+        rebuilt._tl_group, rebuilt._tl_step = self._averager._tl_group, self._averager._tl_step  # timeline: one series
         old, self._averager, self._order = self._averager, rebuilt, order
         old.close()
         self._index_buckets()

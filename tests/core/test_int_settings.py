@@ -10,7 +10,7 @@ import pytest
 from mpigpu.core.config import ENV_VARS, INT_RANGES, Settings, parse_count
 from mpigpu.core.errors import ConfigError, InvalidArgument
 
-PATHS = {"MPIGPU_CACHE_DIR", "MPIGPU_TUNE_FILE"}  # any text is a path there
+PATHS = {"MPIGPU_CACHE_DIR", "MPIGPU_TUNE_FILE", "MPIGPU_TIMELINE"}  # any text is a path there
 
 
 @pytest.mark.parametrize("variable", sorted(INT_RANGES))
@@ -26,7 +26,10 @@ def test_a_huge_integer_setting_is_a_config_error_with_the_range(
     assert f"{variable}=" in message and value[:20] in message and f"from {low} to {high}" in message, message
 
 
-PER_RANK = {"MPIGPU_DEVICES_PER_RANK": lambda settings: settings.devices_per_rank}
+PER_RANK = {
+    "MPIGPU_DEVICES_PER_RANK": lambda settings: settings.devices_per_rank,
+    "MPIGPU_TIMELINE_EVENTS": lambda settings: settings.timeline_events,
+}
 
 
 @pytest.mark.parametrize("variable", sorted(INT_RANGES))

@@ -1,0 +1,93 @@
+"""``python -m mpigpu.timeline``: merge the ranks' timeline files (MPIGPU_TIMELINE) into one
+Chrome/Perfetto trace with a report of who waited for whom, or draw one training step as a PNG.
+
+    MPIGPU_TIMELINE=tl mpiexec -n 2 python train.py          # every rank writes tl/rank<r>.json
+    python -m mpigpu.timeline merge tl -o trace.json          # open trace.json in ui.perfetto.dev
+    python -m mpigpu.timeline plot tl -o step.png --step 5
+
+No MPI: it reads files (run it anywhere, after the job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from mpigpu.cli import Parser, nonneg_int, prog
+from mpigpu.core.privatefs import write_file
+from mpigpu.timeline.report import analyse, format_report
+from mpigpu.timeline.traces import TraceError, chrome_trace, load, load_any
+
+__all__ = ["main"]
+
+_EPILOG = """\
+What each rank records (docs/training.md#timeline):
+  calls     each allreduce: its start, the end of the cross-rank check, the end of its launch, and
+            for GPU arrays its completion on the stream ("calls (GPU completion)" lane); each start of
+            a persistent request (allreduce_init) likewise
+  buckets   each Averager / BackwardAverager bucket: ready (its last gradient arrived), launch
+            (packing starts), launched (its allreduce started), done (the reduction finished)
+  backward  BackwardAverager: the first gradient hook to the last (and the GPU's end of backward)
+  step      finish() and the optimizer's step
+The report matches each collective across ranks by its order (a call: its communicator and number;
+a bucket: its Averager, step and index), names the rank that arrived last and how long the others
+waited for it, and how much of the buckets' reduction time lay inside the backward pass.
+"""
+
+
+def _parser() -> Parser:
+    parser = Parser(
+        prog=prog("mpigpu.timeline"),
+        description="Merge and draw mpigpu timelines (MPIGPU_TIMELINE=<directory>: one file per rank).",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{merge,plot}")
+    merge = sub.add_parser(
+        "merge",
+        help="merge the ranks into one Chrome/Perfetto trace and print who waited for whom",
+        description="Merge <directory>/rank<r>.json into one Chrome/Perfetto trace (pid = rank, tid = lane) "
+        "and print the report: per rank how often it arrived last and how long the others waited for it, "
+        "the collectives waited for longest, and the communication hidden behind backward.",
+    )
+    merge.add_argument("directory", type=Path, help="the MPIGPU_TIMELINE directory of the job")
+    merge.add_argument("-o", "--output", type=Path, help="the trace to write (default: <directory>/trace.json)")
+    merge.add_argument("--top", type=nonneg_int, default=10, help="collectives listed by wait (0: all; default 10)")
+    plot = sub.add_parser(
+        "plot",
+        help="draw one training step as a PNG (lanes per rank)",
+        description="Draw one step (default: the last every rank recorded; the whole trace without training "
+        "steps) from a timeline directory or a trace written by merge. Needs matplotlib (mpigpu[plot]).",
+    )
+    plot.add_argument("source", type=Path, help="a timeline directory or a trace.json written by merge")
+    plot.add_argument("-o", "--output", type=Path, required=True, help="the PNG to write")
+    plot.add_argument("--step", type=nonneg_int, help="the step to draw (default: the last one recorded)")
+    plot.add_argument("--title", default="", help="the figure's title")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "merge":
+            ranks = load(args.directory)
+            output = args.output or args.directory / "trace.json"
+            write_file(output, json.dumps(chrome_trace(ranks), separators=(",", ":")).encode(), 0o644)
+            print(f"# wrote {output} (open it in ui.perfetto.dev or chrome://tracing)")
+            print(format_report(analyse(ranks), args.top))
+            return 0
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            sys.stderr.write(f"{prog('mpigpu.timeline')}: error: plot needs matplotlib: pip install 'mpigpu[plot]'\n")
+            return 2
+        from mpigpu.timeline.plot import plot_step
+
+        step = plot_step(load_any(args.source), args.output, args.step, args.title)
+        print(f"# wrote {args.output}" + ("" if step is None else f" (step {step})"))
+        return 0
+    except TraceError as exc:
+        sys.stderr.write(f"{prog('mpigpu.timeline')}: error: {exc}\n")
+        return 2

@@ -1,0 +1,7 @@
+"""``python -m mpigpu.timeline``."""
+
+import sys
+
+from mpigpu.timeline import main
+
+sys.exit(main())
