@@ -8,6 +8,7 @@ imports mpigpu, once MPI runs with more than one rank (see ``hook_at_import``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import os
@@ -90,6 +91,21 @@ def abort_job(message: str, code: int = 1) -> NoReturn:
                 remove_own_segments()  # MPI_Abort leaves MPICH no chance to
                 mpi.COMM_WORLD.Abort(code)
     os._exit(code)  # MPI not started (or already finalised): the launcher sees the exit status
+
+
+def _finish_abort_first() -> None:
+    """At the interpreter's exit (atexit): an abort another thread has begun (the watchdog's
+    ``MPIGPU_TIMEOUT``, a thread's uncaught exception) ends the job with its status; without this the
+    main thread's normal end could win the race and the job exit 0 after "Aborting the job" was printed
+    (issue 39: ``MPIGPU_TIMEOUT=0.001``). Where no abort is under way, this takes the abort lock, so
+    none begins: the program has ended normally, and a late abort would only cut off its exit."""
+    if _abort_lock.acquire(blocking=False):
+        return
+    while True:  # the aborting thread ends the process (MPI_Abort, else os._exit after _FORCE_EXIT_AFTER_S)
+        time.sleep(1)
+
+
+atexit.register(_finish_abort_first)  # registers a function only: starts and imports nothing
 
 
 def abort_before_start(code: int, message: str) -> NoReturn:
@@ -179,6 +195,10 @@ def _end_together(exc: BaseException, tb: TracebackType | None, code: int) -> No
         with contextlib.suppress(Exception):
             if mpi.Is_initialized() and not mpi.Is_finalized():
                 mpi.COMM_WORLD.Barrier()
+                # Past the barrier every rank has mapped the job's MPICH file. MPI_Finalize unlinks it on
+                # the rank that created it, but the launcher kills the ranks still finalising once one
+                # exits non-zero (hydra does): each rank removes it first (issue 39: 1 run in 3 left it).
+                remove_own_segments()
                 mpi.Finalize()
     os._exit(code)
 

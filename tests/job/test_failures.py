@@ -343,6 +343,43 @@ def test_timeout_covers_start_up(victim: Path) -> None:
     ended_with(result, elapsed, "CollectiveTimeout: mpigpu start-up", "MPIGPU_TIMEOUT=2 s", limit=20)
 
 
+# The watchdog times out a watched wait that then ends after all, and the program ends normally at once:
+# the abort (printed, then MPI_Abort after a pause for the launcher to forward the message) is under way.
+LATE_END = """
+import sys, time
+from mpi4py import MPI
+from mpigpu.job.failsafe import Watchdog
+MPI.COMM_WORLD.Barrier()
+with Watchdog(timeout=0.1).watch("a watched wait"):
+    time.sleep(0.3)  # the watchdog fires at 0.1-0.2 s; its MPI_Abort follows 0.2 s later
+"""
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_timeout_that_printed_aborting_ends_the_job_non_zero(tmp_path: Path, n: int) -> None:
+    """Issue 39: MPIGPU_TIMEOUT=0.001 printed "Aborting the job" and the job exited 0: the main thread's
+    normal end won the race against the watchdog's MPI_Abort. The abort under way now ends the job."""
+    script = tmp_path / "late_end.py"
+    script.write_text(LATE_END)
+    for _ in range(2):
+        result, elapsed = timed(n, [str(script)])
+        ended_with(result, elapsed, "CollectiveTimeout: a watched wait did not complete", "Aborting the job")
+        assert result.returncode == 124, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_mpigpu_timeout_far_below_a_calls_time_never_exits_0_after_aborting(n: int) -> None:
+    """The issue's own command: whether or not the watchdog catches a call at 0.001 s, a job that says it
+    aborts ends with status 124, and one that does not passes."""
+    result, elapsed = timed(n, ["-m", "mpigpu.average", "--size", "1K"], env={"MPIGPU_TIMEOUT": "0.001"})
+    output = result.stdout + result.stderr
+    assert elapsed < LAUNCH_LIMIT_S
+    if "Aborting the job" in output:
+        assert result.returncode == 124, output
+    else:
+        assert result.returncode == 0 and "# PASS" in result.stdout, output
+
+
 # -- the stall report ----------------------------------------------------------------------------------
 # Rank 1 skips the second of three calls (or makes a fourth), then stays alive: the others wait.
 STALLER = """
