@@ -64,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if word not in COMMANDS:
         words = ", ".join(COMMANDS)
         sys.stderr.write(
-            f"{_python()} -m mpigpu: error: unknown command {args[0]!r}: use one of {words} "
-            f"(or --help to list them)\n"
+            f"{_python()} -m mpigpu: error: unknown command {args[0]!r}: use one of {words} (or --help to list them)\n"
         )
         return 2
     module = COMMANDS[word][0]

@@ -41,7 +41,9 @@ def test_the_test_commands_run_in_the_test_environment() -> None:
 
 def test_the_readme_names_files_a_clone_has() -> None:
     for path in re.findall(r"(?<![\w./-])((?:scripts|docs|samples|tests|bench)/[\w./-]*\w)", README):
-        assert (ROOT / path).exists() or any(ROOT.glob(path)), f"the README names {path}, which is not in the repository"
+        assert (ROOT / path).exists() or any(ROOT.glob(path)), (
+            f"the README names {path}, which is not in the repository"
+        )
     assert ".gpu-carry" not in README, "made by the project's GPU tooling, not in a clone: docs/usage.md explains it"
 
 
