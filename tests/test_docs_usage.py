@@ -28,4 +28,4 @@ def test_thread_per_device_example_runs_on_host_devices(tmp_path) -> None:
     text = result.stdout + result.stderr
     assert result.returncode == 0, text
     # 2 ranks x 2 host devices, device i filled with i: the mean is 0.5 on every participant; a line per rank
-    assert result.stdout.count("{0: 0.5, 1: 0.5}") == 2, text
+    assert result.stdout.count("[(0, 0.5), (1, 0.5)]") == 2, text
