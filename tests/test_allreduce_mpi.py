@@ -37,7 +37,7 @@ def test_exact_every_dtype_and_op(comm, backend: str, dtype: str, op: Op) -> Non
     count = 1000 if backend != "host" else 70001  # odd sizes: slices do not divide evenly
     x = _filled(count, dtype, op, "exact", comm)
     before = x.copy()
-    out = np.full_like(x, 0x7F) if dtype.startswith("int") else np.full_like(x, np.nan)
+    out = np.full_like(x, np.nan) if dtype.startswith(("float", "bfloat")) else np.full_like(x, 0x7F)  # poisoned
     result = mpigpu.allreduce(x, op, out=out, backend=backend)
     assert result is out
     assert np.array_equal(x, before), "out-of-place must leave x untouched"

@@ -9,6 +9,7 @@ arguments raises on every rank, no array changes, and the calls after it pair co
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -149,18 +150,23 @@ def _in_step(comm, calls: int = 10) -> None:
             assert np.array_equal(got[:, 0], np.repeat(np.arange(size, dtype=np.int32), i + 1))
 
 
-def _raises_everywhere(comm, bad: bool, call, match: str = "") -> None:
-    """``bad`` ranks raise InvalidArgument, the others MismatchError naming them (one rank: InvalidArgument)."""
-    expected = InvalidArgument if bad or comm.Get_size() == 1 else MismatchError
-    with pytest.raises(expected, match=match if bad else None):
-        call()
+def _raises_everywhere(comm, bad_rank: int, call, message: str) -> None:
+    """Rank ``bad_rank`` raises its own InvalidArgument, whose text holds ``message``; every other rank
+    raises MismatchError naming that rank and quoting its message; then the next calls pair."""
+    if comm.Get_rank() == bad_rank:
+        with pytest.raises(InvalidArgument, match=re.escape(message)):
+            call()
+    else:
+        with pytest.raises(MismatchError, match=f"did not run: rank {bad_rank} rejected the arguments") as info:
+            call()
+        assert f"rank {bad_rank}: InvalidArgument: " in str(info.value) and message in str(info.value), info.value
     _in_step(comm)
 
 
 def test_reduce_scatter_refuses_a_0d_array_on_every_rank(comm) -> None:
     rank = comm.Get_rank()
     x = np.float32(3.0) if rank == 0 else np.ones(comm.Get_size(), np.float32)
-    _raises_everywhere(comm, rank == 0, lambda: mpigpu.reduce_scatter(x, comm=comm), "first dimension")
+    _raises_everywhere(comm, 0, lambda: mpigpu.reduce_scatter(x, comm=comm), "first dimension")
 
 
 def test_reduce_scatter_out_of_the_wrong_shape(comm) -> None:
@@ -169,7 +175,7 @@ def test_reduce_scatter_out_of_the_wrong_shape(comm) -> None:
     bad = rank == size - 1
     out = _poisoned((2, 2) if bad else (1, 2), "float32")
     before = out.tobytes()
-    _raises_everywhere(comm, bad, lambda: mpigpu.reduce_scatter(x, out=out, comm=comm), "shape")
+    _raises_everywhere(comm, size - 1, lambda: mpigpu.reduce_scatter(x, out=out, comm=comm), "shape")
     assert out.tobytes() == before
 
 
@@ -194,7 +200,15 @@ def test_reduce_scatter_a_rank_rejecting_its_arguments(comm, arg: str) -> None:
             kwargs["backend"] = "nope"
         else:
             x = "not an array"  # type: ignore[assignment]
-    _raises_everywhere(comm, bad, lambda: mpigpu.reduce_scatter(x, comm=comm, **kwargs))
+    message = {
+        "op": "unknown op 'mean'",
+        "out_dtype": "out has dtype float64, but x has float32",
+        "out_overlaps": "out overlaps x",
+        "out_read_only": "out is read-only",
+        "backend": "unknown backend 'nope'",
+        "not_an_array": "x must be an array",
+    }[arg]
+    _raises_everywhere(comm, size - 1, lambda: mpigpu.reduce_scatter(x, comm=comm, **kwargs), message)
 
 
 def _mismatch(comm, call, arrays: list) -> None:
@@ -319,7 +333,16 @@ def test_alltoall_a_rank_rejecting_its_splits(comm, problem: str) -> None:
         }[problem]
         if problem == "0d":
             x = np.float32(1.0)  # type: ignore[assignment]
-    _raises_everywhere(comm, bad, lambda: mpigpu.alltoall(x, splits, comm=comm))
+    message = {
+        "length": f"splits has {size + 1} entries, but the communicator has {size} ranks",
+        "negative": "splits must hold non-negative integers; got -1",
+        "sum": f"splits sum to {2 * size + 1}, but x has {2 * size} rows",
+        "float": "splits must hold non-negative integers; got 2.0",
+        "bool": "splits must hold non-negative integers; got True",
+        "not_a_sequence": f"splits must be a sequence of {size} row counts, not int",
+        "0d": "x has none (a 0-d array)",
+    }[problem]
+    _raises_everywhere(comm, size - 1, lambda: mpigpu.alltoall(x, splits, comm=comm), message)
 
 
 def test_alltoall_trailing_and_dtype_mismatch(comm) -> None:
@@ -409,9 +432,9 @@ def test_async_a_rank_rejecting_its_arguments(comm) -> None:
             mpigpu.reduce_scatter_async(x, "mean", comm=comm)
         with pytest.raises(InvalidArgument, match="splits"):
             mpigpu.alltoall_async(x, [1] * (size + 1), comm=comm)
-    else:
-        with pytest.raises(MismatchError):
+    else:  # each names the rank and quotes its message
+        with pytest.raises(MismatchError, match=f"rank {size - 1}: InvalidArgument: unknown op 'mean'"):
             mpigpu.reduce_scatter_async(x, comm=comm).wait()
-        with pytest.raises(MismatchError):
+        with pytest.raises(MismatchError, match=f"rank {size - 1}: InvalidArgument: splits has {size + 1} entries"):
             mpigpu.alltoall_async(x, comm=comm).wait()
     _in_step(comm)

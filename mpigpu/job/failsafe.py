@@ -8,6 +8,7 @@ imports mpigpu, once MPI runs with more than one rank (see ``hook_at_import``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import os
@@ -90,6 +91,21 @@ def abort_job(message: str, code: int = 1) -> NoReturn:
                 remove_own_segments()  # MPI_Abort leaves MPICH no chance to
                 mpi.COMM_WORLD.Abort(code)
     os._exit(code)  # MPI not started (or already finalised): the launcher sees the exit status
+
+
+def _finish_abort_first() -> None:
+    """At the interpreter's exit (atexit): an abort another thread has begun (the watchdog's
+    ``MPIGPU_TIMEOUT``, a thread's uncaught exception) ends the job with its status; without this the
+    main thread's normal end could win the race and the job exit 0 after "Aborting the job" was printed
+    (issue 39: ``MPIGPU_TIMEOUT=0.001``). Where no abort is under way, this takes the abort lock, so
+    none begins: the program has ended normally, and a late abort would only cut off its exit."""
+    if _abort_lock.acquire(blocking=False):
+        return
+    while True:  # the aborting thread ends the process (MPI_Abort, else os._exit after _FORCE_EXIT_AFTER_S)
+        time.sleep(1)
+
+
+atexit.register(_finish_abort_first)  # registers a function only: starts and imports nothing
 
 
 def abort_before_start(code: int, message: str) -> NoReturn:
@@ -179,6 +195,10 @@ def _end_together(exc: BaseException, tb: TracebackType | None, code: int) -> No
         with contextlib.suppress(Exception):
             if mpi.Is_initialized() and not mpi.Is_finalized():
                 mpi.COMM_WORLD.Barrier()
+                # Past the barrier every rank has mapped the job's MPICH file. MPI_Finalize unlinks it on
+                # the rank that created it, but the launcher kills the ranks still finalising once one
+                # exits non-zero (hydra does): each rank removes it first (issue 39: 1 run in 3 left it).
+                remove_own_segments()
                 mpi.Finalize()
     os._exit(code)
 
@@ -389,14 +409,27 @@ class Watchdog:
     Cheap on every call: a watched thread only puts a new tuple in ``active`` (thread id -> what it
     does) and takes it out after; the watchdog's thread, started with the first ``watch``, samples
     ``active`` every ``period`` seconds and times each tuple from when it first saw it (so a report
-    comes up to one period late). Callers test ``on`` first: nothing at all is done when both are 0."""
+    comes up to one period late). Callers test ``on`` first: nothing at all is done when both are 0.
 
-    def __init__(self, timeout: float, stall: float = 0.0, where: Callable[[], str] | None = None) -> None:
+    ``gone`` (optional) names the ranks whose processes have ended ("" while none has): once a wait has
+    lasted a period, it is asked each period, and a rank gone on two samples in a row of the same wait
+    ends the job (exit status 1): the call can never complete, and waiting for the timeout would only
+    hide why (issue 39). The second sample spares a call that was about to end anyway."""
+
+    def __init__(
+        self,
+        timeout: float,
+        stall: float = 0.0,
+        where: Callable[[], str] | None = None,
+        gone: Callable[[], str] | None = None,
+    ) -> None:
         self.timeout = timeout
         self.stall = stall
         self.on = timeout > 0 or stall > 0
         self.period = min([1.0] + [max(0.05, t / 10) for t in (timeout, stall) if t > 0])
         self._where = where
+        self._gone = gone
+        self._gone_in: dict[int, tuple[Any, ...]] = {}  # thread id -> the wait in which a rank was first seen gone
         self.active: dict[int, tuple[Any, ...]] = {}  # thread id -> (name,) or (call, phase)
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -410,6 +443,24 @@ class Watchdog:
             f"Aborting the job. Where this rank waited:\n{stack}",
             TIMEOUT_EXIT_CODE,
         )
+
+    def _peer_gone(self, thread_id: int, what: tuple[Any, ...], waited: float) -> None:
+        """End the job if a rank this one waits for has ended (``gone``) on two samples of this wait; never raises."""
+        try:
+            who = self._gone() if self._gone is not None else ""
+        except Exception:  # the check must never end the watchdog
+            return
+        if not who:
+            self._gone_in.pop(thread_id, None)
+        elif self._gone_in.get(thread_id) is not what:
+            self._gone_in[thread_id] = what  # the next sample decides: a call about to end has ended by then
+        else:
+            abort_job(
+                f"RankGone: {who} ended while this rank waits in {_label(what)} (for {waited:.1f} s): a rank "
+                "left the job without MPI_Finalize (os._exit, a signal, a crash), so the call can never "
+                "complete. Aborting the job.",
+                1,
+            )
 
     def _stalled(self, what: tuple[Any, ...], waited: float) -> None:
         """One line: the call this rank waits in, and which ranks have not reached it."""
@@ -435,6 +486,7 @@ class Watchdog:
             active = self.active.copy()
             for thread_id in [t for t in seen if t not in active]:
                 del seen[thread_id]
+                self._gone_in.pop(thread_id, None)
             for thread_id, what in active.items():
                 entry = seen.get(thread_id)
                 if entry is None or entry[0] is not what:
@@ -443,6 +495,8 @@ class Watchdog:
                 waited = now - entry[1]
                 if 0 < self.timeout < waited:
                     self._expired(what, thread_id, waited)
+                if self._gone is not None:
+                    self._peer_gone(thread_id, what, waited)
                 if 0 < self.stall < waited and not entry[2]:
                     seen[thread_id] = (what, entry[1], True)
                     self._stalled(what, waited)

@@ -38,6 +38,7 @@ from mpigpu.job.creation import exclusive
 from mpigpu.job.detect import CudaAwareness, NcclInfo, detect_cuda_awareness, detect_nccl
 from mpigpu.job.device import GpuInfo, map_device
 from mpigpu.job.failsafe import Watchdog, install_default_handler
+from mpigpu.job.peers import NodePeers, node_peers
 from mpigpu.job.timeline_start import start_timeline
 from mpigpu.job.topology import Layout, build_layout
 from mpigpu.runtime.tuning import load_tuning
@@ -69,7 +70,8 @@ class Context:
         self.size = comm.Get_size()  # also the size of its duplicate, self.comm
         # an invalid variable (settings None) fails start-up on every rank, watched with the defaults
         timeout, stall = (settings.timeout, settings.stall) if settings else (DEFAULT_TIMEOUT_S, DEFAULT_STALL_S)
-        self.watchdog = Watchdog(timeout, stall, self._where)
+        self.watchdog = Watchdog(timeout, stall, self._where, self._gone)
+        self.peers: NodePeers | None = None  # this communicator's ranks on this node, watched while waiting
         self.comm: Any = None
         self.layout: Layout | None = None
         self._closed = False
@@ -95,6 +97,7 @@ class Context:
         start_timeline(comm, self.settings)  # MPIGPU_TIMELINE (agreed): collective where set, else nothing
         self.mpi_lib: LibraryInfo = library_info()
         self.layout: Layout = build_layout(comm, self.settings.node_size)
+        self.peers = node_peers(comm, self.layout.phys_comm)
         # The cross-rank check through node-shared memory when every rank is on one (unsplit) node;
         # otherwise (None) through MPI. Every later check on self.comm finds it (check_board.board_for).
         if self.settings.check:  # agreed on every rank: open_board is collective
@@ -228,6 +231,14 @@ class Context:
         of its queued tasks belongs to the call that queued it, which held the communicator then."""
         worker = self.async_worker
         return worker is not None and worker.runs_here()
+
+    def _gone(self) -> str:
+        """The ranks of this communicator on this node whose processes have ended ("" while none has;
+        read by the watchdog's thread while a call waits)."""
+        peers = self.peers
+        if peers is None:
+            return ""
+        return ", ".join(f"rank {rank} (pid {pid}, this node)" for rank, pid in peers.gone())
 
     def _where(self) -> str:
         """Which call this rank waits in and which ranks have not reached it (read by the watchdog's

@@ -127,7 +127,7 @@ def _sparse_gradient(r: int) -> torch.Tensor:
     """Rank r's gradient of a 6 x 2 table: rows r % 6 and 5 hold r + 1 and 2."""
     rows = torch.tensor([[r % 6, 5]])
     values = torch.tensor([[r + 1.0, r + 1.0], [2.0, 2.0]], dtype=torch.float64)
-    return torch.sparse_coo_tensor(rows, values, (6, 2))
+    return torch.sparse_coo_tensor(rows, values, (6, 2), check_invariants=True)
 
 
 def test_sparse_allreduce_async_averages_and_sums() -> None:

@@ -343,6 +343,87 @@ def test_timeout_covers_start_up(victim: Path) -> None:
     ended_with(result, elapsed, "CollectiveTimeout: mpigpu start-up", "MPIGPU_TIMEOUT=2 s", limit=20)
 
 
+# The watchdog times out a watched wait that then ends after all, and the program ends normally at once:
+# the abort (printed, then MPI_Abort after a pause for the launcher to forward the message) is under way.
+LATE_END = """
+import sys, time
+from mpi4py import MPI
+from mpigpu.job.failsafe import Watchdog
+MPI.COMM_WORLD.Barrier()
+with Watchdog(timeout=0.1).watch("a watched wait"):
+    time.sleep(0.3)  # the watchdog fires at 0.1-0.2 s; its MPI_Abort follows 0.2 s later
+"""
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_timeout_that_printed_aborting_ends_the_job_non_zero(tmp_path: Path, n: int) -> None:
+    """Issue 39: MPIGPU_TIMEOUT=0.001 printed "Aborting the job" and the job exited 0: the main thread's
+    normal end won the race against the watchdog's MPI_Abort. The abort under way now ends the job."""
+    script = tmp_path / "late_end.py"
+    script.write_text(LATE_END)
+    for _ in range(2):
+        result, elapsed = timed(n, [str(script)])
+        ended_with(result, elapsed, "CollectiveTimeout: a watched wait did not complete", "Aborting the job")
+        assert result.returncode == 124, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_mpigpu_timeout_far_below_a_calls_time_never_exits_0_after_aborting(n: int) -> None:
+    """The issue's own command: whether or not the watchdog catches a call at 0.001 s, a job that says it
+    aborts ends with status 124, and one that does not passes."""
+    result, elapsed = timed(n, ["-m", "mpigpu.average", "--size", "1K"], env={"MPIGPU_TIMEOUT": "0.001"})
+    output = result.stdout + result.stderr
+    assert elapsed < LAUNCH_LIMIT_S
+    if "Aborting the job" in output:
+        assert result.returncode == 124, output
+    else:
+        assert result.returncode == 0 and "# PASS" in result.stdout, output
+
+
+# -- a rank gone between calls -------------------------------------------------------------------------
+GONE = """
+import os, sys
+import numpy as np
+import mpigpu
+from mpi4py import MPI
+rank = MPI.COMM_WORLD.Get_rank()
+x = np.ones(8, np.float32)
+mpigpu.allreduce(x, "sum")
+if rank == 1:
+    os._exit(0)  # no exception, no exit hook, no MPI_Finalize: gone
+mpigpu.allreduce(x, "sum")
+print(f"rank {rank} done", flush=True)
+"""
+
+
+def _hydra() -> bool:
+    from conftest import mpiexec
+
+    done = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True, timeout=30, check=False)
+    return "HYDRA" in done.stdout
+
+
+def test_a_rank_gone_between_calls_is_reported_by_its_node_mates(tmp_path: Path) -> None:
+    """Issue 39. Where the launcher lets the others run on (hydra's -disable-auto-cleanup here; by default
+    hydra kills them at once, see docs/troubleshooting.md), the rank waiting for the one gone says so within
+    seconds, rather than waiting for MPIGPU_TIMEOUT (30 s here) with a message that does not say why."""
+    if not _hydra():
+        pytest.skip("needs MPICH's hydra mpiexec (-disable-auto-cleanup): the mpich wheel's launcher")
+    from conftest import mpiexec
+
+    script = tmp_path / "gone.py"
+    script.write_text(GONE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_"))}
+    env.update({"MPIGPU_TIMEOUT": "30", "PYTHONUNBUFFERED": "1"})
+    command = [mpiexec(), "-disable-auto-cleanup", "-n", "2", sys.executable, str(script)]
+    start = time.monotonic()
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=LAUNCH_LIMIT_S, env=env, cwd=ROOT, check=False
+    )
+    ended_with(result, time.monotonic() - start, "RankGone: rank 1 (pid", "ended while this rank waits in allreduce")
+    assert result.returncode == 1 and "rank 0 done" not in result.stdout, result.stdout + result.stderr
+
+
 # -- the stall report ----------------------------------------------------------------------------------
 # Rank 1 skips the second of three calls (or makes a fourth), then stays alive: the others wait.
 STALLER = """

@@ -193,6 +193,10 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
         gathered_indices, gathered_values = synchronize(handle)
         if op_ is Average:
             gathered_values = gathered_values / size
-        return torch.sparse_coo_tensor(gathered_indices.transpose(0, 1), gathered_values, tensor.shape)
+        # every rank's indices were those of a valid tensor of this shape: checking them again would cost a
+        # pass over them; saying so also keeps torch from warning that the checks are off by default
+        return torch.sparse_coo_tensor(
+            gathered_indices.transpose(0, 1), gathered_values, tensor.shape, check_invariants=False
+        )
 
     return wait

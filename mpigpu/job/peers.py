@@ -1,0 +1,56 @@
+"""The processes of a communicator's ranks on this node, and which of them have ended.
+
+A rank that leaves the job without MPI (``os._exit``, a signal, a crash the launcher does not act
+on) leaves the others waiting in their next collective until ``MPIGPU_TIMEOUT``, with a message that
+does not say why. A rank can see that a rank of its own node is gone: its process no longer exists.
+Every rank sends its node-mates its process id and start time (collective, at start-up); a peer is
+watched only if this process sees that very process (same id and start time: not in another PID
+namespace, and /proc is there), so a peer never seen cannot be reported gone. Ranks on other nodes
+cannot be seen from here. Linux only (/proc); elsewhere nobody is watched.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from mpigpu.core.typed import allgather_ints
+
+__all__ = ["NodePeers", "node_peers"]
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot, /proc/PID/stat field 22), or None if it has
+    ended (gone, or a zombie: dead, its status not yet collected) or cannot be seen."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            text = stat.read()
+    except OSError:
+        return None
+    fields = text[text.rfind(b")") + 2 :].split()  # after "pid (command)", which may hold spaces
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+class NodePeers:
+    """The ranks of a communicator on this node that this process can watch: rank -> (pid, start time)."""
+
+    def __init__(self, peers: dict[int, tuple[int, int]]) -> None:
+        self.peers = peers
+
+    def gone(self) -> list[tuple[int, int]]:
+        """(rank, pid) of each watched peer whose process has ended."""
+        return [(rank, pid) for rank, (pid, start) in self.peers.items() if _start_time(pid) != start]
+
+
+def node_peers(comm: Any, node_comm: Any) -> NodePeers:
+    """Exchange (rank in ``comm``, pid, start time) over ``node_comm`` (the ranks of ``comm`` on this
+    node; collective) and keep the peers this process sees as they are now."""
+    pid = os.getpid()
+    mine = _start_time(pid)
+    rows = allgather_ints(node_comm, [comm.Get_rank(), pid, -1 if mine is None else mine])
+    peers = {
+        rank: (peer, start) for rank, peer, start in rows if peer != pid and start >= 0 and _start_time(peer) == start
+    }
+    return NodePeers(peers if mine is not None else {})
