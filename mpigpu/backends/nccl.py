@@ -232,29 +232,23 @@ class NcclBackend(Backend):
     def alltoall(
         self, x: ArrayView, out: ArrayView, send_rows: list[int], recv_rows: list[int], stream: StreamRef | None
     ) -> None:
-        """ncclSend/ncclRecv to and from every other rank in one NCCL group, this rank's own rows by a
-        device copy, all on the caller's stream."""
+        """ncclSend/ncclRecv to and from every rank, this one included (NCCL copies a rank's own rows
+        inside the same launch), in one NCCL group on the caller's stream."""
         from cupy.cuda import nccl
 
-        from mpigpu.core._cuda import cupy
-
-        handle, me = 0 if stream is None else stream.handle, self.ctx.rank
+        handle = 0 if stream is None else stream.handle
         size = row_bytes(x.shape, x.dtype.itemsize)
         (send_counts, send_at), (recv_counts, recv_at) = byte_counts(send_rows, size), byte_counts(recv_rows, size)
-        if send_counts[me]:
-            rt = cupy().cuda.runtime
-            rt.memcpyAsync(out.ptr + recv_at[me], x.ptr + send_at[me], send_counts[me], rt.memcpyDeviceToDevice, handle)
+        comm, xp, op = self._comm, x.ptr, out.ptr
         nccl.groupStart()
         try:
             for peer in range(len(send_rows)):
-                if peer == me:
-                    continue
                 for offset in range(0, send_counts[peer], _BROADCAST_PIECE):  # C int counts: 1 GiB pieces
                     piece = min(_BROADCAST_PIECE, send_counts[peer] - offset)
-                    self._comm.send(x.ptr + send_at[peer] + offset, piece, _NCCL_UINT8, peer, handle)
+                    comm.send(xp + send_at[peer] + offset, piece, _NCCL_UINT8, peer, handle)
                 for offset in range(0, recv_counts[peer], _BROADCAST_PIECE):
                     piece = min(_BROADCAST_PIECE, recv_counts[peer] - offset)
-                    self._comm.recv(out.ptr + recv_at[peer] + offset, piece, _NCCL_UINT8, peer, handle)
+                    comm.recv(op + recv_at[peer] + offset, piece, _NCCL_UINT8, peer, handle)
         finally:
             nccl.groupEnd()
 
