@@ -25,9 +25,10 @@
 #   usercall   issue 14's table under Open MPI: allreduce(t) and the persistent request req() (auto, nccl, ipc)
 #              beside torch.distributed (NCCL) and raw NCCL, float32 sum in place, 8 B..1 GiB, torch tensors;
 #              JSON and plot in $OUT; then scripts/call_cost.py --framework torch at 8 B and 64 KiB (~3 min)
-#   collectives  issue 16 (not in the default list: name it): mpigpu.broadcast(t, root=0) and mpigpu.allgather(t)
-#              for auto, nccl, host (ipc does not implement them) beside raw NCCL and torch.distributed (NCCL),
-#              float32, 8 B..256 MiB, torch tensors, under Open MPI; JSON and plot per collective in $OUT (~2 x 2 min)
+#   collectives  issues 16 and 36 (not in the default list: name it): mpigpu.reduce_scatter(t, "sum", out=o),
+#              mpigpu.alltoall(t), mpigpu.broadcast(t, root=0) and mpigpu.allgather(t) for auto, nccl, host beside raw
+#              NCCL and torch.distributed's own calls (NCCL) on tensors made once, float32, 16 B..256 MiB, paths
+#              interleaved round by round, under Open MPI; JSON per collective in $OUT (~4 x 70 s; COLL_TIME=4 s a size)
 #   retest     RETEST="pytest paths" under both MPIs (a quick re-check after a fix; RETEST_LIMIT seconds each)
 #   soak       thousands of random verified calls on GPU arrays; the cost of the argument check at 8 B
 #   train      scripts/training-figures.sh: bench_training for the MLP (+ fusion), ResNet-50, GPT-2 beside DDP
@@ -242,14 +243,15 @@ stage_usercall() {
   step "call-cost-torch" 60 0 "MPIGPU_TUNE_FILE=$tune $OMPI -n $NGPU $PY scripts/call_cost.py --framework torch --sizes 8,65536 --json $OUT/call-cost-torch-$tag-$date.json"
 }
 
-stage_collectives() {  # issue 16: broadcast and allgather beside raw NCCL and torch.distributed (NCCL)
+stage_collectives() {  # issues 16 and 36: the four collectives beside raw NCCL and torch.distributed (NCCL), the
+  # calls as a torch user writes them (tensors made once; allreduce's row is the usercall stage)
   local tag="${GPU_TAG}x$NGPU" date tune="$OUT/tune-collectives.json" c
   date=$(date -u +%F)
   # auto follows the table the bench stage measured, else this machine's committed one (as in usercall)
   if [ -f "$OUT/tune.json" ]; then cp "$OUT/tune.json" "$tune"
   elif [ -f "bench/results/tune-$tag-ompi.json" ]; then cp "bench/results/tune-$tag-ompi.json" "$tune"; fi
-  for c in broadcast allgather; do
-    step "$c-ompi" 120 0 "MPIGPU_TUNE_FILE=$tune $OMPI -n $NGPU $PY -m mpigpu.bench --collective $c --placement gpu --dtypes float32 --sizes 8,64K,1M,16M,256M --backends auto,nccl,host,ipc,nccl-raw,torch-nccl --calls user --framework torch --time-limit 6 --json $OUT/$tag-$c-ompi-$date.json --plot $OUT/$tag-$c-ompi-$date.png"
+  for c in reduce_scatter alltoall broadcast allgather; do
+    step "$c-ompi" 100 0 "MPIGPU_TUNE_FILE=$tune $OMPI -n $NGPU $PY -m mpigpu.bench --collective $c --placement gpu --dtypes float32 --sizes 16,4K,64K,1M,16M,256M --backends auto,nccl,host,nccl-raw,torch-nccl --calls user --framework torch --time-limit ${COLL_TIME:-4} --json $OUT/$tag-$c-ompi-$date.json"
   done
 }
 

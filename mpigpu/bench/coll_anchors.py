@@ -219,6 +219,7 @@ class _TorchMoves(_Moves):
     _group: Any
     _key: Any
     _tensors: tuple[Any, Any]
+    _typed: tuple[Any, Any]
 
     def byte_tensors(self, x: ArrayView, out: ArrayView) -> tuple[Any, Any]:
         key = (x.ptr, out.ptr, x.nbytes, out.nbytes)
@@ -239,12 +240,21 @@ class _TorchMoves(_Moves):
         xt, outt = self.byte_tensors(x, out)
         dist.all_gather_into_tensor(outt, xt, group=self._group)
 
+    def typed_tensors(self, x: ArrayView, out: ArrayView) -> tuple[Any, Any]:
+        """Tensors of the views' dtype (a sum, not bytes), made once per pair of buffers as a torch user
+        makes them, not per call."""
+        from mpigpu.bench.anchors import torch_tensor
+
+        key = ("typed", x.ptr, out.ptr, x.nbytes, out.nbytes, x.dtype.name)
+        if key != getattr(self, "_typed_key", None):
+            self._typed = (torch_tensor(x), torch_tensor(out))
+            self._typed_key = key
+        return self._typed
+
     def reduce_scatter(self, x: ArrayView, out: ArrayView, shares: list[int]) -> None:
         import torch.distributed as dist
 
-        from mpigpu.bench.anchors import torch_tensor
-
-        xt, outt = torch_tensor(x), torch_tensor(out)  # typed: a sum, not bytes
+        xt, outt = self.typed_tensors(x, out)
         if len(set(shares)) == 1:
             dist.reduce_scatter_tensor(outt, xt, group=self._group)
         else:
@@ -254,6 +264,9 @@ class _TorchMoves(_Moves):
         import torch.distributed as dist
 
         xt, outt = self.byte_tensors(x, out)
+        if len(set(splits)) == 1:  # an even split: no sizes, as a torch user calls it
+            dist.all_to_all_single(outt, xt, group=self._group)
+            return
         item, share = x.dtype.itemsize, splits[self.ctx.rank]
         sizes = [c * item for c in splits]
         dist.all_to_all_single(outt, xt, [share * item] * len(splits), sizes, group=self._group)

@@ -3,8 +3,10 @@ from allreduce.
 
 What is timed: the user's call, ``mpigpu.broadcast(x, root=0[, backend=name])`` (in place),
 ``y = mpigpu.allgather(x[, backend=name])`` (a new array, ``n x`` the input),
-``y = mpigpu.reduce_scatter(x, "sum"[, backend=name])`` (this rank's share of the sum, split as
-``mpigpu.calls.reduce.scatter_rows(count, n)``) or ``y = mpigpu.alltoall(x, splits[, backend=name])``
+``mpigpu.reduce_scatter(x, "sum", out=y[, backend=name])`` (into ``y``, made once, as a torch user's
+output: this rank's share of the sum, split as ``mpigpu.calls.reduce.scatter_rows(count, n)``) or
+``y = mpigpu.alltoall(x, splits[, backend=name])`` (splits None where they are even, as torch's
+all_to_all_single is called without sizes)
 (``splits = scatter_rows(count, n)``: rank r receives its share of every rank's input), beside the
 anchors of ``mpigpu.bench.coll_anchors``. Sizes are the per-rank input.
 
@@ -369,11 +371,15 @@ def bind_collective(
     if work.collective == "broadcast":
         work.result = x
         return Bound(partial(mpigpu.broadcast, x, ROOT, **kwargs), _nothing, choice.backend, choice.reason)
-    call = {
-        "allgather": partial(mpigpu.allgather, x, **kwargs),
-        "reduce_scatter": partial(mpigpu.reduce_scatter, x, "sum", **kwargs),
-        "alltoall": partial(mpigpu.alltoall, x, work.splits, **kwargs),
-    }[work.collective]
+    if work.collective == "reduce_scatter":  # as a torch user writes it: into an output made once
+        out = user_arrays(work, framework)[1]
+        call = partial(mpigpu.reduce_scatter, x, "sum", out=out, **kwargs)
+    else:
+        splits = None if len(set(work.splits)) == 1 else work.splits  # an even split: none given, as torch's
+        call = {
+            "allgather": partial(mpigpu.allgather, x, **kwargs),
+            "alltoall": partial(mpigpu.alltoall, x, splits, **kwargs),
+        }[work.collective]
     return Bound(partial(_store, work, call), _nothing, choice.backend, choice.reason)
 
 

@@ -65,3 +65,21 @@ def test_the_anchor_uses_a_process_group_already_initialised_and_leaves_it(comm)
         assert dist.is_initialized(), "a process group the program made is left to the program"
     finally:
         dist.destroy_process_group()
+
+
+def test_the_torch_reduce_scatter_anchor_makes_its_tensors_once() -> None:
+    """Issue 36: the anchor times torch's own call on tensors made once, as a torch user makes them,
+    not a conversion per call; new buffers get new tensors."""
+    pytest.importorskip("torch")
+    import numpy as np
+
+    from mpigpu.bench.coll_anchors import TorchGlooMoves
+    from mpigpu.core.arrays import as_view
+
+    anchor = object.__new__(TorchGlooMoves)  # no process group needed to make tensors
+    x, out = as_view(np.arange(8, dtype=np.float32)), as_view(np.zeros(4, np.float32))
+    first = anchor.typed_tensors(x, out)
+    assert anchor.typed_tensors(x, out) is first
+    assert str(first[0].dtype) == "torch.float32" and first[0].data_ptr() == x.ptr
+    other = as_view(np.zeros(4, np.float32))
+    assert anchor.typed_tensors(x, other)[1].data_ptr() == other.ptr
