@@ -253,13 +253,25 @@ def test_unhashable_and_unknown_arguments_are_refused_on_every_rank(comm) -> Non
         assert np.all(x == comm.Get_size())
 
 
-def test_other_array_types_are_validated_each_call_and_still_reuse_their_record(comm) -> None:
+def test_torch_cpu_tensors_have_keys_and_share_one_record(comm) -> None:
+    """A torch CPU tensor's call is keyed (pointer, shape, dtype, device -1, contiguity) and its
+    record's launch is lent the tensor's NumPy view: exact results, bfloat16 included, one record
+    for every tensor of these values."""
     torch = pytest.importorskip("torch")
     n, rank = comm.Get_size(), comm.Get_rank()
     with fresh_context(comm) as ctx:
-        for _ in range(3):
-            t = torch.full((2, 2), float(rank), dtype=torch.float32)  # a new CPU tensor each call
-            assert call_key(t, "sum", None, "auto") is None
+        kept = torch.zeros(2, 2)
+        for step in range(3):
+            t = torch.full((2, 2), float(rank + step), dtype=torch.float32)  # a new CPU tensor each call
+            assert call_key(t, "sum", None, "auto") is not None
             assert mpigpu.allreduce(t, "sum", comm=ctx.comm) is t
-            assert bool((t == n * (n - 1) / 2).all())
-        assert len(_records(ctx)) == 1, "found by its values: one record"
+            assert bool((t == n * step + n * (n - 1) / 2).all())
+            kept.fill_(rank + step)  # the same tensor, new contents: its record, lent its view
+            assert mpigpu.allreduce(kept, "sum", comm=ctx.comm) is kept
+            assert bool((kept == n * step + n * (n - 1) / 2).all())
+        assert len({id(r) for r in _records(ctx)}) == 1, "found by its values: one record"
+        b = torch.full((3,), float(rank + 1), dtype=torch.bfloat16)
+        for _ in range(2):
+            b.fill_(rank + 1)
+            mpigpu.allreduce(b, "sum", comm=ctx.comm)
+            assert bool((b.float() == n * (n + 1) / 2).all())

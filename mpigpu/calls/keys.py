@@ -9,8 +9,8 @@ What the key reads, per array type (other types, and JAX arrays, take the full p
 
 - NumPy: shape, dtype and flags (layout, writability). No pointer: a host call's record depends on
   none, and its launch is lent this call's arrays.
-- PyTorch CUDA tensors and CuPy arrays: pointer, shape, dtype, device and contiguity: a new array at
-  the same address with the same signature is the same call, anything else is a new one.
+- PyTorch tensors (CPU and CUDA) and CuPy arrays: pointer, shape, dtype, device and contiguity: a new
+  array at the same address with the same signature is the same call, anything else is a new one.
 - ``out``: the same, plus, for two NumPy arrays, that they share no memory (else the full path).
 
 A record holds no reference to the caller's arrays: its views carry no array object, host arrays
@@ -47,10 +47,8 @@ def _numpy(x: np.ndarray) -> tuple[Any, ...]:
 
 
 def _torch(x: Any) -> tuple[Any, ...] | None:
-    device = x.get_device()  # -1 on the CPU
-    if device < 0:
-        return None  # CPU tensors: the full path (their view is a NumPy array made per call)
-    return (x.data_ptr(), x.shape, x.dtype, device, x.is_contiguous())
+    # device -1 on the CPU: the record's launch is lent this call's NumPy view (pipeline.host_of)
+    return (x.data_ptr(), x.shape, x.dtype, x.get_device(), x.is_contiguous())
 
 
 def _cupy(x: Any) -> tuple[Any, ...]:

@@ -54,6 +54,7 @@ __all__ = [
     "detach",
     "find",
     "finished",
+    "host_of",
     "log_choice",
     "new_array",
     "signature",
@@ -356,6 +357,14 @@ def finished(ctx: Context, result: Any, finish: Any, stream: StreamRef | None) -
 
         core_stream(stream.handle).sync()
     return finish(result)
+
+
+def host_of(view: ArrayView, array: Any) -> Any:
+    """This call's NumPy array for a record's host ``view``: a NumPy array itself (a Fortran-order one
+    as its transpose, C order), or another host array's (a torch CPU tensor's) zero-copy view."""
+    if type(array) is np.ndarray:
+        return array if view.order == "C" else array.T
+    return as_view(array, name="x").host
 
 
 def copy_bytes(dst: ArrayView, src: ArrayView, stream: StreamRef | None) -> None:

@@ -27,6 +27,7 @@ from mpigpu.calls.pipeline import (
     copy_bytes,
     detach,
     finished,
+    host_of,
     log_choice,
     new_array,
     signature,
@@ -108,8 +109,8 @@ class _Allreduce(Family):
         if live is None:  # a remembered call: this call's own host arrays (the key holds their layout)
             x, _, out, _ = args
             if rx.device is None:
-                x_host = x if rx.order == "C" else x.T
-                out_host = x_host if out is None or out is x else (out if record.out.order == "C" else out.T)
+                x_host = host_of(rx, x)
+                out_host = x_host if out is None or out is x else host_of(record.out, out)
             else:
                 x_host = out_host = None
             (record.launch or bound(record))(stream, x_host, out_host)
@@ -343,11 +344,11 @@ def rows_view(x: Any, backend: Any, name: str) -> ArrayView:
 
 
 def lent(view: ArrayView, array: Any) -> ArrayView:
-    """A record's detached host ``view`` over this call's NumPy ``array`` (C order: a Fortran array's
-    transpose); GPU views as they are (their pointer is in the key)."""
+    """A record's detached host ``view`` over this call's host ``array`` (``host_of``); GPU views as
+    they are (their pointer is in the key)."""
     if view.device is not None:
         return view
-    return view.with_host(array if view.order == "C" else array.T)
+    return view.with_host(host_of(view, array))
 
 
 class _ReduceScatter(Family):

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,7 +33,7 @@ from mpigpu.horovod._state import ProcessSet
 from mpigpu.horovod.torch._join import take_part_in_exchange
 from mpigpu.runtime.context import Context, announce_rejection
 
-__all__ = ["Failed", "Group", "barrier", "claim", "poll", "queue", "register", "rejecting", "synchronize"]
+__all__ = ["Failed", "Group", "at_once", "barrier", "claim", "poll", "queue", "register", "rejecting", "synchronize"]
 
 
 @dataclass
@@ -164,27 +166,49 @@ def rejecting(process_set: ProcessSet, what: str, exchange: bool = True) -> Iter
         raise
 
 
+_now = threading.local()  # .on: the call being made is waited for at once (``at_once``)
+
+
+@contextlib.contextmanager
+def at_once() -> Iterator[None]:
+    """The synchronous forms (``hvd.allreduce``, ``allreduce_``): their call is waited for as soon as it
+    is made, so where nothing is queued on its communicator it runs on this thread now, in the
+    program's order, instead of being handed to the background thread and waited for there."""
+    _now.on = True
+    try:
+        yield
+    finally:
+        _now.on = False
+
+
 def queue(comm: Any, what: str, call: Callable[[], Any], tensors: Sequence[torch.Tensor]) -> Handle:
     """Run ``call()`` (mpigpu collectives on ``comm``) on the communicator's background thread, after the
     calls queued before it. CUDA tensors are read as they stand on the caller's stream now, and the
-    result is complete on the GPU when the handle is done."""
+    result is complete on the GPU when the handle is done. Inside ``at_once`` with nothing queued, it
+    runs here and now (on the caller's stream: complete in its order)."""
+
+    def run(task: Callable[[], Any]) -> Any:
+        try:
+            return task()
+        except (MismatchError, InvalidArgument, DeviceError, HorovodInternalError) as exc:  # on every rank
+            return Failed(exc)
+
+    if getattr(_now, "on", False):
+        worker = Context.get(comm).async_worker
+        if worker is None or worker.idle:
+            return Handle("queued", result=run(call))
     device = next((t.device for t in tensors if t.is_cuda), None)
     ready = None
     if device is not None:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(device))
 
-    def task() -> Any:
-        try:
-            if device is None:
-                return call()
-            with torch.cuda.device(device):
-                stream = torch.cuda.current_stream(device)
-                stream.wait_event(ready)
-                result = call()
-                stream.synchronize()
-                return result
-        except (MismatchError, InvalidArgument, DeviceError, HorovodInternalError) as exc:  # on every rank
-            return Failed(exc)
+    def on_stream() -> Any:
+        with torch.cuda.device(device):
+            stream = torch.cuda.current_stream(device)
+            stream.wait_event(ready)
+            result = call()
+            stream.synchronize()
+            return result
 
-    return run_queued(task, comm=comm, what=what)
+    return run_queued(partial(run, call if device is None else on_stream), comm=comm, what=what)

@@ -16,7 +16,7 @@ import torch
 import mpigpu
 from mpigpu.horovod._errors import unsupported
 from mpigpu.horovod._state import ProcessSet, comm_of, global_process_set
-from mpigpu.horovod.torch._handles import claim, queue, register, rejecting, synchronize
+from mpigpu.horovod.torch._handles import at_once, claim, queue, register, rejecting, synchronize
 from mpigpu.horovod.torch._join import ALLREDUCE, joined_check
 
 __all__ = [
@@ -179,7 +179,9 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
     """Reduce ``tensor`` in place and return it (not differentiable, as in Horovod)."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    with at_once():  # waited for at once: nothing queued, it runs here
+        handle = allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    return synchronize(handle)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
@@ -197,7 +199,9 @@ class _Allreduce(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, process_set: ProcessSet,
                 name: str | None) -> torch.Tensor:  # fmt: skip
         ctx.args = (op, pre, post, process_set, name)
-        return synchronize(allreduce_async(tensor, None, name, op, pre, post, process_set))
+        with at_once():  # waited for at once: nothing queued, it runs here
+            handle = allreduce_async(tensor, None, name, op, pre, post, process_set)
+        return synchronize(handle)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
