@@ -15,15 +15,15 @@ Rows:
   allreduce, validated the same call with its record forgotten before each call (ctx.plan_cache
                        cleared): the first call with these arguments (validation, check, binding, backend)
   async+wait           allreduce_async(x).wait()
-  prepared run         api.run(p) with p = api.prepare(...) made once (no validation, no check)
+  prepared run         reduce.run(p) with p = reduce.prepare(...) made once (no validation, no check)
   request start+wait   req.start(); req.wait() with req = allreduce_init(x) made once
   request()            req(): start and wait in one
-  check alone          the cross-rank signature check (api.check_call) of a prepared call, collective: through
+  check alone          the cross-rank signature check (calls.pipeline.check) of a prepared call, collective: through
                        node-shared memory where every rank is on one node (the check board), else MPI
   check via MPI        the same signature through MPI_Allreduce (a communicator without a board), for comparison
   backend alone        the chosen backend's allreduce(x, out, op, stream), collective
   call key + lookup    what a repeated call reads of its arguments, and the lookup of its record
-  validate             api.validate: everything local in a first call (the next rows are its parts)
+  validate             the allreduce family's validate: everything local in a first call (the next rows are its parts)
   parse_op, as_view, Context.get, choose_cached, resolve_stream
 """
 
@@ -40,9 +40,10 @@ from typing import Any
 import numpy as np
 
 import mpigpu
-from mpigpu import api
 from mpigpu.backends import backend_code
+from mpigpu.calls import reduce
 from mpigpu.calls.keys import call_key
+from mpigpu.calls.pipeline import check
 from mpigpu.cli import require_gpu
 from mpigpu.core._cuda import resolve_stream
 from mpigpu.core._mpi import MPI, world
@@ -108,7 +109,7 @@ def profile(framework: str, nbytes: int, dtype: str, backend: str, iters: int, w
     comm = world()
     x, sync = _array(framework, nbytes, dtype, comm.Get_rank())
     ctx = Context.get()
-    prepared = api.prepare(x, "sum", backend=backend)
+    prepared = reduce.prepare(x, "sum", backend=backend)
     req = mpigpu.allreduce_init(x, "sum", backend=backend)
     view, op = prepared.x, prepared.op
     engine = ctx.backend(prepared.choice.backend)
@@ -129,10 +130,10 @@ def profile(framework: str, nbytes: int, dtype: str, backend: str, iters: int, w
         "allreduce": lambda: mpigpu.allreduce(x, "sum", backend=backend),
         "allreduce, validated": validated,
         "async+wait": lambda: mpigpu.allreduce_async(x, "sum", backend=backend).wait(),
-        "prepared run": lambda: api.run(prepared),
+        "prepared run": lambda: reduce.run(prepared),
         "request start+wait": start_wait,
         "request()": req,
-        "check alone": lambda: api.check_call(prepared),
+        "check alone": lambda: check(ctx, prepared.record),
         "check via MPI": lambda: check_signature(plain, signature),
         "backend alone": lambda: engine.allreduce(view, prepared.out, op, prepared.stream),
     }
@@ -141,7 +142,7 @@ def profile(framework: str, nbytes: int, dtype: str, backend: str, iters: int, w
     mpigpu.allreduce(x, "sum", backend=backend)  # its record, as the repeated call finds it
     local = {
         "call key + lookup": lambda: ctx.plan_cache.get(call_key(x, "sum", None, backend)),
-        "validate": lambda: api.validate(ctx, x, "sum", None, backend, None),
+        "validate": lambda: reduce.ALLREDUCE.validate(ctx, x, "sum", None, backend),
         "parse_op": lambda: parse_op("sum"),
         "as_view": lambda: as_view(x),
         "Context.get": Context.get,
