@@ -389,6 +389,10 @@ def build_parser() -> Parser:
     step.add_argument("--tolerance", type=float, default=1e-5,
                       help="largest |p - p_DDP| allowed over max |p| (default 1e-5, the DDP test's); a larger "
                       "difference passes if DDP trained twice differs from itself at least as much")  # fmt: skip
+    step.add_argument("--param-check", choices=("gate", "report"), default="gate",
+                      help="gate (default): parameters outside the tolerance and DDP's run-to-run noise fail the "
+                      "run; report: they are reported, not failed (a timing run with non-deterministic "
+                      "kernels, whose check is a --deterministic run of the same model)")  # fmt: skip
     step.add_argument("--deterministic", action="store_true",
                       help="torch.use_deterministic_algorithms(True, warn_only=True) and "
                       "CUBLAS_WORKSPACE_CONFIG=:4096:8: DDP's run-to-run noise is 0 where torch can")  # fmt: skip
@@ -535,6 +539,11 @@ def run(args: argparse.Namespace) -> int:
     if args.accuracy:
         results["accuracy"] = measure_accuracy(args, ctx)
     failed = [r["model"] for r in results.get("training", []) if not all(r["verified"].values())]
+    if failed and args.param_check == "report" and ctx.rank == 0:
+        print(f"# parameters differ from DDP's beyond its run-to-run noise for {', '.join(failed)}: reported, "
+              "not failed (--param-check report: a --deterministic run of the same model is the check)")  # fmt: skip
+    if args.param_check == "report":
+        failed = []
     if ctx.rank == 0:
         _print_report(results)
         if failed:
