@@ -145,7 +145,10 @@ class _Allgather(Family):
     def execute(self, record: Record, args: tuple[Any, ...], stream: StreamRef | None, ranks: Any, live: Any) -> Any:
         ctx, x = record.ctx, args[0]
         xv = lent(record.x, x) if live is None else live
-        rows = ranks if ranks is not None else _gather_rows(ctx, xv.shape[0])
+        if ranks is not None:
+            rows = ranks
+        else:  # the check was off (or one rank): every rank's first dimension, by one MPI_Allgather
+            rows = [xv.shape[0]] if ctx.size == 1 else _gather_rows(ctx, xv.shape[0])
         result, out, finish = new_array(xv, (sum(rows), *xv.shape[1:]), x)
         if xv.device is not None:
             ctx.activate_gpu()

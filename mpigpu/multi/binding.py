@@ -65,7 +65,7 @@ def on_device(index: int, *, comm: Any = None) -> Iterator[int | None]:
                 "each with its own on_device block"
             )
         token = bind(index)
-    except InvalidArgument as exc:
+    except InvalidArgument as exc:  # nothing was bound here: the thread's own (outer) binding stays as it is
         doom_next_call(exc, ctx)  # the call the refused thread meant to make fails everywhere: nobody waits for it
         raise
     try:

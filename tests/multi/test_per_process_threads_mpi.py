@@ -774,9 +774,11 @@ def test_a_thread_nesting_two_devices_is_refused_and_the_call_fails_everywhere()
     Its next call, and device 1's thread's, raise on every participant of every rank; the next call pairs."""
     with devices_comm(2) as lay:
         nested = threading.Event()
+        opened = threading.Barrier(lay.n)  # every device's block open before the calls (the documented rule)
         seen: dict[str, Any] = {}
 
         def body(k: int) -> tuple[Any, Any]:
+            opened.wait(JOIN_S)
             if lay.rank == 0 and k == 0:
                 seen["nested"] = attempt(_enter, mpigpu.on_device(1, comm=lay.comm))
                 nested.set()
