@@ -17,7 +17,7 @@ from mpigpu.bench.anchors import ANCHORS
 from mpigpu.bench.report import _ordered, _row_call, _row_column
 from mpigpu.runtime.tuning import size_label
 
-__all__ = ["goal_lines", "gpu_tag", "merged_table", "plot_collectives", "result_name", "row_label"]
+__all__ = ["ORDER", "goal_lines", "gpu_tag", "merged_table", "plot_collectives", "result_name", "row_label"]
 
 ORDER = ("allreduce", "reduce_scatter", "alltoall", "broadcast", "allgather")
 

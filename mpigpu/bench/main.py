@@ -31,7 +31,7 @@ from typing import Any
 from mpigpu.backends import BACKEND_NAMES
 from mpigpu.bench.anchors import ANCHORS
 from mpigpu.bench.calls import FRAMEWORKS, TIMINGS
-from mpigpu.bench.collected import gpu_tag, merged_table, plot_collectives, result_name
+from mpigpu.bench.collected import ORDER, gpu_tag, merged_table, plot_collectives, result_name
 from mpigpu.bench.collectives import COLLECTIVES, refuse_options
 from mpigpu.bench.report import (
     ALLREDUCE_CALLS,
@@ -124,7 +124,7 @@ def build_parser() -> Parser:
     )  # fmt: skip
     what = parser.add_argument_group("what to time")
     what.add_argument(
-        "--collective", type=comma_list(choice_arg(COLLECTIVES, "collective"), "collectives", COLLECTIVES),
+        "--collective", type=comma_list(choice_arg(COLLECTIVES, "collective"), "collectives", ORDER),
         default=["allreduce"], metavar="LIST",
         help="comma-separated collectives or 'all', each swept in turn in one job (one stream, one set of anchors): "
         "allreduce (default); reduce_scatter = mpigpu.reduce_scatter(x, 'sum', out=o); alltoall = mpigpu.alltoall(x); "

@@ -98,6 +98,12 @@ def plan_paths(ctx: Any, args: argparse.Namespace) -> tuple[list[PathSpec], list
         paths.extend(mine)
         if "auto" in wanted and not args.tune:
             paths += auto_paths(placement, args.calls)
+    timed = {p.placement for p in paths}
+    for name, cls in anchors.items():  # an anchor of arrays this run does not time: said, with why
+        if name in wanted and cls.placement not in timed and not any(line.startswith(f"{name}: ") for line in skipped):
+            problem = cls.unavailable(ctx)  # collective (the torch anchors agree across ranks)
+            where = "GPU buffers" if cls.placement == "device" else "host arrays"
+            skipped.append(f"{name}: {problem or f'{where} are not timed in this run (--placement)'}")
     return paths, skipped
 
 
