@@ -94,11 +94,12 @@ def _row(column: str, nbytes: int, us: float, wrong: int = 0, inplace: bool = Fa
 
 def _doc(collective: str, columns: dict[str, list[float]], sizes: tuple[int, ...] = (8, 1 << 20)) -> dict[str, Any]:
     inplace = collective in ("allreduce", "broadcast")
-    rows = [_row(c, s, us, inplace=inplace) for c, values in columns.items() for s, us in zip(sizes, values)]
+    rows = [_row(c, s, us, inplace=inplace) for c, v in columns.items() for s, us in zip(sizes, v, strict=True)]
     return {"collective": collective, "results": rows, "ranks": 2, "date": "2026-11-26T10:00:00+00:00",
             "machine": {"gpu_count": 2, "gpu_model": "NVIDIA H100 80GB HBM3"},
             "versions": {"mpi_library": "Open MPI", "mpi": "Open MPI v4.1"},
-            "settings": {"rounds": 7, "timing": "call", "framework": "torch"}, "command": ["python", "-m", "x"]}  # fmt: skip
+            "settings": {"rounds": 7, "timing": "call", "framework": "torch"},
+            "command": ["python", "-m", "x"]}  # fmt: skip
 
 
 def test_the_table_has_a_row_per_call_and_a_column_per_size() -> None:
@@ -179,3 +180,28 @@ def test_the_torch_move_anchors_make_tensors_of_the_dtype_once() -> None:
     half = as_view(np.zeros(8, np.float16))  # gloo is not timed on float16 here: bytes
     xt, _ = anchor.move_tensors(half, half)
     assert str(xt.dtype) == "torch.uint8" and xt.numel() == 16 and xt.data_ptr() == half.ptr
+
+
+def test_the_gpu_check_stage_asks_for_every_collective_with_options_the_command_takes() -> None:
+    """scripts/gpu-check.sh's collectives stage cannot run here; its command line is read with the
+    benchmark's own parser, so a misspelt option fails here and not on the GPU machine."""
+    import re
+    import shlex
+
+    from mpigpu.bench import main as bench_main
+
+    script = (Path(__file__).parents[2] / "scripts" / "gpu-check.sh").read_text()
+    stage = script[script.index("stage_collectives() {") :]
+    stage = stage[: stage.index("\n}\n")]
+    line = next(x for x in stage.splitlines() if "-m mpigpu.bench" in x)
+    command = line.split("-m mpigpu.bench", 1)[1].rsplit('"', 1)[0]
+    command = re.sub(r"\$\{(\w+):-([^}]*)\}", r"\2", command)  # ${COLL_TIME:-4} -> 4
+    command = re.sub(r"\$small\b", "8", command)  # the smallest size: 4 B x GPUs, 8 B on 2
+    command = re.sub(r"\$\w+", "v", command)
+    parser = bench_main.build_parser()
+    args = parser.parse_args(shlex.split(command))
+    bench_main._check_args(parser, args)
+    assert args.collective == ORDER and args.json_dir is not None and args.framework == "torch"
+    assert {"auto", "nccl", "nccl-raw", "torch-nccl"} <= set(args.backends) and args.rounds == 7
+    assert args.sizes[-1] == 256 << 20 and {4096, 64 << 10, 1 << 20, 16 << 20} <= set(args.sizes)
+    assert "COLLECTIVES_LIMIT" in stage, "the stage's time limit is a variable"
