@@ -31,9 +31,10 @@
 #              CUDA-aware), beside raw NCCL and torch.distributed's own calls (NCCL) on tensors made once, float32 on
 #              torch tensors, 8 B (4 B x GPUs) .. 256 MiB, 7 rounds, paths interleaved round by round, under Open MPI;
 #              $OUT/collectives/<gpu>x<n>-<collective>-<date>.json per collective, the table of all five
-#              (<gpu>x<n>-collectives-<date>.md, also copied beside summary.txt) and a plot. Expected ~2-3 min on
-#              2 x H100 (an estimate: not yet timed there), at most COLLECTIVES_LIMIT seconds (default 300);
-#              COLL_TIME (default 4) s bounds a size
+#              (<gpu>x<n>-collectives-<date>.md, also copied beside summary.txt) and a plot; then the Horovod
+#              layer's per-call row (scripts/hvd_call_bench.py --device gpu, 8 B/64 KiB/1 MiB, JSON beside them).
+#              Expected ~2-3 min on 2 x H100 (an estimate: not yet timed there), at most COLLECTIVES_LIMIT (default
+#              300) + HVD_CALL_LIMIT (default 90) seconds; COLL_TIME (default 4) s bounds a size
 #   retest     RETEST="pytest paths" under both MPIs (a quick re-check after a fix; RETEST_LIMIT seconds each)
 #   soak       thousands of random verified calls on GPU arrays; the cost of the argument check at 8 B
 #   train      scripts/training-figures.sh: bench_training for the MLP (+ fusion), ResNet-50, GPT-2 beside DDP
@@ -260,6 +261,8 @@ stage_collectives() {  # issues 16 and 36: the five collectives in ONE job (one 
   step "collectives-ompi" "${COLLECTIVES_LIMIT:-300}" 0 "MPIGPU_TUNE_FILE=$tune $OMPI -n $NGPU $PY -m mpigpu.bench --collective all --placement gpu --inplace --dtypes float32 --sizes $small,4K,64K,1M,16M,256M --backends auto,nccl,host,cuda-aware,ipc,nccl-raw,torch-nccl --calls user,persistent --framework torch --rounds 7 --time-limit ${COLL_TIME:-4} --tag $tag --json-dir $dir --plot $dir/$tag-collectives-$date.png"
   # the table of all five comes back beside the summary (everything else is packed in results.tgz)
   cp "$dir/$tag-collectives-$date.md" "$OUT/" 2>/dev/null || true
+  # the Horovod layer's per-call row on CUDA tensors beside mpigpu.allreduce(t) and allreduce_async(t).wait()
+  step "hvd-call-ompi" "${HVD_CALL_LIMIT:-90}" 0 "$OMPI -n $NGPU $PY scripts/hvd_call_bench.py --device gpu --sizes 8,64K,1M --json $dir/hvd-call-$tag-$date.json"
 }
 
 stage_soak() {

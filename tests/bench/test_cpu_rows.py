@@ -1,6 +1,7 @@
 """Issue 36's CPU rows: scripts/cpu_call_vs_mpi.py times each collective's user call beside the MPI
 call it replaces (Allreduce, Reduce_scatter, Alltoallv, Bcast, Allgatherv), interleaved, every column
-checked on exact inputs first; under mpiexec -n 2 and 3 (uneven rows), and its check without MPI."""
+checked on exact inputs first; under mpiexec -n 2 and 3 (uneven rows), and its check without MPI.
+And the Horovod layer's per-call row (scripts/hvd_call_bench.py) on CPU tensors the same way."""
 
 from __future__ import annotations
 
@@ -93,3 +94,61 @@ def test_the_check_wants_the_exact_result_of_each_collective(collective: str) ->
     assert case.check("wrong", wrong) == 1
     assert not case.x.any(), "the timed calls run on zeros again"
     assert case.check("nothing written", lambda: want[:-1].copy()) == size, "x unchanged, o poisoned, or too short"
+
+
+# -- scripts/hvd_call_bench.py: the Horovod layer's per-call row -------------------------------------------
+HVD = Path(__file__).parents[2] / "scripts" / "hvd_call_bench.py"
+HVD_COLUMNS = ["hvd.allreduce(t)", "hvd.allreduce_(t)", "hvd.allreduce_async(t)+sync", "hvd.allreduce_async_(t)+sync",
+               "mpigpu.allreduce(t)", "allreduce_async(t).wait()", "comm.Allreduce"]  # fmt: skip
+
+
+@serial
+def test_the_horovod_rows_are_checked_and_interleaved_on_cpu(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    out = tmp_path / "hvd.json"
+    done = run_mpi(2, [str(HVD), "--sizes", "8,4K", "--rounds", "2", "--iters", "3", "--json", str(out)], timeout=240,
+                   env=YIELD)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads(out.read_text())
+    assert doc["ok"] is True and doc["ranks"] == 2 and doc["device"] == "cpu" and doc["rounds"] == 2
+    assert doc["versions"]["torch"] and doc["date"] and doc["order"].startswith("interleaved")
+    assert [r["bytes"] for r in doc["results"]] == [8, 4096]
+    for row in doc["results"]:
+        assert list(row["us"]) == HVD_COLUMNS and set(row["wrong"].values()) == {0}
+        assert all(len(rounds) == 2 for rounds in row["rounds_us"].values())
+    assert "# hvd.allreduce_(t) - mpigpu.allreduce(t): " in done.stdout
+    assert "# hvd.allreduce_async_(t)+sync - allreduce_async(t).wait(): " in done.stdout
+
+
+@serial
+def test_the_horovod_rows_on_gpus_say_there_is_none_here() -> None:
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the refusal cannot be seen")
+    done = run_mpi(2, [str(HVD), "--device", "gpu"], timeout=120)
+    assert done.returncode == 2 and "--device gpu needs a GPU on every rank" in done.stderr
+
+
+def test_the_horovod_check_sees_a_wrong_result_and_a_touched_input() -> None:
+    torch = pytest.importorskip("torch")
+    spec = importlib.util.spec_from_file_location("hvd_call_bench", HVD)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    columns = object.__new__(module.Columns)  # no Horovod needed to check a call
+    columns.torch, columns.rank, columns.n, columns.count = torch, 0, 2, 6
+    columns.t = torch.zeros(6)
+    mean = torch.from_numpy((columns._input(0) + columns._input(1)) / np.float32(2))
+    columns.calls = {
+        "hvd.allreduce_(t)": (lambda: columns.t.copy_(mean), "avg"),  # right, in place
+        "mpigpu.allreduce(t)": (lambda: columns.t.copy_(mean * 2), "avg"),  # the sum: every element wrong
+        "hvd.allreduce(t)": (lambda: mean.clone(), "avg"),  # right, a new tensor, t untouched
+        "hvd.allreduce_async(t)+sync": (lambda: columns.t.copy_(mean).clone(), "avg"),  # right, but t written
+    }
+    assert columns.check("hvd.allreduce_(t)") == 0
+    assert columns.check("mpigpu.allreduce(t)") == 6
+    assert columns.check("hvd.allreduce(t)") == 0
+    assert columns.check("hvd.allreduce_async(t)+sync") == 1
+    assert not columns.t.any(), "the timed calls run on zeros again"
