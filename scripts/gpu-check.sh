@@ -25,10 +25,16 @@
 #   usercall   issue 14's table under Open MPI: allreduce(t) and the persistent request req() (auto, nccl, ipc)
 #              beside torch.distributed (NCCL) and raw NCCL, float32 sum in place, 8 B..1 GiB, torch tensors;
 #              JSON and plot in $OUT; then scripts/call_cost.py --framework torch at 8 B and 64 KiB (~3 min)
-#   collectives  issues 16 and 36 (not in the default list: name it): mpigpu.reduce_scatter(t, "sum", out=o),
-#              mpigpu.alltoall(t), mpigpu.broadcast(t, root=0) and mpigpu.allgather(t) for auto, nccl, host beside raw
-#              NCCL and torch.distributed's own calls (NCCL) on tensors made once, float32, 16 B..256 MiB, paths
-#              interleaved round by round, under Open MPI; JSON per collective in $OUT (~4 x 70 s; COLL_TIME=4 s a size)
+#   collectives  issues 16 and 36 (not in the default list: name it): one job, python -m mpigpu.bench --collective all:
+#              mpigpu.allreduce(t) (and its req()), reduce_scatter(t, "sum", out=o), alltoall(t), broadcast(t, root=0)
+#              and allgather(t) under auto and each backend that has it (nccl, host, ipc, cuda-aware where the MPI is
+#              CUDA-aware), beside raw NCCL and torch.distributed's own calls (NCCL) on tensors made once, float32 on
+#              torch tensors, 8 B (4 B x GPUs) .. 256 MiB, 7 rounds, paths interleaved round by round, under Open MPI;
+#              $OUT/collectives/<gpu>x<n>-<collective>-<date>.json per collective, the table of all five
+#              (<gpu>x<n>-collectives-<date>.md, also copied beside summary.txt) and a plot; then the Horovod
+#              layer's per-call row (scripts/hvd_call_bench.py --device gpu, 8 B/64 KiB/1 MiB, JSON beside them).
+#              Expected ~2-3 min on 2 x H100 (an estimate: not yet timed there), at most COLLECTIVES_LIMIT (default
+#              300) + HVD_CALL_LIMIT (default 90) seconds; COLL_TIME (default 4) s bounds a size
 #   retest     RETEST="pytest paths" under both MPIs (a quick re-check after a fix; RETEST_LIMIT seconds each)
 #   soak       thousands of random verified calls on GPU arrays; the cost of the argument check at 8 B
 #   train      scripts/training-figures.sh: bench_training for the MLP (+ fusion), ResNet-50, GPT-2 beside DDP
@@ -243,16 +249,20 @@ stage_usercall() {
   step "call-cost-torch" 60 0 "MPIGPU_TUNE_FILE=$tune $OMPI -n $NGPU $PY scripts/call_cost.py --framework torch --sizes 8,65536 --json $OUT/call-cost-torch-$tag-$date.json"
 }
 
-stage_collectives() {  # issues 16 and 36: the four collectives beside raw NCCL and torch.distributed (NCCL), the
-  # calls as a torch user writes them (tensors made once; allreduce's row is the usercall stage)
-  local tag="${GPU_TAG}x$NGPU" date tune="$OUT/tune-collectives.json" c
+stage_collectives() {  # issues 16 and 36: the five collectives in ONE job (one stream, one NCCL communicator and
+  # one torch process group for all), each beside raw NCCL and torch.distributed's own call on tensors made once,
+  # the calls as a torch user writes them; each collective's paths interleaved round by round at each size
+  local tag="${GPU_TAG}x$NGPU" date tune="$OUT/tune-collectives.json" dir="$OUT/collectives" small
   date=$(date -u +%F)
+  small=$((4 * NGPU)); [ "$small" -lt 8 ] && small=8  # a float32 row per rank: 8 B on 2 GPUs
   # auto follows the table the bench stage measured, else this machine's committed one (as in usercall)
   if [ -f "$OUT/tune.json" ]; then cp "$OUT/tune.json" "$tune"
   elif [ -f "bench/results/tune-$tag-ompi.json" ]; then cp "bench/results/tune-$tag-ompi.json" "$tune"; fi
-  for c in reduce_scatter alltoall broadcast allgather; do
-    step "$c-ompi" 100 0 "MPIGPU_TUNE_FILE=$tune $OMPI -n $NGPU $PY -m mpigpu.bench --collective $c --placement gpu --dtypes float32 --sizes 16,4K,64K,1M,16M,256M --backends auto,nccl,host,nccl-raw,torch-nccl --calls user --framework torch --time-limit ${COLL_TIME:-4} --json $OUT/$tag-$c-ompi-$date.json"
-  done
+  step "collectives-ompi" "${COLLECTIVES_LIMIT:-300}" 0 "MPIGPU_TUNE_FILE=$tune $OMPI -n $NGPU $PY -m mpigpu.bench --collective all --placement gpu --inplace --dtypes float32 --sizes $small,4K,64K,1M,16M,256M --backends auto,nccl,host,cuda-aware,ipc,nccl-raw,torch-nccl --calls user,persistent --framework torch --rounds 7 --time-limit ${COLL_TIME:-4} --tag $tag --json-dir $dir --plot $dir/$tag-collectives-$date.png"
+  # the table of all five comes back beside the summary (everything else is packed in results.tgz)
+  cp "$dir/$tag-collectives-$date.md" "$OUT/" 2>/dev/null || true
+  # the Horovod layer's per-call row on CUDA tensors beside mpigpu.allreduce(t) and allreduce_async(t).wait()
+  step "hvd-call-ompi" "${HVD_CALL_LIMIT:-90}" 0 "$OMPI -n $NGPU $PY scripts/hvd_call_bench.py --device gpu --sizes 8,64K,1M --json $dir/hvd-call-$tag-$date.json"
 }
 
 stage_soak() {
@@ -316,7 +326,8 @@ done
 
 tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"
 # at most a few files come back from a lease: everything but the summary and the logs in one archive
-(cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name logs.tgz ! -name results.tgz -print0 \
+(cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name logs.tgz ! -name results.tgz \
+  ! -name '*-collectives-*.md' -print0 \
   | tar czf results.tgz --null -T - --remove-files) 2>/dev/null
 echo "===== gpu-check summary ($NGPU GPUs, $(date -u +%FT%TZ)) ====="
 cat "$SUMMARY"

@@ -9,15 +9,18 @@ mpi-device  ``comm.Bcast`` / ``Allgather`` / ``Reduce_scatter`` / ``Alltoallv`` 
             synchronising the stream, where the MPI library is CUDA-aware (pairs with cuda-aware)
 mpi-host    the same on NumPy arrays (pairs with cpu and host on host arrays)
 torch-nccl  ``torch.distributed.broadcast`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
-            (unequal shares: ``reduce_scatter``) / ``all_to_all_single``, NCCL backend, CUDA tensors
+            (unequal shares: ``reduce_scatter``) / ``all_to_all_single`` (no sizes where the split is
+            even), NCCL backend, on CUDA tensors of the buffers' dtype made once per pair of buffers
+            (as a torch user makes them: never a conversion inside the timed calls)
 torch-gloo  the same with the gloo backend on CPU tensors (gloo has no reduce-scatter)
 
-Data movement does not look at the values, so the MPI and torch anchors move bytes (``uint8``,
-``MPI.BYTE``; any dtype, the same cost as the typed call); raw NCCL uses the dtype's NCCL type where
-there is one (bytes otherwise). Reduce-scatter sums in the dtype (MPI has no 16-bit float types: no
-MPI anchor for them). The root is rank 0. Allgather's output holds every rank's input in rank order
-(``n x`` the input); reduce-scatter and alltoall split as ``scatter_rows(count, n)``. The host
-backend on GPU buffers has no anchor here
+Data movement does not look at the values, so the MPI anchors move bytes (``uint8``, ``MPI.BYTE``;
+any dtype, the same cost as the typed call); the torch anchors call on tensors of the buffers' dtype
+where the backend takes it (uint8 tensors over the same bytes otherwise); raw NCCL uses the dtype's
+NCCL type where there is one (bytes otherwise; alltoall's send/recv move bytes). Reduce-scatter sums
+in the dtype (MPI has no 16-bit float types: no MPI anchor for them). The root is rank 0.
+Allgather's output holds every rank's input in rank order (``n x`` the input); reduce-scatter and
+alltoall split as ``scatter_rows(count, n)``. The host backend on GPU buffers has no anchor here
 (the seed sample only reduced).
 """
 
@@ -213,43 +216,50 @@ class MpiDeviceMoves(_MpiMoves, MpiDevice):
 
 
 class _TorchMoves(_Moves):
-    """torch.distributed on uint8 tensors over the benchmark's buffers, made once per pair of buffers."""
+    """torch.distributed on tensors over the benchmark's buffers, made once per pair of buffers (in
+    the check before a size's timed calls, never inside them), as a torch user makes them: of the
+    buffers' dtype where the anchor times it (``dtypes``), else uint8 tensors over the same bytes."""
 
     ctx: Any
+    dtypes: ClassVar[tuple[str, ...]]
     _group: Any
-    _key: Any
-    _tensors: tuple[Any, Any]
-    _typed: tuple[Any, Any]
+    _moves_key: Any = None
+    _moves: tuple[Any, Any] = (None, None)
 
-    def byte_tensors(self, x: ArrayView, out: ArrayView) -> tuple[Any, Any]:
-        key = (x.ptr, out.ptr, x.nbytes, out.nbytes)
-        if key != self._key:
-            self._tensors = (_byte_tensor(x), _byte_tensor(out))
-            self._key = key
-        return self._tensors
+    def move_tensors(self, x: ArrayView, out: ArrayView) -> tuple[Any, Any]:
+        """The tensors over ``x`` and ``out``: typed where torch's backend takes the dtype, else bytes."""
+        from mpigpu.bench.anchors import torch_tensor
+
+        typed = x.dtype.name in self.dtypes
+        key = (typed, x.ptr, out.ptr, x.nbytes, out.nbytes, x.dtype.name)
+        if key != self._moves_key:
+            make = torch_tensor if typed else _byte_tensor
+            xt = make(x)
+            self._moves = (xt, xt if x.same_memory(out) and x.nbytes == out.nbytes else make(out))
+            self._moves_key = key
+        return self._moves
+
+    def typed_tensors(self, x: ArrayView, out: ArrayView) -> tuple[Any, Any]:
+        """Tensors of the views' dtype (reduce-scatter sums values, not bytes), made once per pair of buffers."""
+        from mpigpu.bench.anchors import torch_tensor
+
+        key = ("sum", x.ptr, out.ptr, x.nbytes, out.nbytes, x.dtype.name)
+        if key != self._moves_key:
+            self._moves = (torch_tensor(x), torch_tensor(out))
+            self._moves_key = key
+        return self._moves
 
     def broadcast(self, x: ArrayView, root: int) -> None:
         import torch.distributed as dist
 
-        xt, _ = self.byte_tensors(x, x)
+        xt, _ = self.move_tensors(x, x)
         dist.broadcast(xt, src=root, group=self._group)  # ordered on torch's current stream
 
     def allgather(self, x: ArrayView, out: ArrayView) -> None:
         import torch.distributed as dist
 
-        xt, outt = self.byte_tensors(x, out)
+        xt, outt = self.move_tensors(x, out)
         dist.all_gather_into_tensor(outt, xt, group=self._group)
-
-    def typed_tensors(self, x: ArrayView, out: ArrayView) -> tuple[Any, Any]:
-        """Tensors of the views' dtype (a sum, not bytes), made once per pair of buffers as a torch user
-        makes them, not per call."""
-        from mpigpu.bench.anchors import torch_tensor
-
-        key = ("typed", x.ptr, out.ptr, x.nbytes, out.nbytes, x.dtype.name)
-        if key != getattr(self, "_typed_key", None):
-            self._typed = (torch_tensor(x), torch_tensor(out))
-            self._typed_key = key
-        return self._typed
 
     def reduce_scatter(self, x: ArrayView, out: ArrayView, shares: list[int]) -> None:
         import torch.distributed as dist
@@ -263,13 +273,14 @@ class _TorchMoves(_Moves):
     def alltoall(self, x: ArrayView, out: ArrayView, splits: list[int]) -> None:
         import torch.distributed as dist
 
-        xt, outt = self.byte_tensors(x, out)
+        xt, outt = self.move_tensors(x, out)
         if len(set(splits)) == 1:  # an even split: no sizes, as a torch user calls it
             dist.all_to_all_single(outt, xt, group=self._group)
             return
-        item, share = x.dtype.itemsize, splits[self.ctx.rank]
-        sizes = [c * item for c in splits]
-        dist.all_to_all_single(outt, xt, [share * item] * len(splits), sizes, group=self._group)
+        scale = 1 if xt.element_size() == x.dtype.itemsize else x.dtype.itemsize  # sizes in the tensors' elements
+        share = splits[self.ctx.rank]
+        sizes = [c * scale for c in splits]
+        dist.all_to_all_single(outt, xt, [share * scale] * len(splits), sizes, group=self._group)
 
 
 def _byte_tensor(view: ArrayView) -> Any:

@@ -56,6 +56,7 @@ __all__ = [
 COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
 MOVES = ("broadcast", "allgather", "reduce_scatter", "alltoall")  # the collectives this module times
 _NEW_OUTPUT = ("allgather", "reduce_scatter", "alltoall")  # the user's call returns a new array
+_OUT_CALLS = ("allgather", "alltoall")  # --calls out: the call into an output made once, where mpigpu takes out=
 ROOT = 0
 POISON = 0xFF  # never a pattern byte (patterns are < 251)
 _checks = itertools.count(1)  # the salt g of each check, the same sequence on every rank
@@ -102,6 +103,16 @@ class CollectiveResult(Result):
         return data
 
 
+def takes_out(collective: str) -> bool:
+    """Whether ``mpigpu.<collective>`` takes ``out=`` (allgather and alltoall return a new array; the
+    ``out`` call times them into an output made once where this mpigpu can)."""
+    import inspect
+
+    import mpigpu
+
+    return "out" in inspect.signature(getattr(mpigpu, collective)).parameters
+
+
 def refuse_options(args: Any) -> list[str]:
     """For --collective other than allreduce: raise InvalidArgument for options that have no meaning
     there (ops other than sum, persistent or prepared calls, --tune, the mode the collective has
@@ -111,11 +122,14 @@ def refuse_options(args: Any) -> list[str]:
         if name == "reduce_scatter":
             raise InvalidArgument("--collective reduce_scatter is timed and verified with op sum: leave out --ops")
         raise InvalidArgument(f"--collective {name} reduces nothing: leave out --ops (only allreduce takes ops)")
-    if args.calls is not None and args.calls != ["user"]:
+    allowed = ["user", *(["out"] if name in _OUT_CALLS else [])]
+    if args.calls is not None and not set(args.calls) <= set(allowed):
         raise InvalidArgument(
             f"--collective {name} times the user's call only (mpigpu.{name} has no persistent or prepared form): "
-            "use --calls user or leave --calls out"
+            f"use --calls {','.join(allowed)} or leave --calls out"
         )
+    if args.calls is not None and "out" in args.calls and not takes_out(name):
+        raise InvalidArgument(f"mpigpu.{name} takes no out= in this mpigpu: leave 'out' out of --calls")
     if args.tune:
         raise InvalidArgument("--tune measures allreduce's crossover table: run it without --collective")
     inplace = name == "broadcast"  # broadcast writes x in place; the others return a new array
@@ -125,7 +139,8 @@ def refuse_options(args: Any) -> list[str]:
             f"{flag} does not apply to --collective {name}: {name} is "
             + ("in place only" if inplace else "out of place only (it returns a new array)")
         )
-    args.calls, args.modes = ["user"], [inplace]
+    args.calls = args.calls or ["user", *(["out"] if name in _OUT_CALLS and takes_out(name) else [])]
+    args.modes = [inplace]
     setting = {
         "broadcast": f"root rank {ROOT}, in place",
         "allgather": "sizes are each rank's input (the output is n times larger)",
@@ -376,12 +391,23 @@ def bind_collective(
         call = partial(mpigpu.reduce_scatter, x, "sum", out=out, **kwargs)
     else:
         splits = None if len(set(work.splits)) == 1 else work.splits  # an even split: none given, as torch's
+        if path.call == "out":  # into an output made once, as torch's all_gather_into_tensor/all_to_all_single
+            out = user_arrays(work, framework)[1]
+            kwargs["out"] = out
         call = {
             "allgather": partial(mpigpu.allgather, x, **kwargs),
             "alltoall": partial(mpigpu.alltoall, x, splits, **kwargs),
         }[work.collective]
+        if path.call == "out":
+            return Bound(partial(_store_into, work, call, out), _nothing, choice.backend, choice.reason)
     return Bound(partial(_store, work, call), _nothing, choice.backend, choice.reason)
 
 
 def _store(work: CollectiveWorkload, call: Any) -> None:
     work.result = call()
+
+
+def _store_into(work: CollectiveWorkload, call: Any, out: Any) -> None:
+    """The call with out=: what is checked is ``out`` itself, whatever the call returns."""
+    call()
+    work.result = out

@@ -31,8 +31,10 @@ from typing import Any
 from mpigpu.backends import BACKEND_NAMES
 from mpigpu.bench.anchors import ANCHORS
 from mpigpu.bench.calls import FRAMEWORKS, TIMINGS
+from mpigpu.bench.collected import ORDER, gpu_tag, merged_table, plot_collectives, result_name
 from mpigpu.bench.collectives import COLLECTIVES, refuse_options
 from mpigpu.bench.report import (
+    ALLREDUCE_CALLS,
     CALLS,
     PathSpec,
     auto_summary,
@@ -122,10 +124,14 @@ def build_parser() -> Parser:
     )  # fmt: skip
     what = parser.add_argument_group("what to time")
     what.add_argument(
-        "--collective", choices=COLLECTIVES, default="allreduce",
-        help="allreduce (default); broadcast = mpigpu.broadcast(x, root=0), in place; allgather = "
-        "mpigpu.allgather(x), sizes = each rank's input. Both: the user call only, no --ops, no --tune; "
-        "broadcast refuses --out-of-place, allgather --inplace",
+        "--collective", type=comma_list(choice_arg(COLLECTIVES, "collective"), "collectives", ORDER),
+        default=["allreduce"], metavar="LIST",
+        help="comma-separated collectives or 'all', each swept in turn in one job (one stream, one set of anchors): "
+        "allreduce (default); reduce_scatter = mpigpu.reduce_scatter(x, 'sum', out=o); alltoall = mpigpu.alltoall(x); "
+        "broadcast = mpigpu.broadcast(x, root=0), in place; allgather = mpigpu.allgather(x); sizes = each rank's "
+        "input. The four: the user call only (and 'out', with out=o, where mpigpu.allgather/alltoall take it), "
+        "no --ops, no --tune; broadcast refuses --out-of-place, the others --inplace. With several, --calls, "
+        "--inplace and --out-of-place apply to allreduce, and --json-dir names the files",
     )  # fmt: skip
     what.add_argument(
         "--dtypes", type=comma_list(dtype_arg, "dtypes", DTYPES), default=["float32"], metavar="LIST",
@@ -142,10 +148,10 @@ def build_parser() -> Parser:
         "a backend always brings its anchor",
     )  # fmt: skip
     what.add_argument(
-        "--calls", type=comma_list(choice_arg(CALLS, "call"), "calls", CALLS), default=None,
+        "--calls", type=comma_list(choice_arg(CALLS, "call"), "calls", ALLREDUCE_CALLS), default=None,
         metavar="LIST",
         help="how each mpigpu backend and auto is called, comma-separated or 'all' (default user,persistent; "
-        "user for broadcast and allgather): "
+        "user for the other collectives, and out for allgather and alltoall where mpigpu takes out=): "
         "user = mpigpu.allreduce(x) checked every call; persistent = req() of a request from allreduce_init; "
         "prepared = mpigpu.calls.reduce.run of a call prepared once (diagnostic; --tune adds it)",
     )  # fmt: skip
@@ -186,6 +192,19 @@ def build_parser() -> Parser:
     )  # fmt: skip
     output = parser.add_argument_group("output")
     output.add_argument("--json", type=Path, metavar="PATH", help="write every figure and the machine as JSON")
+    output.add_argument(
+        "--json-dir", type=Path, metavar="DIR",
+        help="write a JSON document per collective, DIR/<gpu>x<n>-<collective>-<date>.json (machine, versions and "
+        "date inside), and the table of them all, DIR/<gpu>x<n>-collectives-<date>.md",
+    )  # fmt: skip
+    output.add_argument(
+        "--tag", metavar="TAG", help="the <gpu>x<n> of --json-dir's names (default: the GPU model and count, "
+        "h100x2; cpux<ranks> without GPUs)",
+    )  # fmt: skip
+    output.add_argument(
+        "--merge", nargs="+", type=Path, metavar="JSON",
+        help="print the table of the collectives' JSON runs given (markdown; the goals read off it) and exit",
+    )  # fmt: skip
     output.add_argument("--plot", type=Path, metavar="PNG", help="plot busbw and time against size (matplotlib)")
     output.add_argument(
         "--tune", "--autotune", action="store_true",
@@ -212,6 +231,10 @@ def _check_args(parser: Parser, args: argparse.Namespace) -> None:
         parser.error("--step-factor must be >= 2")
     if args.replot is not None and args.plot is None:
         parser.error("--replot needs --plot PATH.png")
+    if len(args.collective) > 1 and args.json is not None:
+        parser.error("--json names one file: with several collectives use --json-dir DIR (a file per collective)")
+    if len(args.collective) > 1 and args.tune:
+        parser.error("--tune measures allreduce's crossover table: run it with --collective allreduce alone")
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -404,6 +427,92 @@ def _header(ctx: Any, args: argparse.Namespace, paths: list[PathSpec], skipped: 
     return lines
 
 
+def _part(ctx: Any, args: argparse.Namespace, collective: str, several: bool) -> argparse.Namespace:
+    """The options of one collective's sweep, with its paths and skipped lines (collective: a
+    refusal raises the same InvalidArgument on every rank). With several collectives, --calls,
+    --inplace and --out-of-place are allreduce's; the others take their own mode and calls."""
+    part = argparse.Namespace(**vars(args))
+    part.collective = collective
+    part.collective_lines = []
+    both = args.inplace == args.out_of_place  # neither flag, or both: time both modes
+    part.modes = [False, True] if both else [args.inplace]
+    if collective != "allreduce":
+        if several:
+            part.calls = [c for c in args.calls or [] if c in ("user", "out")] or None
+            part.inplace = part.out_of_place = False
+        part.collective_lines = refuse_options(part)  # sets calls and modes
+    else:
+        calls = [c for c in args.calls or [] if c in ALLREDUCE_CALLS or not several]
+        if "out" in calls:
+            raise InvalidArgument("--calls out is allgather's and alltoall's: allreduce's out= is --out-of-place")
+        part.calls = calls or ["user", "persistent"]
+        if args.tune and "prepared" not in part.calls:
+            part.calls = [*part.calls, "prepared"]  # tuning compares the backends' prepared calls
+    part.paths, part.skipped = plan_paths(ctx, part)
+    if not part.paths and not args.tune:
+        where = f" for {collective}" if several else ""
+        raise InvalidArgument(f"nothing to time{where}: " + ("; ".join(part.skipped) or "no backend selected"))
+    return part
+
+
+def _sweep_all(sweep: Sweep, part: argparse.Namespace, selected: list[PathSpec]) -> None:
+    """Every placement and dtype of ``selected`` (collective); rank 0 prints each group's tables."""
+    ops = [Op(o) for o in part.ops]
+    for placement in dict.fromkeys(p.placement for p in part.paths):
+        mine = [p for p in selected if p.placement == placement]
+        for dtype in (DTYPES[d] for d in part.dtypes):
+            if mine:
+                found = sweep.sweep_group(mine, placement, dtype, ops)
+                if sweep.rank == 0:
+                    print("\n".join(render_tables(found, sweep.measurements)))
+                    sys.stdout.flush()
+
+
+def _document(
+    ctx: Any, sweep: Sweep, part: argparse.Namespace, run_info: dict[str, Any], tuning: Any, interrupted: bool
+) -> dict[str, Any] | None:
+    """Print the side-by-side table and the summary of one collective's sweep, and return its JSON
+    document (rank 0; None elsewhere). Collective: describing the backends used may create one."""
+    measurements = sweep.measurements
+    used = sorted({m.chosen or m.path.name for m in measurements if m.path.kind != "anchor"})
+    described = {name: ctx.backend(name).describe() for name in used}
+    checked = [*measurements, *sweep.rechecks]
+    failed = failures(checked)
+    auto = auto_summary(measurements)
+    if ctx.rank != 0:
+        return None
+    if interrupted:
+        print(f"#\n# INTERRUPTED (Ctrl-C) after {len(measurements)} measurements: the results so far")
+    print("\n".join(side_by_side(measurements, part.timing)))
+    print("\n".join(summary_lines(checked, auto, sweep.unsupported, sweep.stopped, ctx.size)))
+    sys.stdout.flush()
+    return {
+        "format": "mpigpu-bench/1",
+        "collective": part.collective,
+        "ok": not failed,
+        "interrupted": interrupted,
+        "date": now(),
+        "command": run_info["command"],
+        "run": {k: v for k, v in run_info.items() if k != "command"},
+        "ranks": ctx.size,
+        "nodes": ctx.layout.num_nodes,
+        "machine": run_info["machine"],
+        "versions": run_info["versions"],
+        "header": part.header,
+        "settings": _settings(ctx, part),
+        "paths": [dataclasses.asdict(p) for p in part.paths],
+        "skipped": part.skipped,
+        "not_timed": sweep.unsupported,
+        "stopped": sweep.stopped,
+        "backend_settings": described,
+        "results": [m.to_dict() for m in measurements],
+        "rechecks": [m.to_dict() for m in sweep.rechecks],
+        "failures": [m.to_dict() for m in failed],
+        "tuning": tuning,
+        "auto": auto,
+    }
+
+
 def run(args: argparse.Namespace, command: list[str]) -> int:
     from mpigpu.core._mpi import world
     from mpigpu.runtime.context import Context
@@ -421,97 +530,79 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     else:
         args.sizes = sorted(set(args.sizes))
         args.min_bytes, args.max_bytes = args.sizes[0], args.sizes[-1]
-    both = args.inplace == args.out_of_place  # neither flag, or both: time both modes
-    args.modes = [False, True] if both else [args.inplace]
-    args.collective_lines = []
+    several = len(args.collective) > 1
     try:
-        if args.collective != "allreduce":
-            args.collective_lines = refuse_options(args)  # sets calls and modes
-        else:
-            args.calls = args.calls or ["user", "persistent"]
-            if args.tune and "prepared" not in args.calls:
-                args.calls = [*args.calls, "prepared"]  # tuning compares the backends' prepared calls
-        paths, skipped = plan_paths(ctx, args)
-        if not paths and not args.tune:
-            raise InvalidArgument("nothing to time: " + ("; ".join(skipped) or "no backend selected"))
+        parts = [_part(ctx, args, collective, several) for collective in args.collective]
     except InvalidArgument as exc:
         return refuse("mpigpu.bench", exc, rank)
-    lines = _header(ctx, args, paths, skipped)
+    started = now()
     machine = machine_info(ctx)
-    if rank == 0:
-        print("\n".join(lines))
-        sys.stdout.flush()
-
-    sweep = Sweep(ctx, args)
-    placements = list(dict.fromkeys(p.placement for p in paths))
-    ops = [Op(o) for o in args.ops]
-    tuning = None
-
-    def sweep_all(selected: list[PathSpec]) -> None:
-        for placement in placements:
-            mine = [p for p in selected if p.placement == placement]
-            for dtype in (DTYPES[d] for d in args.dtypes):
-                if mine:
-                    found = sweep.sweep_group(mine, placement, dtype, ops)
-                    if rank == 0:
-                        print("\n".join(render_tables(found, sweep.measurements)))
-                        sys.stdout.flush()
-
+    run_info = {
+        "command": command, "collectives": args.collective, "started": started, "machine": machine,
+        "versions": _versions(ctx), "tag": args.tag or gpu_tag(machine, ctx.size),
+    }  # fmt: skip
+    sweep = Sweep(ctx, parts[0])
+    docs: list[dict[str, Any]] = []
     interrupted = False
     try:
         with sweep.stop_on_sigint():
-            sweep_all(paths)
-            if args.tune:
-                tuning = _tune(ctx, sweep, args, command)
-                if tuning is not None:
-                    sweep_all([p for placement in placements for p in auto_paths(placement, args.calls)])
-    except Interrupted:
-        interrupted = True
+            for part in parts:  # one collective after another, each one's paths interleaved at each size
+                sweep.use(part)
+                part.header = _header(ctx, part, part.paths, part.skipped)
+                if rank == 0:
+                    print("\n".join(part.header))
+                    sys.stdout.flush()
+                tuning = None
+                try:
+                    _sweep_all(sweep, part, part.paths)
+                    if part.tune:
+                        tuning = _tune(ctx, sweep, part, command)
+                        if tuning is not None:
+                            placements = dict.fromkeys(p.placement for p in part.paths)
+                            _sweep_all(sweep, part, [p for pl in placements for p in auto_paths(pl, part.calls)])
+                except Interrupted:
+                    interrupted = True
+                doc = _document(ctx, sweep, part, run_info, tuning, interrupted)
+                if doc is not None:
+                    docs.append(doc)
+                if interrupted:
+                    break
     finally:
         sweep.close()
-
-    measurements = sweep.measurements
-    used = sorted({m.chosen or m.path.name for m in measurements if m.path.kind != "anchor"})
-    described = {name: ctx.backend(name).describe() for name in used}  # collective: may create a backend
-    checked = [*measurements, *sweep.rechecks]
-    failed = failures(checked)
-    auto = auto_summary(measurements)
-    ok = not failed
+    ok = ctx.comm.allreduce(int(all(d["ok"] for d in docs)), op=_mpi_min()) == 1  # rank 0 holds the docs
     if rank == 0:
-        if interrupted:
-            print(f"#\n# INTERRUPTED (Ctrl-C) after {len(measurements)} measurements: the results so far")
-        print("\n".join(side_by_side(measurements, args.timing)))
-        print("\n".join(summary_lines(checked, auto, sweep.unsupported, sweep.stopped, ctx.size)))
-        sys.stdout.flush()
-        doc = {
-            "format": "mpigpu-bench/1",
-            "collective": args.collective,
-            "ok": ok,
-            "interrupted": interrupted,
-            "date": now(),
-            "command": command,
-            "ranks": ctx.size,
-            "nodes": ctx.layout.num_nodes,
-            "machine": machine,
-            "versions": _versions(ctx),
-            "header": lines,
-            "settings": _settings(ctx, args),
-            "paths": [dataclasses.asdict(p) for p in paths],
-            "skipped": skipped,
-            "not_timed": sweep.unsupported,
-            "stopped": sweep.stopped,
-            "backend_settings": described,
-            "results": [m.to_dict() for m in measurements],
-            "rechecks": [m.to_dict() for m in sweep.rechecks],
-            "failures": [m.to_dict() for m in failed],
-            "tuning": tuning,
-            "auto": auto,
-        }
-        if args.json is not None:
-            write_json(args.json, doc)
-        if args.plot is not None:
-            plot(doc, args.plot)
+        _write(args, docs, run_info)
     return 1 if not ok else (INTERRUPTED_STATUS if interrupted else 0)
+
+
+def _mpi_min() -> Any:
+    from mpigpu.core._mpi import MPI
+
+    return MPI().MIN
+
+
+def _write(args: argparse.Namespace, docs: list[dict[str, Any]], run_info: dict[str, Any]) -> None:
+    """Rank 0: --json (one collective), --json-dir (a file per collective and the table of them all),
+    --plot (one collective's plot, or a panel per collective); the table printed where there are several."""
+    several = len(args.collective) > 1
+    table = merged_table(docs) if docs else []
+    if several and table:
+        print("#\n# every collective of this run\n#")
+        print("\n".join(table))
+        sys.stdout.flush()
+    if args.json is not None and docs:
+        write_json(args.json, docs[0])
+    if args.json_dir is not None:
+        tag, day = run_info["tag"], run_info["started"]
+        for doc in docs:
+            write_json(args.json_dir / result_name(tag, doc["collective"], day), doc)
+        if table:
+            (args.json_dir / result_name(tag, "collectives", day, "md")).write_text("\n".join(table) + "\n")
+    if args.plot is not None and docs:
+        if several:
+            plot_collectives(docs, args.plot)
+        else:
+            plot(docs[0], args.plot)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -531,6 +622,16 @@ def main(argv: list[str] | None = None) -> int:
             plot(load_run(args.replot), args.plot)
         except InvalidArgument as exc:
             return refuse("mpigpu.bench", exc)
+        return 0
+    if args.merge is not None:
+        try:
+            docs = [load_run(path) for path in args.merge]
+        except InvalidArgument as exc:
+            return refuse("mpigpu.bench", exc)
+        with contextlib.suppress(BrokenPipeError):
+            print("\n".join(merged_table(docs)))
+        if args.plot is not None:
+            plot_collectives(docs, args.plot)
         return 0
     from mpigpu.job.failsafe import abort_on_exception
 

@@ -23,6 +23,7 @@ from mpigpu.core.timing import Result
 from mpigpu.runtime.tuning import size_label
 
 __all__ = [
+    "ALLREDUCE_CALLS",
     "AUTO_TARGET",
     "CALLS",
     "CALL_DESCRIPTION",
@@ -48,8 +49,9 @@ AUTO_TARGET = 1.05  # the issue's target: auto within 5% of the fastest backend
 PLACE_LABEL = {"device": "gpu", "host": "host"}
 
 # How an mpigpu path is called (anchors have none). The column of a row is its path's name plus the suffix.
-CALLS = ("user", "persistent", "prepared")
-CALL_SUFFIX = {"user": "", "persistent": ":req", "prepared": ":prep"}
+CALLS = ("user", "persistent", "prepared", "out")
+ALLREDUCE_CALLS = ("user", "persistent", "prepared")  # "out": allgather and alltoall into an output made once
+CALL_SUFFIX = {"user": "", "persistent": ":req", "prepared": ":prep", "out": ":out"}
 CALL_DESCRIPTION = {
     "user": "mpigpu.allreduce(x) as users call it: checked across ranks every call (validated on its first)",
     "persistent": "req() of req = mpigpu.allreduce_init(x, ...) made once per size: checked once, then launched",
@@ -66,8 +68,13 @@ def call_description(call: str, collective: str = "allreduce") -> str:
     """What a call of ``collective`` times (the collectives besides allreduce have the user's call only)."""
     if collective == "allreduce":
         return CALL_DESCRIPTION[call]
-    args = {"broadcast": "x, root=0", "reduce_scatter": 'x, "sum"', "alltoall": "x, splits"}.get(collective, "x")
-    return f"mpigpu.{collective}({args}) as users call it: arguments validated and checked across ranks every call"
+    args = {"broadcast": "x, root=0", "reduce_scatter": 'x, "sum", out=o', "alltoall": "x"}.get(collective, "x")
+    if call == "out":
+        args += ", out=o"
+    made = " (o made once)" if "out=" in args else ""
+    return (
+        f"mpigpu.{collective}({args}) as users call it{made}: arguments validated and checked across ranks every call"
+    )
 
 
 def _description(anchor: str, collective: str) -> str:
@@ -277,7 +284,7 @@ def _ordered(columns: Iterable[str]) -> list[str]:
 
     def order(column: str) -> tuple[int, int, int]:
         name, _, suffix = column.partition(":")
-        call = {"": 0, "req": 1, "prep": 2}.get(suffix, 3)
+        call = {"": 0, "out": 1, "req": 1, "prep": 2}.get(suffix, 3)
         kind = 0 if name == "auto" else 2 if name in ANCHORS else 1
         return (kind, call, first.index(column))
 

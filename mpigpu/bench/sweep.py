@@ -98,6 +98,12 @@ def plan_paths(ctx: Any, args: argparse.Namespace) -> tuple[list[PathSpec], list
         paths.extend(mine)
         if "auto" in wanted and not args.tune:
             paths += auto_paths(placement, args.calls)
+    timed = {p.placement for p in paths}
+    for name, cls in anchors.items():  # an anchor of arrays this run does not time: said, with why
+        if name in wanted and cls.placement not in timed and not any(line.startswith(f"{name}: ") for line in skipped):
+            problem = cls.unavailable(ctx)  # collective (the torch anchors agree across ranks)
+            where = "GPU buffers" if cls.placement == "device" else "host arrays"
+            skipped.append(f"{name}: {problem or f'{where} are not timed in this run (--placement)'}")
     return paths, skipped
 
 
@@ -156,6 +162,13 @@ class Sweep:
                 self.close()
                 raise
 
+    def use(self, args: argparse.Namespace) -> None:
+        """Measure the collective of ``args`` next (``--collective`` with several: one sweep, so one
+        stream and one set of anchors, an NCCL communicator and a torch process group each, for all);
+        the lists of measurements start empty for it."""
+        self.args, self.collective = args, getattr(args, "collective", "allreduce")
+        self.stopped, self.unsupported, self.measurements, self.rechecks = [], [], [], []
+
     def close(self) -> None:
         """Close the anchors; CuPy gets back the stream current before the sweep, torch its default (collective)."""
         for anchor in self._anchors.values():
@@ -195,7 +208,8 @@ class Sweep:
     def _anchor(self, name: str) -> Any:
         anchor = self._anchors.get(name)
         if anchor is None:
-            cls = anchor_classes(self.collective)[name]
+            # an anchor of the moves is one of allreduce's with the moves added: it serves every collective
+            cls = COLLECTIVE_ANCHORS.get(name) or anchor_classes(self.collective)[name]
             anchor = self._anchors[name] = cls(self.ctx, self.cp_stream if cls.placement == "device" else None)
         return anchor
 

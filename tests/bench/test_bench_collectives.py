@@ -146,7 +146,11 @@ def test_torch_tensors_as_the_users_arrays(tmp_path: Path) -> None:
         (["--collective", "allgather", "--inplace"], "--inplace does not apply to --collective allgather"),
         (["--collective", "broadcast", "--out-of-place"], "--out-of-place does not apply to --collective broadcast"),
         (["--collective", "broadcast", "--tune"], "--tune measures allreduce's crossover table"),
-        (["--collective", "scatter"], "invalid choice: 'scatter'"),
+        (["--collective", "scatter"], "unknown collective 'scatter'"),
+        (["--collective", "all", "--json", "x.json"], "with several collectives use --json-dir DIR"),
+        (["--collective", "allreduce,broadcast", "--tune"], "run it with --collective allreduce alone"),
+        (["--collective", "allreduce", "--calls", "out"], "--calls out is allgather's and alltoall's"),
+        (["--collective", "alltoall", "--calls", "user,out"], "mpigpu.alltoall takes no out= in this mpigpu"),
     ],
 )
 def test_options_without_meaning_for_a_collective_are_refused(tmp_path: Path, args: list[str], message: str) -> None:
@@ -237,7 +241,7 @@ def test_reduce_scatter_and_alltoall_run_verified_with_their_anchors(tmp_path: P
     done = ok(bench(n, tmp_path, "--collective", collective, "--sizes", "8,40,4K", "--dtypes", "float32,int8,float16",
                     "--backends", "auto,cpu,host,ipc,mpi-host,torch-gloo", "--json", str(out)))  # fmt: skip
     assert "# PASS: 0 wrong elements" in done.stdout
-    call = 'mpigpu.reduce_scatter(x, "sum")' if collective == "reduce_scatter" else "mpigpu.alltoall(x, splits)"
+    call = 'mpigpu.reduce_scatter(x, "sum", out=o)' if collective == "reduce_scatter" else "mpigpu.alltoall(x)"
     assert f"# call user: {call} as users call it" in done.stdout
     # ipc reduce-scatters (its allreduce, then the rows) but needs GPUs; it has no alltoall
     assert ("ipc: does not implement" in done.stdout) == (collective == "alltoall")

@@ -103,3 +103,32 @@ def test_rotation_starts_each_round_one_path_later() -> None:
     assert rounds.rotation(3, 4) == [1, 2, 0]
     assert rounds.rotation(1, 5) == [0]
     assert rounds.rotation(0, 2) == []
+
+
+@pytest.mark.mpi(min_size=2)
+def test_every_collective_of_one_run_takes_its_turns_in_rotated_rounds(
+    comm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36: ``--collective all`` sweeps the five one after another in one job, each one's paths
+    interleaved at each size as a run of one collective is; a JSON document per collective."""
+    sizes = _record(monkeypatch)
+    folder = Path(comm.bcast(str(tmp_path), root=0))
+    argv = [*ARGS, "--collective", "all", "--backends", "cpu", "--inplace", "--json-dir", str(folder), "--tag", "t"]
+    status = bench.run(bench.build_parser().parse_args(argv), ["test", *argv])
+    assert set(comm.allgather(status)) == {0}
+    assert all(theirs == sizes for theirs in comm.allgather(sizes)), "every rank played the same turns"
+    order = ["allreduce", "reduce_scatter", "alltoall", "broadcast", "allgather"]
+    listed = {name: ["mpi-host", "cpu", *(["cpu:req"] if name == "allreduce" else [])] for name in order}
+    assert [columns for columns, _ in sizes] == [listed[name] for name in order for _ in (8, 4096)]
+    for columns, played in sizes:
+        k = len(columns)
+        assert played == [c for r in range(ROUNDS) for c in columns[r % k :] + columns[: r % k]]
+    comm.Barrier()
+    docs = {p.name: json.loads(p.read_text()) for p in folder.glob("t-*.json")}
+    day = next(iter(docs.values()))["run"]["started"][:10]
+    assert sorted(docs) == sorted(f"t-{name}-{day}.json" for name in order)
+    for name in order:
+        doc = docs[f"t-{name}-{day}.json"]
+        assert doc["collective"] == name and doc["ok"] and doc["settings"]["rounds"] == ROUNDS
+        assert {(r["column"], r["bytes"]) for r in doc["results"]} == {(c, b) for c in listed[name] for b in (8, 4096)}
+        assert all(len(r["rounds_us"]) == ROUNDS for r in doc["results"])

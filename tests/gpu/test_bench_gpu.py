@@ -175,3 +175,49 @@ def test_device_wrong_counts_elements_as_numpy_does_at_every_size(comm, item: in
         assert expected > 0
         assert _device_wrong(cp, cp.asarray(got), cp.asarray(want), item, count) == expected, count
         assert _device_wrong(cp, cp.asarray(want), cp.asarray(want), item, count) == 0, count
+
+
+def test_every_collective_in_one_run_beside_torch_and_raw_nccl(comm) -> None:
+    """Issue 36 (the gpu-check collectives stage, small): ``--collective all`` on torch CUDA tensors at
+    two sizes, in one job: for each of the five, the user's call under auto and each backend that has
+    it, raw NCCL and torch.distributed's own call (NCCL), every row verified; a JSON document per
+    collective named <gpu>x<n>-<collective>-<date>.json and the table of them all; then a damaged
+    result seen in every row of every collective."""
+    import importlib.util
+
+    ctx = Context.get(comm)
+    if not ctx.nccl.available:
+        pytest.skip(f"NCCL is not available: {ctx.nccl.reason}")
+    torch_ok = importlib.util.find_spec("torch") is not None
+    backends = [b for b in ("nccl", "host") if ctx.availability[b].ok]
+    anchors = ["nccl-raw", *(["torch-nccl"] if torch_ok else [])]
+    folder = Path(comm.bcast(tempfile.mkdtemp(prefix="mpigpu-bench-") if comm.Get_rank() == 0 else None, root=0))
+    small = 4 * max(2, comm.Get_size())  # a float32 row per rank
+    argv = [*QUICK, "--placement", "gpu", "--collective", "all", "--inplace", "--sizes", f"{small},64K",
+            "--framework", "torch" if torch_ok else "native", "--backends", ",".join(["auto", *backends, *anchors]),
+            "--json-dir", str(folder), "--tag", "t"]  # fmt: skip
+    status = bench.run(bench.build_parser().parse_args(argv), ["test", *argv])
+    assert set(comm.allgather(status)) == {0}
+    comm.Barrier()
+    docs = {json.loads(p.read_text())["collective"]: json.loads(p.read_text()) for p in folder.glob("t-*.json")}
+    assert sorted(docs) == sorted(["allreduce", "reduce_scatter", "alltoall", "broadcast", "allgather"])
+    for name, doc in docs.items():
+        assert doc["ok"], (name, doc["failures"])
+        columns = {r["column"] for r in doc["results"]}
+        calls = {"auto", *backends, *([f"{b}:req" for b in ("auto", *backends)] if name == "allreduce" else [])}
+        brought = {"seed-staging"} if name == "allreduce" and "host" in backends else set()  # host's anchor
+        assert columns == calls | set(anchors) | brought, (name, doc["skipped"], doc["not_timed"])
+        assert all(r["placement"] == "device" and r["wrong"] == 0 for r in doc["results"])
+        assert {r["bytes"] for r in doc["results"]} == {small, 65536}
+    table = next(folder.glob("t-collectives-*.md")).read_text()
+    if torch_ok:
+        assert "torch `reduce_scatter_tensor`" in table and "torch `all_to_all_single`" in table
+    assert "raw NCCL allGather" in table
+
+    argv = [*argv[: argv.index("--json-dir")], "--corrupt", "1", "--json-dir", str(folder / "bad"), "--tag", "t"]
+    status = bench.run(bench.build_parser().parse_args(argv), ["test", *argv])
+    assert set(comm.allgather(status)) == {1}
+    comm.Barrier()
+    for path in (folder / "bad").glob("t-*.json"):
+        doc = json.loads(path.read_text())
+        assert not doc["ok"] and all(r["wrong"] == 1 for r in doc["results"]), doc["collective"]
