@@ -112,6 +112,11 @@ def broadcast(x: Any, root: int = 0, *, comm: Any = None, backend: str = "auto",
 
 
 # -- allgather ----------------------------------------------------------------------------------------------------
+def _rows_of(ctx: Context, mine: int) -> list[int]:
+    """Every rank's first dimension where the check did not tell it (it was off, or one rank)."""
+    return [mine] if ctx.size == 1 else _gather_rows(ctx, mine)
+
+
 def _gather_rows(ctx: Context, mine: int) -> list[int]:
     """Every rank's first dimension (collective; one MPI_Allgather of an int64)."""
     from mpigpu.core._mpi import MPI
@@ -145,10 +150,7 @@ class _Allgather(Family):
     def execute(self, record: Record, args: tuple[Any, ...], stream: StreamRef | None, ranks: Any, live: Any) -> Any:
         ctx, x = record.ctx, args[0]
         xv = lent(record.x, x) if live is None else live
-        if ranks is not None:
-            rows = ranks
-        else:  # the check was off (or one rank): every rank's first dimension, by one MPI_Allgather
-            rows = [xv.shape[0]] if ctx.size == 1 else _gather_rows(ctx, xv.shape[0])
+        rows = ranks if ranks is not None else _rows_of(ctx, xv.shape[0])
         result, out, finish = new_array(xv, (sum(rows), *xv.shape[1:]), x)
         if xv.device is not None:
             ctx.activate_gpu()
