@@ -51,13 +51,14 @@ MAX_ITERS = 1000
 
 
 def _bytes(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().removesuffix("B")
-    scale = units.get(text[-1:], 1)
+    """A size in bytes through mpigpu's own parser (8, 4K, 1M, 1G), at least one float32."""
+    from mpigpu.core.config import parse_count
+    from mpigpu.core.errors import InvalidArgument
+
     try:
-        value = int(text[:-1] if text[-1:] in units else text) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: a whole number of bytes, or with K, M, G") from None
+        value = parse_count(text)
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if value < 4:
         raise argparse.ArgumentTypeError(f"size {text!r}: at least one float32 (4 B)")
     return value

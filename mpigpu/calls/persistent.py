@@ -36,7 +36,7 @@ from mpigpu.core._cuda import StreamRef, core_stream, resolve_stream
 from mpigpu.core.errors import DeviceError, InvalidArgument, MpigpuError
 from mpigpu.core.ops import Op
 from mpigpu.job.check import Signature, check_packed, check_signature
-from mpigpu.multi.binding import thread_binding
+from mpigpu.multi.binding import over_devices
 
 __all__ = ["Graph", "Request", "allreduce_init"]
 
@@ -387,7 +387,7 @@ def allreduce_init(
 
     From a thread bound with ``on_device`` (or with a list) it returns a DevicesRequest, whose every
     start is a full call over the process's devices (mpigpu.multi.request)."""
-    if type(x) is list or type(x) is tuple or thread_binding.__dict__.get("index") is not None:
+    if over_devices(x):
         from mpigpu.multi.request import DevicesRequest
 
         return DevicesRequest(x, op, out, comm, backend, stream)  # type: ignore[return-value]

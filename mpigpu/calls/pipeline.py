@@ -379,8 +379,3 @@ def copy_bytes(dst: ArrayView, src: ArrayView, stream: StreamRef | None) -> None
     runtime = cupy().cuda.runtime
     handle = 0 if stream is None else stream.handle
     runtime.memcpyAsync(dst.ptr, src.ptr, src.nbytes, runtime.memcpyDeviceToDevice, handle)
-
-
-def view_of(obj: Any, name: str) -> ArrayView:
-    """``as_view`` (the one place a call reads an array it has no record of)."""
-    return as_view(obj, name=name)

@@ -40,7 +40,7 @@ from mpigpu.core.arrays import ArrayView, as_view, check_out, copy_single
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op, parse_op
 from mpigpu.job.device import GpuInfo
-from mpigpu.multi.binding import thread_binding
+from mpigpu.multi.binding import over_devices
 from mpigpu.runtime.context import Context, announce_rejection
 from mpigpu.runtime.plan import Choice, choose, choose_cached, remember
 
@@ -187,7 +187,7 @@ def allreduce(
     ``stream`` then lists too, or None) reduces them all from this thread and returns the list. Either
     way every device of every rank is a participant, and avg divides by their number.
     """
-    if type(x) is list or type(x) is tuple or thread_binding.__dict__.get("index") is not None:
+    if over_devices(x):
         from mpigpu.multi.call import allreduce_devices
 
         return allreduce_devices(x, op, out, comm, backend, stream)
@@ -210,7 +210,7 @@ def allreduce_async(
     cross-rank mismatch is raised by ``wait()``. Collective, like ``allreduce``: every rank starts
     the same calls in the same order. From a thread bound with ``on_device`` (or with a list) the call
     runs at once, as the devices must meet; ``wait()`` waits for the GPU work it enqueued."""
-    if type(x) is list or type(x) is tuple or thread_binding.__dict__.get("index") is not None:
+    if over_devices(x):
         from mpigpu.multi.request import start_handle
 
         name, result, enqueued = start_handle(x, op, out, comm, backend, stream)
@@ -395,12 +395,6 @@ class _ReduceScatter(Family):
                 launch = record.launch = _bind_scatter(record)
             launch(xv, outv, stream)
         return finished(ctx, out, finish, stream)
-
-    def label(self, record: Record, phase: str) -> str:
-        x = record.x
-        if phase == "check":
-            return f"reduce_scatter of {list(x.shape)} {x.dtype.name} (cross-rank argument check)"
-        return f"reduce_scatter({record.choice.backend}, {x.dtype.name} x {x.size}, op={record.op.value})"
 
 
 def _bind_scatter(record: Record) -> Any:

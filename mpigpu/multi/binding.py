@@ -23,9 +23,15 @@ from mpigpu.core.errors import InvalidArgument
 from mpigpu.multi.group import bind, devices_of, doom_next_call, fail_participant, unbind
 from mpigpu.runtime.context import Context
 
-__all__ = ["bound_index", "local_devices", "on_device", "thread_binding"]
+__all__ = ["bound_index", "local_devices", "on_device", "over_devices", "thread_binding"]
 
 thread_binding = threading.local()  # .index: the position in local_devices() this thread is bound to; .token: its block
+
+
+def over_devices(x: Any) -> bool:
+    """Whether a call goes over several devices of this process: ``x`` a list (or tuple) of arrays, or
+    the calling thread bound with ``on_device`` (the hot path's test: two type checks and a lookup)."""
+    return type(x) is list or type(x) is tuple or thread_binding.__dict__.get("index") is not None
 
 
 def bound_index() -> int | None:
