@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -24,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from mpigpu.core._cuda import require_cuda_core
+from mpigpu.core.build_cache import cached_build
 from mpigpu.core.errors import KernelCompileError
-from mpigpu.core.privatefs import PrivateDir, UntrustedPath
 
 __all__ = ["CompileStats", "Module", "compile_stats", "launch", "load_module"]
 
@@ -121,7 +119,7 @@ def _load(source: str, arch: str) -> Module:
     root = _cache_dir()
     name = f"{Path(source).stem}-sm{arch}-{digest}{_SUFFIX}"
     start = time.perf_counter()
-    cubin, cached = _cached_cubin(root, name, lambda: _compile(core, text, source, options))
+    cubin, cached = cached_build(root, _SUBDIR, name, MAGIC, lambda: _compile(core, text, source, options))
     object_code = core.ObjectCode.from_cubin(cubin, name=source)
     stats = CompileStats(source, f"sm_{arch}", cached, (time.perf_counter() - start) * 1e3, str(root / _SUBDIR / name))
     _stats.append(stats)
@@ -129,88 +127,12 @@ def _load(source: str, arch: str) -> Module:
 
 
 # -- the on-disk cache ---------------------------------------------------------------------------------
-# <cache>/kernels/<source>-sm<arch>-<digest of the inputs>.v1.cubin holds _MAGIC, the sha256 of the cubin,
-# then the cubin. Both directories are private (privatefs): a file another user could have written is
-# never loaded. The hash catches what ownership cannot: a truncated or corrupt entry, which is
-# recompiled and replaced.
+# <cache>/kernels/<source>-sm<arch>-<digest of the inputs>.v1.cubin holds MAGIC, the sha256 of the cubin,
+# then the cubin (mpigpu.core.build_cache: trusted and intact, or rebuilt).
 
 _SUBDIR = "kernels"
 _SUFFIX = ".v1.cubin"  # the entry format's version: entries of other formats are never read as this one
-_MAGIC = b"mpigpu-cubin-1\n"
-_HASH_BYTES = 32
-_warned: set[str] = set()
-
-
-def _warn(message: str) -> None:
-    """One line on stderr, once per process for each distinct message."""
-    if message not in _warned:
-        _warned.add(message)
-        sys.stderr.write(f"mpigpu: {message}\n")
-        sys.stderr.flush()
-
-
-def _pack(cubin: bytes) -> bytes:
-    return _MAGIC + hashlib.sha256(cubin).digest() + cubin
-
-
-def _unpack(entry: bytes) -> bytes | None:
-    """The cubin stored in a cache entry, or None if the entry is truncated or corrupt."""
-    head = len(_MAGIC) + _HASH_BYTES
-    if len(entry) <= head or not entry.startswith(_MAGIC):
-        return None
-    cubin = entry[head:]
-    return cubin if hashlib.sha256(cubin).digest() == entry[len(_MAGIC) : head] else None
-
-
-def _cached_cubin(root: Path, name: str, build: Callable[[], bytes]) -> tuple[bytes, bool]:
-    """(cubin, True) from the cache entry ``name`` under ``root`` if it is trusted and intact, else
-    (``build()``, False), stored for next time where the cache can be used.
-
-    A lock in the private directory makes one rank of a node compile while the others wait and then
-    read its entry. Where the cache cannot be used (another user's directory, a read-only home) the
-    cubin is compiled in memory, after one line on stderr saying why."""
-    where = root / _SUBDIR
-    fix = "remove it or set MPIGPU_CACHE_DIR to a directory of your own; compiling in memory"
-    try:
-        with PrivateDir.open(root) as top:
-            cache = top.subdir(_SUBDIR)
-    except UntrustedPath as exc:
-        _warn(f"not using the kernel cache: {exc}: {fix}")
-        return build(), False
-    except OSError as exc:
-        _warn(f"not using the kernel cache {where} ({exc.strerror or exc}); compiling in memory")
-        return build(), False
-    with cache:
-        try:
-            held = cache.lock(f".{name}.lock")
-        except (UntrustedPath, OSError) as exc:
-            _warn(f"not using the kernel cache {where}: cannot lock it ({exc}): {fix}")
-            return build(), False
-        with held:
-            return _read_or_build(cache, name, build, fix)
-
-
-def _read_or_build(cache: PrivateDir, name: str, build: Callable[[], bytes], fix: str) -> tuple[bytes, bool]:
-    """Under the lock: the entry's cubin if intact, else a new one, stored atomically."""
-    try:
-        entry = cache.read(name)
-    except UntrustedPath as exc:
-        _warn(f"not using the kernel cache entry: {exc}: {fix}")
-        return build(), False
-    except OSError as exc:
-        _warn(f"cannot read the kernel cache entry {cache.path / name} ({exc}); compiling in memory")
-        return build(), False
-    if entry is not None:
-        cubin = _unpack(entry)
-        if cubin is not None:
-            return cubin, True
-        _warn(f"the kernel cache entry {cache.path / name} is corrupt or truncated: recompiling it")
-    cubin = build()
-    try:
-        cache.write(name, _pack(cubin))
-    except OSError as exc:
-        _warn(f"cannot store {cache.path / name} in the kernel cache ({exc}); it is compiled again next run")
-    return cubin, False
+MAGIC = b"mpigpu-cubin-1\n"
 
 
 def _compile(core: Any, text: str, source: str, options: dict[str, Any]) -> bytes:

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from mpigpu.core import build_cache
 from mpigpu.kernels import compile as kc
 
 GENUINE = b"\x7fELF genuine cubin compiled by this user " + bytes(range(256))
@@ -73,7 +74,7 @@ def kernels(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Kernels
         return GENUINE
 
     monkeypatch.setattr(kc, "_compile", fake_compile)
-    monkeypatch.setattr(kc, "_warned", set(), raising=False)
+    monkeypatch.setattr(build_cache, "_warned", set())
     yield state
     for path in tmp_path.rglob("*"):  # give everything back, so pytest can remove it
         if not path.is_symlink():
@@ -84,8 +85,7 @@ def kernels(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Kernels
 
 def _entry_bytes(cubin: bytes) -> bytes:
     """A cache entry as the cache itself writes it (what an attacker would plant)."""
-    pack = getattr(kc, "_pack", None)
-    return pack(cubin) if pack is not None else cubin
+    return build_cache.pack(kc.MAGIC, cubin)
 
 
 def _entry_name(kernels: Kernels, tmp_path: Path) -> str:
@@ -177,7 +177,7 @@ def test_a_planted_entry_in_an_untrusted_directory_is_not_loaded(
     assert planted.read_bytes() == before  # left alone: not ours to replace
     warnings = _warnings(capsys)
     assert len(warnings) == 1, warnings
-    assert "not using the kernel cache" in warnings[0] and "compiling in memory" in warnings[0]
+    assert "not using the kernel cache" in warnings[0] and "building in memory" in warnings[0]
     assert "MPIGPU_CACHE_DIR" in warnings[0]
 
 
