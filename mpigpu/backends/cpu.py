@@ -73,7 +73,7 @@ def _divide_has_nan(values: np.ndarray, nranks: int) -> bool:
     return found
 
 
-def _is_plain(dtype: DType, op: Op) -> bool:
+def is_plain(dtype: DType, op: Op) -> bool:
     """Whether MPI_Allreduce takes the call as it is: not float min/max (keys), integer avg (parts)
     or the half types (float32)."""
     if dtype.is_half:
@@ -136,7 +136,7 @@ class CpuBackend(Backend):
         return found
 
     def _make(self, dtype: DType, op: Op, in_place: bool) -> Reduce:
-        if _is_plain(dtype, op):
+        if is_plain(dtype, op):
             return self._plain(self.ctx.comm, dtype, op, in_place)
         comm, nranks, mpi = self.ctx.comm, self.ctx.size, MPI()
         if dtype.is_float and op in (Op.MIN, Op.MAX):  # keys: MPI's integer MIN/MAX is order-independent

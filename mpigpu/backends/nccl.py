@@ -110,6 +110,10 @@ class NcclBackend(Backend):
             self.close()  # the ranks whose init succeeded: no communicator the others lack
             raise
 
+    def native_comm(self) -> int:
+        """The ncclComm_t, for compiled code that calls NCCL itself (mpigpu.jax's compiled handler)."""
+        return int(self._comm.comm)
+
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
         from mpigpu.core._cuda import StreamRef
 

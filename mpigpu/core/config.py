@@ -60,6 +60,9 @@ ENV_VARS: dict[str, str] = {
     "MPIGPU_TIMELINE": "directory: every rank records its collective calls and training buckets to "
     "<directory>/rank<r>.json (created 0700; merge with `python -m mpigpu.timeline merge`); unset: off, at no cost",
     "MPIGPU_TIMELINE_EVENTS": "N: events each rank keeps for the timeline, the oldest dropped first (default 100000)",
+    "MPIGPU_JAX_HANDLER": "auto (default), compiled or python: which FFI handler runs mpigpu.jax's collectives in "
+    "compiled programs. auto: the compiled one (built with the C++ compiler at first use, cached like the kernels) "
+    "where it takes the call, else the Python one; compiled: refuse a call it cannot take; python: never compile",
 }
 
 # name -> (smallest, largest) value of each integer setting. Every value is checked against its range
@@ -134,6 +137,15 @@ def _bool(name: str, default: bool) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"{name}={value!r} is not valid: use 1 or 0")
+
+
+def _word(name: str, choices: tuple[str, ...], default: str) -> str:
+    value = _raw(name)
+    if value is None:
+        return default
+    if value.lower() not in choices:
+        raise ConfigError(f"{name}={value!r} is not valid: use {', '.join(choices)}")
+    return value.lower()
 
 
 def _opt_bool(name: str) -> bool | None:
@@ -216,6 +228,7 @@ class Settings:
     log: bool = False
     timeline: Path | None = None  # MPIGPU_TIMELINE: on where set (agreed: the clock exchange is collective)
     timeline_events: int = 100_000
+    jax_handler: str = "auto"  # MPIGPU_JAX_HANDLER (per rank: both handlers make the same library calls)
 
     def agreed(self) -> tuple[tuple[str, object], ...]:
         """(variable, value) of the settings that change which collectives run, or which backend is
@@ -270,6 +283,7 @@ class Settings:
             log=_bool("MPIGPU_LOG", False),
             timeline=_user_path("MPIGPU_TIMELINE", timeline) if timeline else None,
             timeline_events=events,
+            jax_handler=_word("MPIGPU_JAX_HANDLER", ("auto", "compiled", "python"), "auto"),
         )
 
 

@@ -14,8 +14,9 @@ backend for that size and runs the cross-rank argument check there, once per com
 thread that compiles; a mismatch raises MismatchError on every rank before anything runs. The
 compiled call itself checks nothing.
 
-The handler (mpigpu.jax._handler) is registered per platform ("cpu", "cuda") with
-``jax.ffi.register_ffi_target`` from a ctypes callback: no compiled code.
+Handlers. Where every rank's compiled handler (mpigpu.jax._native) takes the call, the custom call names it
+and the call's slot; otherwise the Python handler (mpigpu.jax._handler, registered per platform with
+``jax.ffi.register_ffi_target`` from a ctypes callback) and the call's encoded attribute.
 
 JAX internals used (no public API offers an ordered effect for an FFI call): ``jax._src.effects``
 (registering the effect type), ``jax._src.dispatch.apply_primitive``, ``jax._src.interpreters``
@@ -47,7 +48,7 @@ from mpigpu.core.arrays import ArrayView
 from mpigpu.core.dtypes import parse_dtype
 from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError
 from mpigpu.core.ops import Op
-from mpigpu.jax import _ffi
+from mpigpu.jax import _ffi, _native
 from mpigpu.jax._comms import Channel, channel
 from mpigpu.jax._device import FIX
 from mpigpu.jax._handler import ATTRIBUTE, COLLECTIVES, encode, execute
@@ -162,6 +163,8 @@ class CompiledCall:
     backend: str
     reason: str
     collective: str = "allreduce"  # or "broadcast", "allgather"
+    handler: str = "python"  # the FFI handler that runs it: "compiled" or "python"
+    handler_reason: str = ""  # why the Python handler runs it (empty when compiled)
 
 
 _compiled: deque[CompiledCall] = deque(maxlen=256)
@@ -196,9 +199,11 @@ def check_program_device(axis_context: Any, gpu: GpuInfo | None, rank: int) -> N
 
 def _choose_and_check(
     ch: Channel, aval: Any, op: Op, backend: str, platform: str, axis_context: Any, collective: str, root: int
-) -> Choice:
-    """Choose the backend for this call and check, across ranks, that all agree (collective on the check
-    communicator). A rank that cannot make the call raises its own error; the others MismatchError."""
+) -> tuple[str, int | None]:
+    """Choose the backend and the handler for this call and check, across ranks, that all agree
+    (collective on the check communicator). A rank that cannot make the call raises its own error; the
+    others MismatchError. Returns the backend's name and the compiled handler's slot for the call (None: the
+    Python handler runs it)."""
     ctx = ch.ctx
     name = f"mpigpu.jax.{collective}"
     try:
@@ -227,19 +232,24 @@ def _choose_and_check(
             spec.size, dtype.code, op.code if collective == "allreduce" else 0, backend_code(choice.backend),
             int(on_gpu), shape=spec.shape, collective=CHECKED.index(collective), root=root,
         )  # fmt: skip
+        refusal = _native.local_verdict(ctx, collective, dtype, op, choice.backend, on_gpu, spec.nbytes, spec.size)
     except Exception as exc:  # any failure here must reach the other ranks, which are in the check
         with contextlib.suppress(MismatchError), _watched(ch, f"{name} (reporting an invalid call)"):
             check_signature(ch.check, Signature(0, 0, 0, 0, 0, error=f"{type(exc).__name__}: {exc}"), name)
         raise
     with _watched(ch, f"{name} of {spec.size} {dtype.name} (cross-rank check while compiling)"):
         check_signature(ch.check, signature, name, backend_name=choice.backend)
+        refusal = _native.agree(ch.check, refusal, ctx.settings.jax_handler)
+    slot = None if refusal else _native.slot_for(ctx, collective, dtype, op, root, choice.backend, on_gpu)
     reduction = op.value if collective == "allreduce" else "-"
+    handler = "python" if slot is None else "compiled"
     _compiled.append(CompiledCall(platform, dtype.name, spec.size, spec.nbytes, reduction, backend, choice.backend,
-                                  choice.reason, collective))  # fmt: skip
+                                  choice.reason, collective, handler, refusal or ""))  # fmt: skip
     if ctx.settings.log and ctx.rank == 0:
+        how = "compiled handler" if slot is not None else f"Python handler: {refusal}"
         sys.stderr.write(f"mpigpu.jax: {spec.nbytes} B {dtype.name} on {spec.where} -> {choice.backend} "
-                         f"({choice.reason})\n")  # fmt: skip
-    return choice
+                         f"({choice.reason}; {how})\n")  # fmt: skip
+    return choice.backend, slot
 
 
 def _watched(ch: Channel, label: str) -> Any:
@@ -262,19 +272,23 @@ def _lowering(collective: str) -> Any:
             raise InvalidArgument(f"mpigpu.jax compiles for one platform at a time, got {platforms}")
         platform = platforms[0]
         op_ = Op(op)
-        choice = _choose_and_check(channel(comm), aval, op_, backend, platform, ctx.module_context.axis_context,
-                                   collective, root)  # fmt: skip
-        _register(platform)
+        chosen, slot = _choose_and_check(channel(comm), aval, op_, backend, platform,
+                                         ctx.module_context.axis_context, collective, root)  # fmt: skip
+        if slot is None:
+            _register(platform)
         build = jax.ffi.build_ffi_lowering_function(
-            TARGETS[collective],
+            (TARGETS if slot is None else _native.TARGETS)[collective],
             skip_ffi_layout_processing=True,
             has_side_effect=True,
             result_types=[mlir.token_type(), _ir_type(ctx, out_aval)],
             operand_layouts=[(), _row_major(aval)],
             result_layouts=[(), _row_major(out_aval)],
         )
-        attribute = encode(op_, choice.backend, platform != "cpu", comm, collective, root)
-        call = build(ctx, ctx.tokens_in.get(EFFECT), x, **{ATTRIBUTE: np.int64(attribute)})
+        if slot is None:
+            attrs = {ATTRIBUTE: np.int64(encode(op_, chosen, platform != "cpu", comm, collective, root))}
+        else:
+            attrs = {_native.SLOT_ATTRIBUTE: np.int64(slot)}
+        call = build(ctx, ctx.tokens_in.get(EFFECT), x, **attrs)
         token, out = call.results
         ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({EFFECT: token})))
         return [out]

@@ -431,6 +431,7 @@ class Watchdog:
         self._gone = gone
         self._gone_in: dict[int, tuple[Any, ...]] = {}  # thread id -> the wait in which a rank was first seen gone
         self.active: dict[int, tuple[Any, ...]] = {}  # thread id -> (name,) or (call, phase)
+        self._sources: list[Callable[[], dict[int, tuple[Any, ...]]]] = []  # waits Python cannot see (add_source)
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
@@ -484,6 +485,11 @@ class Watchdog:
             time.sleep(self.period)
             now = time.monotonic()
             active = self.active.copy()
+            for source in self._sources:
+                try:
+                    active.update(source())
+                except Exception:  # a source must never end the watchdog
+                    continue
             for thread_id in [t for t in seen if t not in active]:
                 del seen[thread_id]
                 self._gone_in.pop(thread_id, None)
@@ -500,6 +506,13 @@ class Watchdog:
                 if 0 < self.stall < waited and not entry[2]:
                     seen[thread_id] = (what, entry[1], True)
                     self._stalled(what, waited)
+
+    def add_source(self, source: Callable[[], dict[int, tuple[Any, ...]]]) -> None:
+        """Also watch what ``source()`` returns each period: waits outside Python (mpigpu.jax's compiled
+        handler), as ``active`` entries keyed by a number no thread id takes (negative), each entry the
+        same object for as long as one wait lasts. Starts the watchdog's thread."""
+        self._sources.append(source)
+        self.start()
 
     def start(self) -> None:
         """Start the watchdog's thread (idempotent; ``watch`` calls it)."""

@@ -314,6 +314,10 @@ class Context:
             self.async_worker.drain()
 
     # -- backends ---------------------------------------------------------------------------------
+    def created(self, name: str) -> bool:
+        """Whether backend ``name`` exists already (``backend`` would not create it)."""
+        return name in self._backends
+
     def backend(self, name: str) -> Backend:
         """The backend instance for ``name``, created on first use (collectively)."""
         instance = self._backends.get(name)

@@ -236,9 +236,20 @@ def test_many_dispatches_without_waiting(comm) -> None:
         assert np.array_equal(np.asarray(out), base * (step + 1))
 
 
+def python_handler(monkeypatch) -> None:
+    """Programs lowered from here on in this test run on the Python FFI handler (MPIGPU_JAX_HANDLER=python
+    for the world's channel; the setting is read from the channel's context while lowering)."""
+    import dataclasses
+
+    from mpigpu.jax._comms import channel, comm_key
+
+    ctx = channel(comm_key()).ctx
+    monkeypatch.setattr(ctx, "settings", dataclasses.replace(ctx.settings, jax_handler="python"))
+
+
 @mpi
-def test_handler_keeps_its_thread_state_between_calls(comm) -> None:
-    """XLA runs the handler on threads Python does not know; ctypes used to make and delete a Python
+def test_handler_keeps_its_thread_state_between_calls(comm, monkeypatch) -> None:
+    """XLA runs the Python handler on threads Python does not know; ctypes used to make and delete a Python
     thread state around every call, so thread-local caches (the current GPU, cuda.core's and CuPy's) were
     rebuilt on every call. Now each XLA thread is new to Python once: at most one new state per thread,
     and the results stay exact (sums of small integers)."""
@@ -246,6 +257,7 @@ def test_handler_keeps_its_thread_state_between_calls(comm) -> None:
 
     rank, size = comm.Get_rank(), comm.Get_size()
     mj = _mj()
+    python_handler(monkeypatch)
     f = jax.jit(lambda x, s: mj.allreduce(x * s, "sum"))
     n = 1 << 14  # large enough that JAX's CPU runtime runs the program on its own threads, not inline
     x = _cpu(np.arange(1, n + 1, dtype=np.float64) + rank)

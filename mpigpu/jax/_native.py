@@ -1,0 +1,357 @@
+"""mpigpu.jax's compiled FFI handler (native_handler.cc): built once per machine, loaded, given its calls.
+
+The Python handler costs ~120 us of CPU per call; this one calls NCCL (GPU programs) or MPI (CPU
+programs) directly, with no Python, no GIL and no decoding beyond XLA's own. It takes the calls whose
+eager path is one plain library call (``prepare`` says which); the Python handler keeps the others
+(float min/max and integer averages, one rank, sizes past MPI's int counts) and every call where the
+compiled one is missing (no C++ compiler, a build that failed, MPIGPU_JAX_HANDLER=python).
+
+Build: the C++ compiler (``CXX``, else ``c++``/``g++``) against the XLA FFI headers jaxlib ships, at the
+first lowering that wants it, into the private kernel cache (mpigpu.core.build_cache: ours, intact,
+or rebuilt; one rank of a node builds while the others wait). Load: the bytes read and verified from
+the cache are written into an anonymous memory file and loaded from there, so the library that runs
+is the one whose hash was checked, never a file someone could swap after the check.
+
+Slots: the library calls a function it is given. For each compiled call, lowering registers a slot
+(the function as loaded in this process, the communicator, the datatype and op values) and the program
+names the slot by number: a program never carries a pointer, and a slot is always registered by the
+lowering of this process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from mpigpu.core.build_cache import cached_build
+from mpigpu.core.config import settings
+from mpigpu.core.dtypes import DType
+from mpigpu.core.errors import ConfigError
+from mpigpu.core.ops import Op
+
+__all__ = ["SLOT_ATTRIBUTE", "TARGETS", "Library", "Slot", "agree", "library", "local_verdict", "slot_for"]
+
+# the compiled handler's FFI targets, one name per collective (as profilers and HLO dumps show them)
+TARGETS = {name: f"mpigpu_{name}_compiled" for name in ("allreduce", "broadcast", "allgather")}
+SLOT_ATTRIBUTE = "mpigpu_slot"  # its one attribute: the slot's number
+SOURCE = "native_handler.cc"
+_MAGIC = b"mpigpu-ffi-so-1\n"
+_SUBDIR = "jax"
+_FLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC")
+_SYMBOLS = {"cpu": "mpigpu_native_cpu", "cuda": "mpigpu_native_gpu"}
+_XLA_PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}  # as mpigpu.jax._primitive registers the Python handler
+_KINDS = {"nccl": 1, "cpu": 2}
+_NCCL_UINT8 = 1
+_INT_MAX = (1 << 31) - 1
+# after MPI on the host (native_handler.cc's After): canonical NaN (f32, f64), avg's division and canonical NaN
+_AFTER = {("float32", False): 1, ("float64", False): 2, ("float32", True): 3, ("float64", True): 4}
+
+
+class Slot(ctypes.Structure):
+    """One compiled call's fixed arguments: native_handler.cc's ``Slot``, field for field."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("collective", ctypes.c_int32),
+        ("handle_bytes", ctypes.c_int32),
+        ("root", ctypes.c_int32),
+        ("datatype", ctypes.c_int64),
+        ("op", ctypes.c_int64),
+        ("comm", ctypes.c_int64),
+        ("fn", ctypes.c_int64),
+        ("nranks", ctypes.c_int32),
+        ("after", ctypes.c_int32),
+    ]
+
+
+class _BuildFailed(Exception):
+    """The C++ compiler could not build the handler (its output is the message)."""
+
+
+@dataclass
+class Library:
+    """The loaded handler library: its slots and the FFI targets registered so far."""
+
+    dll: ctypes.CDLL
+    cached: bool  # loaded from the cache (False: built in this process)
+    slots: dict[tuple[Any, ...], int]  # what a slot holds -> its number
+    labels: dict[int, str]  # slot -> the call it runs, for the watchdog
+    registered: set[str]
+
+    def register(self, platform_name: str) -> None:
+        """Register the handler for ``platform_name`` ("cpu" or "cuda") with XLA, once."""
+        if platform_name in self.registered:
+            return
+        import jax
+
+        handler = jax.ffi.pycapsule(getattr(self.dll, _SYMBOLS[platform_name]))
+        for target in TARGETS.values():
+            jax.ffi.register_ffi_target(target, handler, platform=_XLA_PLATFORMS[platform_name])
+        self.registered.add(platform_name)
+
+    def slot(self, values: Slot, key: tuple[Any, ...], label: str) -> int:
+        """The number of the slot holding ``values`` (registered now if new)."""
+        found = self.slots.get(key)
+        if found is not None:
+            return found
+        number = len(self.slots)
+        if number >= self.dll.mpigpu_native_slots():
+            raise ConfigError(f"mpigpu.jax: more than {number} distinct compiled calls in one process")
+        if self.dll.mpigpu_native_set(ctypes.c_int64(number), ctypes.byref(values)) != 0:
+            raise ConfigError(f"mpigpu.jax: the compiled handler refused slot {number}")
+        self.slots[key] = number
+        self.labels[number] = label
+        return number
+
+    def busy(self) -> tuple[int, int]:
+        """(slot running now or -1, serial number of the latest call): read by the watchdog's thread."""
+        serial = ctypes.c_int64()
+        slot = self.dll.mpigpu_native_busy(ctypes.byref(serial))
+        return int(slot), serial.value
+
+
+_lock = threading.Lock()
+_state: list[Library | str] = []  # the library, or why there is none (decided once per process)
+
+
+def library() -> Library | str:
+    """The compiled handler, built or read from the cache on first use; or a sentence saying why not."""
+    with _lock:
+        if not _state:
+            try:
+                _state.append(_load())
+            except (_BuildFailed, OSError, AttributeError, ImportError) as exc:
+                _state.append(f"the compiled FFI handler is not available ({exc}); using the Python handler")
+        return _state[0]
+
+
+def _compiler() -> list[str]:
+    named = os.environ.get("CXX", "").split()
+    if named:
+        return named
+    for name in ("c++", "g++", "clang++"):
+        found = shutil.which(name)
+        if found:
+            return [found]
+    raise _BuildFailed("no C++ compiler found: install one (g++) or set CXX")
+
+
+def _run(command: list[str]) -> str:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise _BuildFailed(f"{command[0]}: {exc}") from None
+    if done.returncode != 0:
+        raise _BuildFailed(f"{' '.join(command[:2])}... exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+    return done.stdout
+
+
+def _load() -> Library:
+    if not sys.platform.startswith("linux"):
+        raise _BuildFailed("it is built and loaded on Linux only")
+    import jax
+    import jaxlib
+
+    compiler = _compiler()
+    include = jax.ffi.include_dir()
+    text = resources.files("mpigpu.jax").joinpath(SOURCE).read_text()
+    version = _run([*compiler, "--version"]).splitlines()[0]
+    inputs = "\0".join([text, version, jaxlib.__version__, " ".join(_FLAGS), platform.machine()])
+    name = f"ffi-handler-{hashlib.sha256(inputs.encode()).hexdigest()[:20]}.v1.so"
+
+    def build() -> bytes:
+        with tempfile.TemporaryDirectory(prefix="mpigpu-ffi-") as scratch:  # created 0700
+            source, built = Path(scratch) / SOURCE, Path(scratch) / "handler.so"
+            source.write_text(text)
+            _run([*compiler, *_FLAGS, "-isystem", include, str(source), "-o", str(built)])
+            return built.read_bytes()
+
+    data, cached = cached_build(settings().cache_dir, _SUBDIR, name, _MAGIC, build, "compiled-handler cache")
+    dll = _from_memory(data)
+    if dll.mpigpu_native_slot_bytes() != ctypes.sizeof(Slot):
+        raise _BuildFailed("its Slot layout differs from mpigpu.jax._native.Slot")
+    return Library(dll, cached, {}, {}, set())
+
+
+def _from_memory(data: bytes) -> ctypes.CDLL:
+    """Load the library from ``data`` through an anonymous memory file (what was verified is what runs)."""
+    fd = os.memfd_create("mpigpu-ffi-handler", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, data)
+        dll = ctypes.CDLL(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)  # the mapping outlives the descriptor
+    dll.mpigpu_native_set.restype = ctypes.c_int
+    dll.mpigpu_native_set.argtypes = (ctypes.c_int64, ctypes.POINTER(Slot))
+    dll.mpigpu_native_busy.restype = ctypes.c_int64
+    dll.mpigpu_native_busy.argtypes = (ctypes.POINTER(ctypes.c_int64),)
+    for name in ("mpigpu_native_slots", "mpigpu_native_slot_bytes"):
+        getattr(dll, name).restype = ctypes.c_int64
+    for name in _SYMBOLS.values():
+        getattr(dll, name)  # AttributeError now, not after the ranks agreed to use it
+    return dll
+
+
+# -- which calls, and their slots -------------------------------------------------------------------------------
+
+
+def _loaded(prefix: str) -> ctypes.CDLL:
+    """The library of this process whose file name starts with ``prefix`` (e.g. "libnccl.so"), as loaded."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1] if len(line.split()) >= 6 else ""
+            if os.path.basename(path).startswith(prefix):
+                return ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+    raise OSError(f"no {prefix}* is loaded in this process")
+
+
+_functions: dict[tuple[str, str], int] = {}
+
+
+def _function(prefix: str, name: str) -> int:
+    key = (prefix, name)
+    if key not in _functions:
+        _functions[key] = ctypes.cast(getattr(_loaded(prefix), name), ctypes.c_void_p).value or 0
+    return _functions[key]
+
+
+def _why_not(collective: str, dtype: DType, op: Op, backend: str, on_gpu: bool, nbytes: int, count: int,
+             nranks: int) -> str | None:  # fmt: skip
+    """Why the compiled handler does not take this call (None: it does)."""
+    if nranks == 1:
+        return "one rank: the result is the input (the Python handler copies it)"
+    if count == 0:
+        return "an empty array"
+    if backend != ("nccl" if on_gpu else "cpu"):
+        return f"backend {backend!r}: the compiled handler calls NCCL on GPUs and MPI on the host"
+    if collective == "allreduce":
+        if on_gpu:
+            from mpigpu.backends.device_scratch import needs_keys_or_parts
+
+            if needs_keys_or_parts(dtype, op):
+                return f"{dtype.name} {op.value} goes by keys or parts around NCCL"
+        else:
+            from mpigpu.backends.cpu import is_plain
+
+            if not is_plain(dtype, op):
+                return f"{dtype.name} {op.value} goes by keys, parts or float32 around MPI"
+            if dtype.is_float and dtype.name not in ("float32", "float64"):
+                return f"{dtype.name}: NaN canonicalisation is compiled for float32 and float64 only"
+    if not on_gpu and nbytes > _INT_MAX:
+        return "past MPI's int counts"
+    return None
+
+
+def local_verdict(ctx: Any, collective: str, dtype: DType, op: Op, backend: str, on_gpu: bool, nbytes: int,
+                  count: int) -> str | None:  # fmt: skip
+    """Why this rank's compiled handler cannot take the call (None: it can). Local: builds or loads the
+    library on first use, never communicates."""
+    if ctx.settings.jax_handler == "python":
+        return "MPIGPU_JAX_HANDLER=python"
+    why = _why_not(collective, dtype, op, backend, on_gpu, nbytes, count, ctx.size)
+    if why is not None:
+        return why
+    found = library()
+    return None if isinstance(found, Library) else found
+
+
+def agree(check: Any, why: str | None, mode: str) -> str | None:
+    """Every rank's verdict, gathered on the check communicator: None where every rank's compiled handler
+    takes the call, else the reasons, the same on every rank (the two handlers need not make the same
+    library calls: broadcast in pieces, MPI_Allgatherv). A rank with MPIGPU_JAX_HANDLER=compiled makes
+    every rank raise ConfigError when one cannot."""
+    verdicts = check.allgather((why, mode == "compiled"))
+    refusals = [f"rank {rank}: {reason}" for rank, (reason, _) in enumerate(verdicts) if reason is not None]
+    if not refusals:
+        return None
+    reason = "; ".join(refusals[:4]) + (f"; and {len(refusals) - 4} more ranks" if len(refusals) > 4 else "")
+    demanding = [rank for rank, (_, demand) in enumerate(verdicts) if demand]
+    if demanding:
+        raise ConfigError(
+            f"MPIGPU_JAX_HANDLER=compiled on rank(s) {', '.join(map(str, demanding[:8]))}, but the compiled handler "
+            f"cannot take this call ({reason}): unset MPIGPU_JAX_HANDLER, or fix what the reason names"
+        )
+    return reason
+
+
+def slot_for(ctx: Any, collective: str, dtype: DType, op: Op, root: int, backend: str, on_gpu: bool) -> int:
+    """The slot running this call in the compiled handler (after ``agree`` said every rank takes it).
+
+    Collective over the handler's communicator where the backend is new: it is created here, after this
+    process's earlier programs have finished (so no handler thread uses that communicator meanwhile)."""
+    lib = library()
+    assert isinstance(lib, Library)
+    values = _slot_values(ctx, collective, dtype, op, root, backend, on_gpu)
+    key = tuple(getattr(values, field) for field, _ in Slot._fields_)
+    number = lib.slot(values, key, f"mpigpu.jax {collective}({backend}, {dtype.name}, compiled handler)")
+    lib.register("cuda" if on_gpu else "cpu")
+    _watch(ctx, lib)
+    return number
+
+
+def _backend(ctx: Any, name: str) -> Any:
+    """The context's backend ``name``, created now if new (after draining this process's programs)."""
+    if not ctx.created(name):
+        import jax
+
+        jax.effects_barrier()  # earlier programs' handler calls have finished: none uses ctx.comm now
+        if ctx.gpu is not None:
+            ctx.activate_gpu()
+    return ctx.backend(name)
+
+
+def _slot_values(ctx: Any, collective: str, dtype: DType, op: Op, root: int, backend: str, on_gpu: bool) -> Slot:
+    which = list(TARGETS).index(collective)
+    if on_gpu:
+        instance = _backend(ctx, "nccl")
+        name = {"allreduce": "ncclAllReduce", "broadcast": "ncclBroadcast", "allgather": "ncclAllGather"}[collective]
+        datatype = dtype.nccl if collective == "allreduce" else _NCCL_UINT8
+        return Slot(_KINDS["nccl"], which, 8, root, datatype, op.nccl, instance.native_comm(),
+                    _function("libnccl.so", name), ctx.size, 0)  # fmt: skip
+    from mpigpu.core._mpi import MPI
+
+    mpi = MPI()
+    _backend(ctx, backend)
+    name = {"allreduce": "MPI_Allreduce", "broadcast": "MPI_Bcast", "allgather": "MPI_Allgather"}[collective]
+    datatype = mpi._handleof(dtype.mpi if collective == "allreduce" else mpi.BYTE)
+    after = _AFTER.get((dtype.name, op is Op.AVG), 0) if collective == "allreduce" and dtype.is_float else 0
+    return Slot(_KINDS["cpu"], which, mpi._sizeof(mpi.Comm), root, datatype, mpi._handleof(op.mpi),
+                mpi._handleof(ctx.comm), _function("libmpi.so", name), ctx.size, after)  # fmt: skip
+
+
+_watched: set[int] = set()
+
+
+def _watch(ctx: Any, lib: Library) -> None:
+    """Show the watchdog of ``ctx`` the compiled handler's calls (it cannot see into C++ otherwise)."""
+    if not ctx.watchdog.on or id(ctx.watchdog) in _watched:
+        return
+    _watched.add(id(ctx.watchdog))
+    ctx.watchdog.add_source(_busy_source(lib))
+
+
+def _busy_source(lib: Library) -> Callable[[], dict[int, tuple[Any, ...]]]:
+    """What the compiled handler runs now, as the watchdog's ``active`` entries (one per call, by identity)."""
+    last: list[Any] = [None, None]  # serial, its entry
+
+    def source() -> dict[int, tuple[Any, ...]]:
+        slot, serial = lib.busy()
+        if slot < 0:
+            return {}
+        if last[0] != serial:
+            last[0], last[1] = serial, (lib.labels.get(slot, f"mpigpu.jax compiled call {slot}"),)
+        return {-1: last[1]}
+
+    return source

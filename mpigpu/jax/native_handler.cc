@@ -1,0 +1,189 @@
+// mpigpu's compiled XLA FFI handler: the one-device collectives of mpigpu.jax without Python.
+//
+// The Python handler (mpigpu/jax/_handler.py) costs ~120 us of CPU per call (ctypes, the GIL, the
+// decoding); this one calls NCCL (GPU) or MPI (CPU) directly. It knows no library at build time: the
+// Python side registers, per compiled call, a "slot" holding the function to call (ncclAllReduce,
+// MPI_Allreduce, ... as loaded in this process), the communicator and the datatype/op values, and the
+// compiled program names the slot by a small integer attribute. A slot is registered while the program
+// is lowered, in this process, so a program never names a pointer from another process.
+//
+// Same bits as mpigpu's eager call: the Python side registers only the calls whose eager path is the
+// one plain library call (NCCL's ncclAvg included; on CPU MPI_Allreduce, then avg's IEEE division by
+// the rank count and every NaN made the canonical one, as mpigpu.backends.cpu does).
+//
+// Build: c++ -std=c++17 -O2 -shared -fPIC -I<jax.ffi.include_dir()> (mpigpu.jax._native does it,
+// once per machine, into the private kernel cache).
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+enum Kind : int32_t { kEmpty = 0, kNccl = 1, kMpi = 2 };
+enum Collective : int32_t { kAllreduce = 0, kBroadcast = 1, kAllgather = 2 };
+enum After : int32_t { kNothing = 0, kCanonF32 = 1, kCanonF64 = 2, kAvgF32 = 3, kAvgF64 = 4 };
+
+// One compiled call's fixed arguments. Mirrored by mpigpu.jax._native.Slot (ctypes): keep the two equal.
+struct Slot {
+  int32_t kind;
+  int32_t collective;
+  int32_t handle_bytes;  // MPI: the width of its handles (4: MPICH's ints, 8: Open MPI's pointers)
+  int32_t root;          // broadcast's root
+  int64_t datatype;      // allreduce: ncclDataType_t or the MPI_Datatype handle; else the byte type's
+  int64_t op;            // ncclRedOp_t, or the MPI_Op handle
+  int64_t comm;          // ncclComm_t, or the MPI_Comm handle
+  int64_t fn;            // the library function (broadcast and allgather move bytes)
+  int32_t nranks;
+  int32_t after;         // After: what runs on the host after MPI (CPU only)
+};
+
+constexpr int kSlots = 4096;
+Slot slots[kSlots];
+std::mutex slots_lock;  // registration (rare) against reading a slot (every call)
+std::mutex call_lock;   // one collective at a time per process, as the Python handler's lock
+// what runs now, for mpigpu's watchdog (it samples these from its own thread): the slot (-1: none) and
+// a serial number that changes with every call
+std::atomic<int64_t> busy_slot{-1};
+std::atomic<int64_t> busy_serial{0};
+
+struct Busy {
+  explicit Busy(int64_t index) {
+    busy_serial.fetch_add(1, std::memory_order_relaxed);
+    busy_slot.store(index, std::memory_order_release);
+  }
+  ~Busy() { busy_slot.store(-1, std::memory_order_release); }
+};
+
+using NcclAllReduce = int (*)(const void*, void*, size_t, int, int, void*, void*);
+using NcclBroadcast = int (*)(const void*, void*, size_t, int, int, void*, void*);
+using NcclAllGather = int (*)(const void*, void*, size_t, int, void*, void*);
+
+template <typename H>
+int MpiCall(const Slot& s, const void* x, void* out, int count, int bytes) {
+  using Allreduce = int (*)(const void*, void*, int, H, H, H);
+  using Bcast = int (*)(void*, int, H, int, H);
+  using Allgather = int (*)(const void*, int, H, void*, int, H, H);
+  auto handle = [](int64_t v) { return (H)(intptr_t)v; };
+  switch (s.collective) {
+    case kAllreduce:
+      return ((Allreduce)s.fn)(x, out, count, handle(s.datatype), handle(s.op), handle(s.comm));
+    case kBroadcast:
+      if (out != x) std::memcpy(out, x, bytes);
+      return ((Bcast)s.fn)(out, bytes, handle(s.datatype), s.root, handle(s.comm));
+    default:
+      return ((Allgather)s.fn)(x, bytes, handle(s.datatype), out, bytes, handle(s.datatype), handle(s.comm));
+  }
+}
+
+template <typename F, typename U>
+void Finish(F* values, size_t n, int32_t nranks, bool divide, U canonical) {
+  const F d = static_cast<F>(nranks);
+  for (size_t i = 0; i < n; ++i) {
+    F v = values[i];
+    if (divide) v = v / d;
+    if (v != v) std::memcpy(&v, &canonical, sizeof v);
+    values[i] = v;
+  }
+}
+
+ffi::Error Lookup(int64_t index, Slot* found) {
+  if (index < 0 || index >= kSlots) return ffi::Error::InvalidArgument("mpigpu: slot out of range");
+  {
+    std::lock_guard<std::mutex> hold(slots_lock);
+    *found = slots[index];
+  }
+  if (found->kind == kEmpty) {
+    return ffi::Error::Internal("mpigpu: this compiled call was not prepared in this process (stale compiled code?)");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Run(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int64_t index) {
+  Slot s;
+  if (ffi::Error e = Lookup(index, &s); e.failure()) return e;
+  const size_t count = x.element_count();
+  if (count == 0) return ffi::Error::Success();
+  std::lock_guard<std::mutex> hold(call_lock);
+  Busy busy(index);
+  int rc;
+  if (s.kind == kNccl) {
+    void* comm = reinterpret_cast<void*>(s.comm);
+    const int dt = static_cast<int>(s.datatype);
+    const size_t bytes = x.size_bytes();
+    if (s.collective == kAllreduce) {
+      rc = ((NcclAllReduce)s.fn)(x.untyped_data(), out->untyped_data(), count, dt, static_cast<int>(s.op), comm, stream);
+    } else if (s.collective == kBroadcast) {
+      rc = ((NcclBroadcast)s.fn)(x.untyped_data(), out->untyped_data(), bytes, dt, s.root, comm, stream);
+    } else {
+      rc = ((NcclAllGather)s.fn)(x.untyped_data(), out->untyped_data(), bytes, dt, comm, stream);
+    }
+    if (rc != 0) return ffi::Error::Internal("mpigpu: NCCL returned error " + std::to_string(rc));
+    return ffi::Error::Success();
+  }
+  const int n = static_cast<int>(count);
+  const int bytes = static_cast<int>(x.size_bytes());
+  rc = s.handle_bytes == 4 ? MpiCall<int32_t>(s, x.untyped_data(), out->untyped_data(), n, bytes)
+                           : MpiCall<void*>(s, x.untyped_data(), out->untyped_data(), n, bytes);
+  if (rc != 0) return ffi::Error::Internal("mpigpu: MPI returned error " + std::to_string(rc));
+  const bool divide = s.after == kAvgF32 || s.after == kAvgF64;
+  if (s.after == kCanonF32 || s.after == kAvgF32) {
+    Finish(static_cast<float*>(out->untyped_data()), count, s.nranks, divide, uint32_t{0x7fc00000u});
+  } else if (s.after == kCanonF64 || s.after == kAvgF64) {
+    Finish(static_cast<double*>(out->untyped_data()), count, s.nranks, divide, uint64_t{0x7ff8000000000000ull});
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error RunCpu(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> out,
+                  int64_t index) {
+  return Run(nullptr, x, out, index);
+}
+
+ffi::Error RunGpu(void* stream, ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                  ffi::Result<ffi::AnyBuffer> out, int64_t index) {
+  return Run(stream, x, out, index);
+}
+
+}  // namespace
+
+extern "C" int mpigpu_native_set(int64_t index, const Slot* slot) {
+  if (index < 0 || index >= kSlots) return 1;
+  std::lock_guard<std::mutex> hold(slots_lock);
+  slots[index] = *slot;
+  return 0;
+}
+
+extern "C" int64_t mpigpu_native_slots() { return kSlots; }
+
+// The slot of the call running now (-1: none), and the serial number of the latest call.
+extern "C" int64_t mpigpu_native_busy(int64_t* serial) {
+  const int64_t slot = busy_slot.load(std::memory_order_acquire);
+  *serial = busy_serial.load(std::memory_order_relaxed);
+  return slot;
+}
+
+extern "C" int64_t mpigpu_native_slot_bytes() { return sizeof(Slot); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mpigpu_native_cpu, RunCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Token>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("mpigpu_slot"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mpigpu_native_gpu, RunGpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Arg<ffi::Token>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Token>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("mpigpu_slot"));
