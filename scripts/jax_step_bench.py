@@ -1,7 +1,9 @@
 """Milliseconds per data-parallel JAX training step, several ways, on the same model:
 
-  (a)  in-jit   one jitted step: loss, grad, mpigpu.jax.average_tree (an XLA FFI call), update
-  (a1) in-jit as (a), with a new Python thread state made and deleted for every handler call (ctypes'
+  (a)  in-jit   one jitted step: loss, grad, mpigpu.jax.average_tree (an XLA FFI call), update; the
+                compiled FFI handler where it takes the call (MPIGPU_JAX_HANDLER=auto)
+  (ap) in-jit as (a) on the Python FFI handler (MPIGPU_JAX_HANDLER=python)
+  (a1) in-jit as (ap), with a new Python thread state made and deleted for every handler call (ctypes'
                 own behaviour on XLA's threads, before the handler kept one per thread): runs first
   (a0) in-jit as (a), with JAX's own host wait before every call restored (the runtime token placed
                 with block_until_ready, as before issue 17): what mpigpu.jax._tokens saves
@@ -34,8 +36,9 @@ host's dispatch time per step (time spent in the step calls, before the final wa
 close to ms/step the host is the limit, not the device. "main cpu" is the CPU time of the dispatching
 thread per step (near host ms: dispatch is Python work; well below: it waits, for the GIL or for XLA).
 The in-jit rows also say what the FFI handler costs per call, measured inside it on XLA's thread: wall
-and CPU time (wall - CPU: waiting, for the GIL or in MPI), calls per step, and how many calls found
-their thread's Python state new (all of them in (a1)). Every variant starts from the same parameters
+and CPU time (wall - CPU: waiting, for the GIL or in MPI), calls per step, and for the Python handler how
+many calls found their thread's Python state new (all of them in (a1)). The compiled handler times itself
+(its C++ counters, on only while a row is timed). Every variant starts from the same parameters
 and data and runs the same number of steps; the script checks that all end with the same parameters
 on every rank (to a float32 tolerance: the reductions add in different orders) and that each is
 identical across ranks. (s) and (c) are skipped, with a one-line reason, if jax.distributed cannot start.
@@ -142,17 +145,32 @@ def _timed(comm: Any, run_steps: Any, steps: int) -> tuple[float, float, float]:
     return tuple(comm.allreduce(v, op=slowest) * 1e3 / steps for v in (elapsed, dispatch, cpu))  # type: ignore[return-value]
 
 
-def _handler_row(comm: Any, times: Any, steps: int) -> dict[str, Any]:
-    """The FFI handler's cost per call during the timed steps, the slowest rank's."""
+def _handler_row(comm: Any, times: Any, steps: int, kind: str) -> dict[str, Any]:
+    """The FFI handler's cost per call during the timed steps, the slowest rank's (``kind``: "python" or
+    "compiled"; the compiled one has no thread states to count)."""
     from mpigpu.core._mpi import MPI
 
     calls = max(times.calls, 1)
     slowest = MPI().MAX
     wall = comm.allreduce(times.seconds / calls, op=slowest)
     cpu = comm.allreduce(times.cpu_seconds / calls, op=slowest)
-    fresh = comm.allreduce(times.fresh, op=slowest)
-    return {"calls_per_step": times.calls / steps, "us_per_call": wall * 1e6, "cpu_us_per_call": cpu * 1e6,
-            "new_thread_state_calls": fresh, "threads": len(times.threads)}  # fmt: skip
+    fresh = comm.allreduce(getattr(times, "fresh", 0), op=slowest)
+    return {"handler": kind, "calls_per_step": times.calls / steps, "us_per_call": wall * 1e6,
+            "cpu_us_per_call": cpu * 1e6, "new_thread_state_calls": fresh,
+            "threads": len(getattr(times, "threads", ()))}  # fmt: skip
+
+
+@contextlib.contextmanager
+def _handler_mode(ctx: Any, mode: str) -> Any:
+    """Programs lowered inside the block use MPIGPU_JAX_HANDLER=``mode`` (``ctx``: mpigpu.jax's channel context)."""
+    import dataclasses
+
+    before = ctx.settings
+    ctx.settings = dataclasses.replace(before, jax_handler=mode)
+    try:
+        yield
+    finally:
+        ctx.settings = before
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     from jax.flatten_util import ravel_pytree
 
     import mpigpu.jax as mj
+    from mpigpu.jax import _native
+    from mpigpu.jax._comms import channel, comm_key
     from mpigpu.jax._ffi import fresh_thread_states, record_times
     from mpigpu.jax._tokens import jax_host_wait
 
@@ -228,15 +248,19 @@ def main(argv: list[str] | None = None) -> int:
         gradient: (backend, bytes per step and rank)."""
         steps, state = _stepper(jax, init, one_step)
 
+        library = _native.library()
+        native = library.record_times() if isinstance(library, _native.Library) else contextlib.nullcontext()
         with around():
             steps(args.warmup)
-            with record_times() as times:
+            with record_times() as times, native as compiled_times:
                 ms, host_ms, cpu_ms = _timed(comm, steps, args.steps)
         backend, nbytes = reduced()
         results[name] = {"ms_per_step": ms, "host_dispatch_ms_per_step": host_ms, "main_cpu_ms_per_step": cpu_ms,
                          "backend": backend, "bytes_reduced_per_step": nbytes}  # fmt: skip
         if comm.allreduce(times.calls, op=MPI().MAX):
-            results[name]["handler"] = _handler_row(comm, times, args.steps)
+            results[name]["handler"] = _handler_row(comm, times, args.steps, "python")
+        elif compiled_times is not None and comm.allreduce(compiled_times.calls, op=MPI().MAX):
+            results[name]["handler"] = _handler_row(comm, compiled_times, args.steps, "compiled")
         if checked:
             finals[name] = _host_copy(jax, state["p"])
 
@@ -256,8 +280,21 @@ def main(argv: list[str] | None = None) -> int:
         run_variant(name, init_local, lambda p: step_a(p, x, y)[0], reduced, around, checked=backend is not None)
         return calls
 
-    in_jit("in_jit_fresh_thread_state", "auto", fresh_thread_states)  # first: no XLA thread has kept a state yet
+    jax_ctx = channel(comm_key(comm)).ctx  # collective (made once): every rank here, in this order
+
+    def python_handler(*more: Any) -> Any:
+        def around() -> Any:
+            stack = contextlib.ExitStack()
+            stack.enter_context(_handler_mode(jax_ctx, "python"))
+            for each in more:
+                stack.enter_context(each())
+            return stack
+
+        return around
+
+    in_jit("in_jit_fresh_thread_state", "auto", python_handler(fresh_thread_states))  # first: no thread state kept
     calls_a = in_jit("in_jit", "auto")
+    in_jit("in_jit_python", "auto", python_handler())
     in_jit("in_jit_host_wait", "auto", jax_host_wait)
     ctx = Context.get(comm)
     nccl = ctx.availability.get("nccl")
@@ -298,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         ok &= diff <= 1e-4 * max(1.0, float(np.max(np.abs(reference))))
     if rank == 0:
         labels = {"in_jit": "(a) in-jit average (mpigpu.jax)", "in_jit_host_wait": "(a0) in-jit, JAX's host wait",
+                  "in_jit_python": "(ap) in-jit, Python FFI handler",
                   "in_jit_fresh_thread_state": "(a1) in-jit, new thread state/call",
                   "local_only": "(l) no average (local gradient)",
                   "in_jit_nccl": "(an) in-jit, backend='nccl'", "leave_jit": "(b) leave jit, mpigpu.allreduce",
@@ -315,12 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         print("# host ms: time in the step calls per step, before the final wait (near ms/step: host-bound); "
               "main cpu: the dispatching thread's CPU time per step; "
               "MB/step: bytes reduced per step and rank")  # fmt: skip
-        print(f"# FFI handler, inside, per call (slowest rank): {'variant':<34} {'us':>8} {'cpu us':>8} "
-              f"{'calls/step':>10} {'new thread state':>16} {'threads':>7}")  # fmt: skip
+        print(f"# FFI handler, inside, per call (slowest rank): {'variant':<34} {'handler':>8} {'us':>8} "
+              f"{'cpu us':>8} {'calls/step':>10} {'new thread state':>16} {'threads':>7}")  # fmt: skip
         for name, r in results.items():
             h = r.get("handler")
             if h:
-                print(f"#   {labels[name]:<78} {h['us_per_call']:8.1f} {h['cpu_us_per_call']:8.1f} "
+                print(f"#   {labels[name]:<69} {h['handler']:>8} {h['us_per_call']:8.1f} {h['cpu_us_per_call']:8.1f} "
                       f"{h['calls_per_step']:10.2f} {h['new_thread_state_calls']:16d} {h['threads']:7d}")  # fmt: skip
         if skipped_c:
             print(f"# (s), (c) skipped: {skipped_c}")

@@ -20,6 +20,7 @@ lowering of this process.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -81,6 +82,15 @@ class _BuildFailed(Exception):
 
 
 @dataclass
+class NativeTimes:
+    """The compiled handler's calls in a ``Library.record_times`` block: count, wall and CPU seconds in it."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+
+
+@dataclass
 class Library:
     """The loaded handler library: its slots and the FFI targets registered so far."""
 
@@ -114,6 +124,19 @@ class Library:
         self.slots[key] = number
         self.labels[number] = label
         return number
+
+    @contextlib.contextmanager
+    def record_times(self) -> Iterator[NativeTimes]:
+        """Time the handler's calls inside the block (a benchmark's; off otherwise): filled in at its end."""
+        times = NativeTimes()
+        self.dll.mpigpu_native_record(1)
+        try:
+            yield times
+        finally:
+            self.dll.mpigpu_native_record(0)
+            wall, cpu = ctypes.c_int64(), ctypes.c_int64()
+            times.calls = int(self.dll.mpigpu_native_times(ctypes.byref(wall), ctypes.byref(cpu)))
+            times.seconds, times.cpu_seconds = wall.value / 1e9, cpu.value / 1e9
 
     def busy(self) -> tuple[int, int]:
         """(slot running now or -1, serial number of the latest call): read by the watchdog's thread."""
@@ -197,6 +220,10 @@ def _from_memory(data: bytes) -> ctypes.CDLL:
     dll.mpigpu_native_set.argtypes = (ctypes.c_int64, ctypes.POINTER(Slot))
     dll.mpigpu_native_busy.restype = ctypes.c_int64
     dll.mpigpu_native_busy.argtypes = (ctypes.POINTER(ctypes.c_int64),)
+    dll.mpigpu_native_record.argtypes = (ctypes.c_int,)
+    dll.mpigpu_native_record.restype = None
+    dll.mpigpu_native_times.restype = ctypes.c_int64
+    dll.mpigpu_native_times.argtypes = (ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64))
     for name in ("mpigpu_native_slots", "mpigpu_native_slot_bytes"):
         getattr(dll, name).restype = ctypes.c_int64
     for name in _SYMBOLS.values():
@@ -207,24 +234,36 @@ def _from_memory(data: bytes) -> ctypes.CDLL:
 # -- which calls, and their slots -------------------------------------------------------------------------------
 
 
-def _loaded(prefix: str) -> ctypes.CDLL:
-    """The library of this process whose file name starts with ``prefix`` (e.g. "libnccl.so"), as loaded."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            path = line.split()[-1] if len(line.split()) >= 6 else ""
-            if os.path.basename(path).startswith(prefix):
-                return ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
-    raise OSError(f"no {prefix}* is loaded in this process")
+_NCCL = {"allreduce": "ncclAllReduce", "broadcast": "ncclBroadcast", "allgather": "ncclAllGather"}
+_MPI = {"allreduce": "MPI_Allreduce", "broadcast": "MPI_Bcast", "allgather": "MPI_Allgather"}
+_functions: dict[str, dict[str, int] | str] = {}  # library prefix -> its functions' addresses, or why not
 
 
-_functions: dict[tuple[str, str], int] = {}
+def _functions_of(prefix: str, names: dict[str, str]) -> dict[str, int] | str:
+    """The addresses of ``names``' functions in the one library of this process named ``prefix``* (e.g.
+    "libnccl.so"), or why not: none loaded, or several (a communicator made by one must not reach another's
+    functions, and which one made it cannot be told here)."""
+    found = _functions.get(prefix)
+    if found is None:
+        with open("/proc/self/maps") as maps:
+            paths = {os.path.realpath(p) for p in (line.split()[-1] for line in maps if "/" in line)
+                     if os.path.basename(p).startswith(prefix)}  # fmt: skip
+        if len(paths) != 1:
+            found = f"{len(paths)} {prefix}* libraries are loaded in this process ({', '.join(sorted(paths))})"
+        else:
+            library_ = ctypes.CDLL(paths.pop(), mode=os.RTLD_NOLOAD)
+            found = {c: ctypes.cast(getattr(library_, name), ctypes.c_void_p).value or 0 for c, name in names.items()}
+        _functions[prefix] = found
+    return found
 
 
-def _function(prefix: str, name: str) -> int:
-    key = (prefix, name)
-    if key not in _functions:
-        _functions[key] = ctypes.cast(getattr(_loaded(prefix), name), ctypes.c_void_p).value or 0
-    return _functions[key]
+def _library_functions(on_gpu: bool) -> dict[str, int] | str:
+    """NCCL's functions (loaded by CuPy's binding, which makes the communicators) or MPI's (mpi4py's)."""
+    if on_gpu:
+        from cupy.cuda import nccl  # noqa: F401  (loads the NCCL library the nccl backend uses)
+
+        return _functions_of("libnccl.so", _NCCL)
+    return _functions_of("libmpi.so", _MPI)
 
 
 def _why_not(collective: str, dtype: DType, op: Op, backend: str, on_gpu: bool, nbytes: int, count: int,
@@ -264,7 +303,10 @@ def local_verdict(ctx: Any, collective: str, dtype: DType, op: Op, backend: str,
     if why is not None:
         return why
     found = library()
-    return None if isinstance(found, Library) else found
+    if not isinstance(found, Library):
+        return found
+    functions = _library_functions(on_gpu)
+    return functions if isinstance(functions, str) else None
 
 
 def agree(check: Any, why: str | None, mode: str) -> str | None:
@@ -316,19 +358,23 @@ def _slot_values(ctx: Any, collective: str, dtype: DType, op: Op, root: int, bac
     which = list(TARGETS).index(collective)
     if on_gpu:
         instance = _backend(ctx, "nccl")
-        name = {"allreduce": "ncclAllReduce", "broadcast": "ncclBroadcast", "allgather": "ncclAllGather"}[collective]
         datatype = dtype.nccl if collective == "allreduce" else _NCCL_UINT8
         return Slot(_KINDS["nccl"], which, 8, root, datatype, op.nccl, instance.native_comm(),
-                    _function("libnccl.so", name), ctx.size, 0)  # fmt: skip
+                    _address(on_gpu, collective), ctx.size, 0)  # fmt: skip
     from mpigpu.core._mpi import MPI
 
     mpi = MPI()
     _backend(ctx, backend)
-    name = {"allreduce": "MPI_Allreduce", "broadcast": "MPI_Bcast", "allgather": "MPI_Allgather"}[collective]
     datatype = mpi._handleof(dtype.mpi if collective == "allreduce" else mpi.BYTE)
     after = _AFTER.get((dtype.name, op is Op.AVG), 0) if collective == "allreduce" and dtype.is_float else 0
     return Slot(_KINDS["cpu"], which, mpi._sizeof(mpi.Comm), root, datatype, mpi._handleof(op.mpi),
-                mpi._handleof(ctx.comm), _function("libmpi.so", name), ctx.size, after)  # fmt: skip
+                mpi._handleof(ctx.comm), _address(on_gpu, collective), ctx.size, after)  # fmt: skip
+
+
+def _address(on_gpu: bool, collective: str) -> int:
+    functions = _library_functions(on_gpu)  # resolved by local_verdict already
+    assert not isinstance(functions, str), functions
+    return functions[collective]
 
 
 _watched: set[int] = set()

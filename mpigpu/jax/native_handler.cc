@@ -19,6 +19,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <time.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -53,12 +54,35 @@ std::mutex call_lock;   // one collective at a time per process, as the Python h
 std::atomic<int64_t> busy_slot{-1};
 std::atomic<int64_t> busy_serial{0};
 
+// the handler's own cost, while mpigpu_native_record(1) is on (benchmarks): calls, wall and CPU nanoseconds
+std::atomic<bool> timing{false};
+std::atomic<int64_t> timed_calls{0}, timed_wall_ns{0}, timed_cpu_ns{0};
+
+int64_t Nanoseconds(clockid_t clock) {
+  timespec t;
+  clock_gettime(clock, &t);
+  return int64_t{t.tv_sec} * 1000000000 + t.tv_nsec;
+}
+
 struct Busy {
-  explicit Busy(int64_t index) {
+  explicit Busy(int64_t index) : timed(timing.load(std::memory_order_relaxed)) {
     busy_serial.fetch_add(1, std::memory_order_relaxed);
     busy_slot.store(index, std::memory_order_release);
+    if (timed) {
+      wall = Nanoseconds(CLOCK_MONOTONIC);
+      cpu = Nanoseconds(CLOCK_THREAD_CPUTIME_ID);
+    }
   }
-  ~Busy() { busy_slot.store(-1, std::memory_order_release); }
+  ~Busy() {
+    busy_slot.store(-1, std::memory_order_release);
+    if (timed) {
+      timed_wall_ns.fetch_add(Nanoseconds(CLOCK_MONOTONIC) - wall, std::memory_order_relaxed);
+      timed_cpu_ns.fetch_add(Nanoseconds(CLOCK_THREAD_CPUTIME_ID) - cpu, std::memory_order_relaxed);
+      timed_calls.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  bool timed;
+  int64_t wall = 0, cpu = 0;
 };
 
 using NcclAllReduce = int (*)(const void*, void*, size_t, int, int, void*, void*);
@@ -170,6 +194,23 @@ extern "C" int64_t mpigpu_native_busy(int64_t* serial) {
 }
 
 extern "C" int64_t mpigpu_native_slot_bytes() { return sizeof(Slot); }
+
+// Timing of the handler's calls (off by default): mpigpu_native_record(1) zeroes the sums and starts,
+// mpigpu_native_record(0) stops; mpigpu_native_times reads calls, wall and CPU nanoseconds.
+extern "C" void mpigpu_native_record(int on) {
+  if (on) {
+    timed_calls = 0;
+    timed_wall_ns = 0;
+    timed_cpu_ns = 0;
+  }
+  timing.store(on != 0);
+}
+
+extern "C" int64_t mpigpu_native_times(int64_t* wall_ns, int64_t* cpu_ns) {
+  *wall_ns = timed_wall_ns.load();
+  *cpu_ns = timed_cpu_ns.load();
+  return timed_calls.load();
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mpigpu_native_cpu, RunCpu,
                               ffi::Ffi::Bind()

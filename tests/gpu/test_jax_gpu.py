@@ -161,6 +161,51 @@ def test_broadcast_and_allgather_inside_jit(ctx, jx, comm, backend: str) -> None
     np.testing.assert_array_equal(np.asarray(g), np.full(4, size * (size + 1) / 2, np.float32))
 
 
+def test_compiled_handler_takes_nccl_calls_with_the_python_handlers_bits(ctx, jx, comm, monkeypatch) -> None:
+    """Issue 38: on GPUs the compiled FFI handler calls NCCL itself (ncclAllReduce with ncclAvg, ncclBroadcast
+    and ncclAllGather of bytes) on XLA's stream, after a long producer: exact, and bit for bit what the
+    Python handler gives; float max stays on the Python handler (keys around NCCL), saying so."""
+    import dataclasses
+
+    from mpigpu.jax._comms import channel, comm_key
+
+    jax, mj, device = jx
+    _need(ctx, "nccl")
+    jnp = jax.numpy
+    rank, size = comm.Get_rank(), comm.Get_size()
+    jctx = channel(comm_key()).ctx
+    big = jax.device_put(np.full((2048, 2048), 1e-4, np.float32), device)
+
+    def program():
+        @jax.jit
+        def f(v, m):
+            for _ in range(4):
+                m = jnp.tanh(m @ m)
+            v = v + 0 * jnp.sum(m)  # written after the long chain
+            return (mj.allreduce(v, "sum", backend="nccl"), mj.allreduce(v, "avg", backend="nccl"),
+                    mj.broadcast(v, size - 1, backend="nccl"), mj.allgather(v, backend="nccl"),
+                    mj.allreduce(v, "max", backend="nccl"))  # fmt: skip
+
+        return f
+
+    x = _exact(1000003, "float32", Op.SUM, rank, size)
+    results = {}
+    for mode in ("auto", "python"):
+        monkeypatch.setattr(jctx, "settings", dataclasses.replace(jctx.settings, jax_handler=mode))
+        results[mode] = [np.asarray(a) for a in program()(jax.device_put(x, device), big)]
+        handlers = [c.handler for c in mj.compiled_calls()[-5:]]
+        expected = ["compiled"] * 4 + ["python"] if mode == "auto" and size > 1 else ["python"] * 5
+        assert handlers == expected, mj.compiled_calls()[-5:]
+    total, mean, sent, gathered, _ = results["auto"]
+    assert count_wrong_host(total, "exact", Op.SUM, DTYPES["float32"], size) == 0
+    every = [_exact(1000003, "float32", Op.SUM, r, size) for r in range(size)]
+    np.testing.assert_array_equal(sent, every[size - 1])
+    np.testing.assert_array_equal(gathered, np.concatenate(every))
+    for compiled, python in zip(results["auto"], results["python"], strict=True):
+        assert compiled.tobytes() == python.tobytes()
+    _same_everywhere(comm, mean)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stream_order_with_a_long_producer_and_consumer(ctx, jx, comm, backend: str) -> None:
     """The reduced array is written by a long matmul chain just before the call and read just after, in
