@@ -276,7 +276,7 @@ stage_train() {
 
 stage_jax() {  # issue 23: JAX bound to each rank's GPU under Open MPI (every rank sees every GPU), the sample
   # under both MPIs, then the step bench: in-jit (FFI), shard_map + mj.average_tree (XLA's), pmean, leave jit
-  local k="init_binds or another_gpu or average_tree or step_sample or mismatch or compiled_handler"
+  local k="init_binds or another_gpu or average_tree or step_sample or mismatch or compiled_handler or back_to_back"
   step "jax-bind-ompi" 100 0 "export MPIGPU_TIMEOUT=60; $OMPI -n $NGPU $PY -m pytest -v -rfE --color=no --with-mpi --only-mpi tests/gpu/test_jax_gpu.py -k '$k' -p no:cacheprovider"
   step "jax-bind-started-ompi" 100 0 "export MPIGPU_TIMEOUT=60 MPIGPU_TEST_JAX_STARTED=1; $OMPI -n $NGPU $PY -m pytest -v -rfE --color=no --with-mpi --only-mpi tests/gpu/test_jax_gpu.py -k '$k' -p no:cacheprovider"
   for mpi in ompi impi; do

@@ -63,6 +63,9 @@ ENV_VARS: dict[str, str] = {
     "MPIGPU_JAX_HANDLER": "auto (default), compiled or python: which FFI handler runs mpigpu.jax's collectives in "
     "compiled programs. auto: the compiled one (built with the C++ compiler at first use, cached like the kernels) "
     "where it takes the call, else the Python one; compiled: refuse a call it cannot take; python: never compile",
+    "MPIGPU_JAX_ORDER": "auto (default) or tokens: how mpigpu.jax's calls in compiled programs stay in order. auto: "
+    "GPU programs in launch order and XLA's schedule, with no JAX effect (JAX's fast dispatch); CPU programs by a "
+    "token. tokens: a token everywhere (ranks whose XLA might schedule one program differently: unlike GPUs)",
 }
 
 # name -> (smallest, largest) value of each integer setting. Every value is checked against its range
@@ -228,7 +231,8 @@ class Settings:
     log: bool = False
     timeline: Path | None = None  # MPIGPU_TIMELINE: on where set (agreed: the clock exchange is collective)
     timeline_events: int = 100_000
-    jax_handler: str = "auto"  # MPIGPU_JAX_HANDLER (per rank: both handlers make the same library calls)
+    jax_handler: str = "auto"  # MPIGPU_JAX_HANDLER (per rank: the ranks agree per call while compiling)
+    jax_order: str = "auto"  # MPIGPU_JAX_ORDER
 
     def agreed(self) -> tuple[tuple[str, object], ...]:
         """(variable, value) of the settings that change which collectives run, or which backend is
@@ -284,6 +288,7 @@ class Settings:
             timeline=_user_path("MPIGPU_TIMELINE", timeline) if timeline else None,
             timeline_events=events,
             jax_handler=_word("MPIGPU_JAX_HANDLER", ("auto", "compiled", "python"), "auto"),
+            jax_order=_word("MPIGPU_JAX_ORDER", ("auto", "tokens"), "auto"),
         )
 
 

@@ -33,7 +33,7 @@ from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op, parse_op
 from mpigpu.jax._comms import comm_key
 from mpigpu.jax._device import init
-from mpigpu.jax._primitive import CompiledCall, allgather_p, allreduce_p, broadcast_p, compiled_calls
+from mpigpu.jax._primitive import CompiledCall, allgather_p, allreduce_p, broadcast_p, compiled_calls, ordered_calls
 from mpigpu.jax._spmd import mesh_reduction, refuse_in_mesh
 
 __all__ = ["CompiledCall", "allgather", "allreduce", "average_tree", "broadcast", "compiled_calls", "init"]
@@ -115,7 +115,7 @@ def _as_jax(x: Any, comm: Any) -> Any:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _allreduce(x: jax.Array, op: str, key: int, backend: str) -> jax.Array:
-    return allreduce_p.bind(x, op=op, comm=key, backend=backend)
+    return allreduce_p.bind(x, op=op, comm=key, backend=backend, ordered=ordered_calls())
 
 
 def _allreduce_fwd(x: jax.Array, op: str, key: int, backend: str) -> tuple[jax.Array, None]:
@@ -135,7 +135,7 @@ _allreduce.defvjp(_allreduce_fwd, _allreduce_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def _broadcast(x: jax.Array, root: int, rank: int, key: int, backend: str) -> jax.Array:
-    return broadcast_p.bind(x, root=root, comm=key, backend=backend)
+    return broadcast_p.bind(x, root=root, comm=key, backend=backend, ordered=ordered_calls())
 
 
 def _broadcast_fwd(x: jax.Array, root: int, rank: int, key: int, backend: str) -> tuple[jax.Array, None]:
@@ -153,7 +153,7 @@ _broadcast.defvjp(_broadcast_fwd, _broadcast_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def _allgather(x: jax.Array, rank: int, size: int, key: int, backend: str) -> jax.Array:
-    return allgather_p.bind(x, size=size, comm=key, backend=backend)
+    return allgather_p.bind(x, size=size, comm=key, backend=backend, ordered=ordered_calls())
 
 
 def _allgather_fwd(x: jax.Array, rank: int, size: int, key: int, backend: str) -> tuple[jax.Array, None]:

@@ -42,16 +42,27 @@ from mpigpu.core.dtypes import DType
 from mpigpu.core.errors import ConfigError
 from mpigpu.core.ops import Op
 
-__all__ = ["SLOT_ATTRIBUTE", "TARGETS", "Library", "Slot", "agree", "library", "local_verdict", "slot_for"]
+__all__ = [
+    "COLLECTIVES", "SLOT_ATTRIBUTE", "Library", "Slot", "agree", "library", "local_verdict", "slot_for", "target",
+]  # fmt: skip
 
-# the compiled handler's FFI targets, one name per collective (as profilers and HLO dumps show them)
-TARGETS = {name: f"mpigpu_{name}_compiled" for name in ("allreduce", "broadcast", "allgather")}
+COLLECTIVES = ("allreduce", "broadcast", "allgather")
+# the compiled handler's FFI targets, one name per collective (as profilers and HLO dumps show them), with a
+# token in and out (ordered) or without (GPU programs under MPIGPU_JAX_ORDER=auto): two handler bindings
+_SYMBOLS = {("cpu", True): "mpigpu_native_cpu", ("cuda", True): "mpigpu_native_gpu",
+            ("cuda", False): "mpigpu_native_gpu_plain"}  # fmt: skip
+
+
+def target(collective: str, ordered: bool) -> str:
+    """The FFI target name of the compiled handler for ``collective``, with or without tokens."""
+    return f"mpigpu_{collective}_compiled" + ("" if ordered else "_untokened")
+
+
 SLOT_ATTRIBUTE = "mpigpu_slot"  # its one attribute: the slot's number
 SOURCE = "native_handler.cc"
 _MAGIC = b"mpigpu-ffi-so-1\n"
 _SUBDIR = "jax"
 _FLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC")
-_SYMBOLS = {"cpu": "mpigpu_native_cpu", "cuda": "mpigpu_native_gpu"}
 _XLA_PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}  # as mpigpu.jax._primitive registers the Python handler
 _KINDS = {"nccl": 1, "cpu": 2}
 _NCCL_UINT8 = 1
@@ -106,9 +117,12 @@ class Library:
             return
         import jax
 
-        handler = jax.ffi.pycapsule(getattr(self.dll, _SYMBOLS[platform_name]))
-        for target in TARGETS.values():
-            jax.ffi.register_ffi_target(target, handler, platform=_XLA_PLATFORMS[platform_name])
+        for (where, ordered), symbol in _SYMBOLS.items():
+            if where == platform_name:
+                handler = jax.ffi.pycapsule(getattr(self.dll, symbol))
+                for collective in COLLECTIVES:
+                    jax.ffi.register_ffi_target(target(collective, ordered), handler,
+                                                platform=_XLA_PLATFORMS[platform_name])  # fmt: skip
         self.registered.add(platform_name)
 
     def slot(self, values: Slot, key: tuple[Any, ...], label: str) -> int:
@@ -349,13 +363,14 @@ def _backend(ctx: Any, name: str) -> Any:
         import jax
 
         jax.effects_barrier()  # earlier programs' handler calls have finished: none uses ctx.comm now
+        jax.block_until_ready(jax.live_arrays())  # and those of programs with no effect (GPU, MPIGPU_JAX_ORDER=auto)
         if ctx.gpu is not None:
             ctx.activate_gpu()
     return ctx.backend(name)
 
 
 def _slot_values(ctx: Any, collective: str, dtype: DType, op: Op, root: int, backend: str, on_gpu: bool) -> Slot:
-    which = list(TARGETS).index(collective)
+    which = COLLECTIVES.index(collective)
     if on_gpu:
         instance = _backend(ctx, "nccl")
         datatype = dtype.nccl if collective == "allreduce" else _NCCL_UINT8

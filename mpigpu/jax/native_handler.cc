@@ -175,6 +175,10 @@ ffi::Error RunGpu(void* stream, ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::T
   return Run(stream, x, out, index);
 }
 
+ffi::Error RunGpuPlain(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int64_t index) {
+  return Run(stream, x, out, index);
+}
+
 }  // namespace
 
 extern "C" int mpigpu_native_set(int64_t index, const Slot* slot) {
@@ -226,5 +230,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mpigpu_native_gpu, RunGpu,
                                   .Arg<ffi::Token>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Token>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("mpigpu_slot"));
+
+// GPU programs without the ordered effect (MPIGPU_JAX_ORDER=auto): no token in or out
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mpigpu_native_gpu_plain, RunGpuPlain,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("mpigpu_slot"));

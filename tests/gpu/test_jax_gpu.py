@@ -230,15 +230,22 @@ def test_stream_order_with_a_long_producer_and_consumer(ctx, jx, comm, backend: 
         assert count_wrong_host(host, "exact", Op.SUM, DTYPES["float32"], size) == 0
 
 
+@pytest.mark.parametrize("order", ["auto", "tokens"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_back_to_back_programs_pass_the_token_without_a_host_wait(ctx, jx, comm, monkeypatch, backend: str) -> None:
+def test_back_to_back_programs_pass_the_token_without_a_host_wait(ctx, jx, comm, monkeypatch, backend: str,
+                                                                   order: str) -> None:  # fmt: skip
     """Issue 17: two programs of different sizes (one with a long producer before its collective), alternated
-    and dispatched back to back. The host never waits on a token between them (each program's input token
-    is the previous program's output token, a dependency on the device), and every result is exact: a
-    collective that ran before the previous program's data was ready, or out of order across ranks, fails."""
+    and dispatched back to back. The host never waits on a token between them (tokens: each program's input
+    token is the previous program's output token, a dependency on the device; auto, issue 38: GPU programs
+    carry no token at all, and run in launch order), and every result is exact: a collective that ran before
+    the previous program's data was ready, or out of order across ranks, fails."""
     jax, mj, device = jx
     _need(ctx, backend)
     from jax._src import core
+
+    from mpigpu.jax import _primitive
+
+    monkeypatch.setattr(_primitive, "_order_setting", lambda: order)
 
     jnp = jax.numpy
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -254,11 +261,12 @@ def test_back_to_back_programs_pass_the_token_without_a_host_wait(ctx, jx, comm,
     xs = jax.device_put(_exact(1 << 20, "float32", Op.SUM, rank, size), device)
     xf = jax.device_put(_exact(4099, "int32", Op.MAX, rank, size), device)
     jax.block_until_ready([slow(xs, big, 1.0), fast(xf)])  # compiled (collective) before counting
+    assert ("stablehlo.token" in fast.lower(xf).as_text()) == (order == "tokens")  # lowering again: collective
     waits = []
     real_wait = core.Token.block_until_ready
-    monkeypatch.setattr(core.Token, "block_until_ready", lambda self: (waits.append(self), real_wait(self))[1])
-    outs = [(slow(xs, big, 1.0), fast(xf)) for _ in range(10)]
-    monkeypatch.undo()
+    with monkeypatch.context() as patched:
+        patched.setattr(core.Token, "block_until_ready", lambda self: (waits.append(self), real_wait(self))[1])
+        outs = [(slow(xs, big, 1.0), fast(xf)) for _ in range(10)]
     assert waits == [], f"the host waited on a token {len(waits)} times in 20 calls"
     for a, b in outs:
         assert count_wrong_host(np.asarray(a), "exact", Op.SUM, DTYPES["float32"], size) == 0

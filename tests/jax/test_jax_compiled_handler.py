@@ -256,3 +256,19 @@ def test_the_watchdog_reports_a_stall_inside_the_compiled_handler(tmp_path: Path
     assert result.returncode == 0, output
     assert "0 [0.0, 2.0, 4.0, 6.0] compiled" in output, output
     assert "stalled: waiting" in output and "mpigpu.jax allreduce(cpu, float32, compiled handler)" in output, output
+
+
+def test_cpu_programs_keep_the_token_and_refuse_an_untokened_call() -> None:
+    """Issue 38: GPU programs drop the ordered effect (JAX's fast dispatch); CPU programs must keep it (the
+    CPU runtime runs programs concurrently), so a call traced without it is refused when compiled for the CPU."""
+    from mpigpu.core.errors import InvalidArgument
+    from mpigpu.jax import _primitive
+    from mpigpu.jax._comms import comm_key
+
+    assert _primitive.ordered_calls()  # this machine's JAX runs on the CPU
+    x = jnp.ones(3, jnp.float32)
+    untokened = jax.jit(lambda v: _primitive.allreduce_p.bind(v, op="sum", comm=comm_key(), backend="auto",
+                                                             ordered=False))  # fmt: skip
+    with pytest.raises(InvalidArgument, match="MPIGPU_JAX_ORDER=tokens"):
+        untokened(x)
+    assert "stablehlo.token" in jax.jit(lambda v: _mj().allreduce(v, "sum")).lower(x).as_text()
