@@ -282,7 +282,10 @@ stage_jax() {  # issue 23: JAX bound to each rank's GPU under Open MPI (every ra
   for mpi in ompi impi; do
     step "jax-sample-$mpi" 75 0 "${LAUNCH[$mpi]} -n $NGPU $PY samples/jax_step.py"
   done
-  [ "${JAX_STEP:-1}" = 1 ] && step "jax-step-ompi" 170 0 "$OMPI -n $NGPU $PY scripts/jax_step_bench.py --json $OUT/jax-step-${GPU_TAG}x$NGPU-$(date -u +%F).json"
+  if [ "${JAX_STEP:-1}" = 1 ]; then  # issue 38: the step bench under both MPIs
+    step "jax-step-ompi" 170 0 "$OMPI -n $NGPU $PY scripts/jax_step_bench.py --json $OUT/jax-step-${GPU_TAG}x$NGPU-$(date -u +%F).json"
+    step "jax-step-impi" 170 0 "$IMPI -n 2 $PY scripts/jax_step_bench.py --json $OUT/jax-step-${GPU_TAG}x2-impi-$(date -u +%F).json"
+  fi
 }
 
 # Horovod's test_torch.py as one session: PASS when it ends (no stall) with no failure but those outside

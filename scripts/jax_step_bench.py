@@ -5,7 +5,9 @@
   (ap) in-jit as (a) on the Python FFI handler (MPIGPU_JAX_HANDLER=python)
   (a1) in-jit as (ap), with a new Python thread state made and deleted for every handler call (ctypes'
                 own behaviour on XLA's threads, before the handler kept one per thread): runs first
-  (a0) in-jit as (a), with JAX's own host wait before every call restored (the runtime token placed
+  (at) in-jit as (a) with MPIGPU_JAX_ORDER=tokens: the calls carry JAX's ordered effect (a token from call
+                to call and program to program), which GPU programs no longer need; JAX's Python dispatch
+  (a0) in-jit as (at), with JAX's own host wait before every call restored (the runtime token placed
                 with block_until_ready, as before issue 17): what mpigpu.jax._tokens saves
   (an) in-jit as (a) with backend="nccl" forced, on GPUs where (a)'s auto chose another backend
   (b)  leave    grad in jit, mpigpu.allreduce on the concrete flattened gradient, update in jit
@@ -161,6 +163,19 @@ def _handler_row(comm: Any, times: Any, steps: int, kind: str) -> dict[str, Any]
 
 
 @contextlib.contextmanager
+def _order_mode(mode: str) -> Any:
+    """Programs traced inside the block use MPIGPU_JAX_ORDER=``mode``."""
+    from mpigpu.jax import _primitive
+
+    before = _primitive._order_setting
+    _primitive._order_setting = lambda: mode  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _primitive._order_setting = before
+
+
+@contextlib.contextmanager
 def _handler_mode(ctx: Any, mode: str) -> Any:
     """Programs lowered inside the block use MPIGPU_JAX_HANDLER=``mode`` (``ctx``: mpigpu.jax's channel context)."""
     import dataclasses
@@ -292,10 +307,21 @@ def main(argv: list[str] | None = None) -> int:
 
         return around
 
+    def order(mode: str, *more: Any) -> Any:
+        def around() -> Any:
+            stack = contextlib.ExitStack()
+            stack.enter_context(_order_mode(mode))
+            for each in more:
+                stack.enter_context(each())
+            return stack
+
+        return around
+
     in_jit("in_jit_fresh_thread_state", "auto", python_handler(fresh_thread_states))  # first: no thread state kept
     calls_a = in_jit("in_jit", "auto")
     in_jit("in_jit_python", "auto", python_handler())
-    in_jit("in_jit_host_wait", "auto", jax_host_wait)
+    in_jit("in_jit_tokens", "auto", order("tokens"))
+    in_jit("in_jit_host_wait", "auto", order("tokens", jax_host_wait))
     ctx = Context.get(comm)
     nccl = ctx.availability.get("nccl")
     if device.platform == "gpu" and nccl is not None and nccl.ok and any(c.backend != "nccl" for c in calls_a):
@@ -334,26 +360,28 @@ def main(argv: list[str] | None = None) -> int:
         results[name]["max_abs_diff_vs_in_jit"] = diff
         ok &= diff <= 1e-4 * max(1.0, float(np.max(np.abs(reference))))
     if rank == 0:
-        labels = {"in_jit": "(a) in-jit average (mpigpu.jax)", "in_jit_host_wait": "(a0) in-jit, JAX's host wait",
+        labels = {"in_jit": "(a) in-jit average (mpigpu.jax)",
+                  "in_jit_host_wait": "(a0) in-jit, tokens, JAX's host wait",
+                  "in_jit_tokens": "(at) in-jit, MPIGPU_JAX_ORDER=tokens",
                   "in_jit_python": "(ap) in-jit, Python FFI handler",
                   "in_jit_fresh_thread_state": "(a1) in-jit, new thread state/call",
                   "local_only": "(l) no average (local gradient)",
                   "in_jit_nccl": "(an) in-jit, backend='nccl'", "leave_jit": "(b) leave jit, mpigpu.allreduce",
                   "in_shard_map": "(s) shard_map + mj.average_tree",
                   "jax_distributed": "(c) jax.distributed + pmean"}  # fmt: skip
-        print(f"# {'variant':<34} {'ms/step':>8} {'host ms':>8} {'main cpu':>8} {'vs (a)':>6}  {'backend':<22} "
+        print(f"# {'variant':<38} {'ms/step':>8} {'host ms':>8} {'main cpu':>8} {'vs (a)':>6}  {'backend':<22} "
               f"{'MB/step':>8}  identical  max |diff| vs (a)")  # fmt: skip
         base = results["in_jit"]["ms_per_step"]
         for name, r in results.items():
             same, diff = r.get("identical_on_every_rank", "-"), r.get("max_abs_diff_vs_in_jit")
             diff_text = "-" if diff is None else f"{diff:.2e}"
-            print(f"  {labels[name]:<34} {r['ms_per_step']:8.3f} {r['host_dispatch_ms_per_step']:8.3f} "
+            print(f"  {labels[name]:<38} {r['ms_per_step']:8.3f} {r['host_dispatch_ms_per_step']:8.3f} "
                   f"{r['main_cpu_ms_per_step']:8.3f} {r['ms_per_step'] / base:6.2f}  {r['backend']:<22} "
                   f"{r['bytes_reduced_per_step'] / 1e6:8.2f}  {same!s:<9}  {diff_text}")  # fmt: skip
         print("# host ms: time in the step calls per step, before the final wait (near ms/step: host-bound); "
               "main cpu: the dispatching thread's CPU time per step; "
               "MB/step: bytes reduced per step and rank")  # fmt: skip
-        print(f"# FFI handler, inside, per call (slowest rank): {'variant':<34} {'handler':>8} {'us':>8} "
+        print(f"# FFI handler, inside, per call (slowest rank): {'variant':<38} {'handler':>8} {'us':>8} "
               f"{'cpu us':>8} {'calls/step':>10} {'new thread state':>16} {'threads':>7}")  # fmt: skip
         for name, r in results.items():
             h = r.get("handler")
@@ -553,13 +581,13 @@ def local_main(args: argparse.Namespace) -> int:
             results[name]["max_abs_diff_vs_pmean"] = diff
             ok &= diff <= 1e-4 * max(1.0, float(np.max(np.abs(reference[0]))))
     labels = {"in_shard_map": "(s) shard_map + mj.average_tree", "jax_pmean": "(c) shard_map + lax.pmean"}
-    print(f"# {'variant':<34} {'ms/step':>8} {'host ms':>8} {'main cpu':>8} {'vs (c)':>6}  {'backend':<22} "
+    print(f"# {'variant':<38} {'ms/step':>8} {'host ms':>8} {'main cpu':>8} {'vs (c)':>6}  {'backend':<22} "
           f"{'MB/step':>8}  identical  max |diff| vs (c)")  # fmt: skip
     base = results.get("jax_pmean", {}).get("ms_per_step")
     for name, r in results.items():
         ratio = f"{r['ms_per_step'] / base:6.2f}" if base else f"{'-':>6}"
         diff = r.get("max_abs_diff_vs_pmean")
-        print(f"  {labels[name]:<34} {r['ms_per_step']:8.3f} {r['host_dispatch_ms_per_step']:8.3f} "
+        print(f"  {labels[name]:<38} {r['ms_per_step']:8.3f} {r['host_dispatch_ms_per_step']:8.3f} "
               f"{r['main_cpu_ms_per_step']:8.3f} {ratio}  {r['backend']:<22} {r['bytes_reduced_per_step'] / 1e6:8.2f}  "
               f"{r['identical_on_every_device']!s:<9}  {'-' if diff is None else f'{diff:.2e}'}")  # fmt: skip
     for name, why in skipped.items():
