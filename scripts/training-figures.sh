@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The training figures (issue 15) on a GPU machine: python -m mpigpu.bench.training under mpirun with
 # every GPU, for the MLP (with the fusion part), ResNet-50 and GPT-2, each beside DDP (NCCL), and
-# GPT-2 once more with --deterministic (its parameters against DDP's without kernel nondeterminism).
+# GPT-2 once more with --deterministic (its parameters against DDP's, bitwise, without kernel nondeterminism).
+# Every run interleaves its rows (no communication, DDP twice, the three mpigpu rows) round by round,
+# alternately forward and backward, and reports each row's median over the rounds and their spread.
 #
 #   OUT=results scripts/training-figures.sh [extra bench_training options, e.g. --iters 30]
 #
@@ -52,12 +54,13 @@ figure() {
     "$OUT/training-$name-$tag.txt" | sed 's/^/      /'
 }
 
-figure mlp 80 --model mlp "$@"
-figure resnet50 70 --skip fusion --model resnet50 "$@"
+# as many steps per row as the sequential runs before (warm-up 3, then 5 rounds of 4; the deterministic run 3 + 2 x 5)
+figure mlp 80 --model mlp --rounds 5 --iters 4 "$@"
+figure resnet50 70 --skip fusion --model resnet50 --rounds 5 --iters 4 "$@"
 # GPT-2's fast kernels are not deterministic (DDP differs from itself run to run): its timing run reports
 # the parameter difference; the deterministic run of the same model is the check that cannot fail by chance
-figure gpt2 80 --skip fusion --model gpt2 --param-check report "$@"
-# GPT-2's parameters again, with deterministic kernels: is a difference to DDP the averaging or the model's own noise?
-figure gpt2-deterministic 70 --skip fusion --model gpt2 --deterministic --iters 10 "$@"
+figure gpt2 80 --skip fusion --model gpt2 --param-check report --rounds 5 --iters 4 "$@"
+# GPT-2's parameters again, with deterministic kernels (attention as plain matrix products): bitwise DDP's or FAIL
+figure gpt2-deterministic 70 --skip fusion --model gpt2 --deterministic --rounds 2 --iters 5 "$@"
 echo "failed runs: $failures"
 [ "$failures" -eq 0 ]

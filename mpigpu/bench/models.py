@@ -9,6 +9,7 @@ model needs when it cannot be built here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import os
@@ -84,6 +85,11 @@ def _gpt2(args: argparse.Namespace, gen: Any, device: Any) -> TrainingModel:
     import transformers
 
     config = transformers.GPT2Config()  # GPT-2 small: 124 M parameters, dropout 0.1 (seeded per row)
+    if getattr(args, "deterministic", False):
+        # attention as plain matrix products (the fused attention kernels' backward is not deterministic);
+        # torch's math attention, which training._deterministic leaves as the only one, is the fallback
+        with contextlib.suppress(AttributeError, ValueError):
+            config._attn_implementation = "eager"
     module = transformers.GPT2LMHeadModel(config)
     batch, tokens = args.batch or 8, args.seq_len
     if tokens > config.n_positions:

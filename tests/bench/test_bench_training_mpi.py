@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, run_mpi
 
-from mpigpu.bench.training import _model_list, _verdict
+from mpigpu.bench.training import _model_list, _Row, _verdict, round_order
 from mpigpu.cli import launcher_rank
 
 pytestmark = pytest.mark.skipif(launcher_rank() >= 0, reason="serial test: it launches mpiexec itself")
@@ -53,7 +53,7 @@ def test_training_step_matches_ddp_and_skips_missing_models(tmp_path) -> None:
     out = tmp_path / "training.json"
     env = _hide(tmp_path / "hidden", "torchvision", "transformers")
     args = ["-m", "mpigpu.bench.training", "--device", "cpu", "--skip", "fusion", "--model", "all",
-            "--width", "256", "--depth", "6", "--batch", "8", "--iters", "3", "--warmup", "2",
+            "--width", "256", "--depth", "6", "--batch", "8", "--iters", "3", "--warmup", "2", "--rounds", "3",
             "--bucket-bytes", "512K", "--json", str(out)]  # fmt: skip
     done = run_mpi(2, args, timeout=600, env=env)
     _ok(done, "# training step: resnet50 skipped: --model resnet50 needs torchvision",
@@ -69,6 +69,14 @@ def test_training_step_matches_ddp_and_skips_missing_models(tmp_path) -> None:
     # (the last 3 layers) and one of <= 25 MiB; the Averager after backward: one layer per 512K bucket
     assert step["buckets"] == {"backward_averager": 2, "averager_after": 6, "distributed_optimizer": 2}
     assert set(step["seconds"]) == ROWS and all(s > 0 for s in step["seconds"].values())
+    # interleaved rounds: every row timed in each of the 3 rounds; the median and spread are the rounds'
+    assert step["steps"] == {"warmup": 2, "rounds": 3, "per_round": 3, "timed": 9,
+                             "order": "rows alternately forward and backward per round"}  # fmt: skip
+    for row in ROWS:
+        rounds = step["round_seconds"][row]
+        assert len(rounds) == 3 and all(r > 0 for r in rounds)
+        assert step["seconds"][row] == pytest.approx(sorted(rounds)[1])
+        assert step["spread_seconds"][row] == [min(rounds), max(rounds)]
     assert step["overhead_s"]["none"] == 0.0
     assert step["communication_s"] == pytest.approx(step["seconds"]["averager_after"] - step["seconds"]["none"])
     assert "hidden_fraction" in step and set(step["overhead_vs_ddp"]) == AVERAGING
@@ -82,6 +90,64 @@ def test_training_step_matches_ddp_and_skips_missing_models(tmp_path) -> None:
     assert step["verified_by"] == dict.fromkeys(AVERAGING, "tolerance") and step["deterministic"] is False
     # the check can fail: each rank trains on its own data, so not averaging moves the parameters
     assert diff["none"] > 100 * tolerance
+
+
+def test_rounds_alternate_forward_and_backward() -> None:
+    rows = ("a", "b", "c")
+    assert [round_order(rows, i) for i in range(3)] == [rows, ("c", "b", "a"), rows]
+
+
+def test_deterministic_verdict_is_bitwise_and_needs_ddp_equal_to_itself() -> None:
+    """Issue 37: with deterministic kernels the check cannot pass or fail by chance: 0 or nothing."""
+    assert _verdict(0.0, tolerance=1e-6, noise=0.0, deterministic=True) == "bitwise"
+    assert _verdict(1e-12, tolerance=1e-6, noise=0.0, deterministic=True) is None  # within tolerance: not enough
+    assert _verdict(0.0, tolerance=1e-6, noise=1e-9, deterministic=True) is None  # determinism not achieved
+    assert _verdict(float("nan"), tolerance=1e-6, noise=0.0, deterministic=True) is None
+
+
+def test_each_row_draws_its_own_random_numbers_when_interleaved() -> None:
+    """Rows share torch's global generator; interleaved, each row's k-th step must still draw the dropout masks
+    DDP's k-th step draws, or parameters cannot match bitwise. Two identical rows of a model with dropout,
+    stepped in different interleavings, end bitwise equal (one shared generator would make them differ)."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (the CI test script installs it)")
+    from mpi4py import MPI
+
+    from mpigpu.bench.models import TrainingModel
+
+    torch.manual_seed(3)
+    module = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
+    inputs = (torch.randn(8, 16),)
+    made = TrainingModel("drop", "dropout MLP", module, inputs, lambda m, x: m(x[0]).square().mean())
+    args = argparse.Namespace(seed=0, lr=0.1, set_to_none=False, backend="auto", bucket_bytes=1 << 20,
+                              overlap_bucket_bytes=1 << 20)  # fmt: skip
+    first, second = (_Row("none", made, args, MPI.COMM_SELF, on_gpu=False) for _ in range(2))
+    first.steps(2)
+    second.steps(1)
+    torch.rand(100)  # someone else draws from the global generator meanwhile
+    first.steps(1)
+    second.steps(2)
+    for p, q in zip(first.model.parameters(), second.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    lone = _Row("none", made, args, MPI.COMM_SELF, on_gpu=False)
+    torch.manual_seed(0)  # control: a generator advanced by another row's draws gives other masks, other parameters
+    torch.rand(100)
+    lone._rng = torch.get_rng_state()
+    lone.steps(3)
+    assert any(not torch.equal(p, q) for p, q in zip(first.model.parameters(), lone.model.parameters(), strict=True))
+
+
+def test_deterministic_run_is_bitwise_on_the_host(tmp_path) -> None:
+    """--deterministic: every mpigpu row ends with exactly DDP's parameters (gloo and the CPU kernels), and
+    the table says the check is bitwise."""
+    pytest.importorskip("torch", reason="torch is not installed (the CI test script installs it)")
+    out = tmp_path / "det.json"
+    args = ["-m", "mpigpu.bench.training", "--device", "cpu", "--skip", "fusion", "--model", "mlp", "--width", "64",
+            "--depth", "3", "--batch", "4", "--iters", "2", "--warmup", "1", "--rounds", "2", "--deterministic",
+            "--json", str(out)]  # fmt: skip
+    done = run_mpi(2, args, timeout=600)
+    _ok(done, "ok (bitwise DDP's)", "the check is bitwise")
+    [step] = json.loads(out.read_text())["training"]
+    assert step["verified_by"] == dict.fromkeys(AVERAGING, "bitwise") and step["deterministic"] is True
 
 
 def test_verdict_passes_on_the_tolerance_or_within_ddps_own_noise() -> None:
