@@ -4,6 +4,7 @@ Chrome/Perfetto trace with a report of who waited for whom, or draw one training
     MPIGPU_TIMELINE=tl mpiexec -n 2 python train.py          # every rank writes tl/rank<r>.json
     python -m mpigpu.timeline merge tl -o trace.json          # open trace.json in ui.perfetto.dev
     python -m mpigpu.timeline plot tl -o step.png --step 5
+    python -m mpigpu.timeline check tl                        # exit 1, naming what is missing
 
 No MPI: it reads files (run it anywhere, after the job).
 """
@@ -17,8 +18,9 @@ from pathlib import Path
 
 from mpigpu.cli import Parser, nonneg_int, prog
 from mpigpu.core.privatefs import write_file
+from mpigpu.timeline.check import problems
 from mpigpu.timeline.report import analyse, format_report
-from mpigpu.timeline.traces import TraceError, chrome_trace, load, load_any
+from mpigpu.timeline.traces import Rank, TraceError, chrome_trace, load, load_any
 
 __all__ = ["main"]
 
@@ -44,7 +46,7 @@ def _parser() -> Parser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{merge,plot}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{merge,plot,check}")
     merge = sub.add_parser(
         "merge",
         help="merge the ranks into one Chrome/Perfetto trace and print who waited for whom",
@@ -65,7 +67,29 @@ def _parser() -> Parser:
     plot.add_argument("-o", "--output", type=Path, required=True, help="the PNG to write")
     plot.add_argument("--step", type=nonneg_int, help="the step to draw (default: the last one recorded)")
     plot.add_argument("--title", default="", help="the figure's title")
+    check = sub.add_parser(
+        "check",
+        help="check that every rank's file is there and every bucket's events are complete",
+        description="Exit 1, printing one line per gap, if a rank's file is missing, a rank dropped events, a "
+        "bucket lacks one of its marks (ready, launch, launched, done) or has them out of order, a rank lacks a "
+        "bucket others recorded, or a step has no backward span (BackwardAverager) or a bucket ready outside it.",
+    )
+    check.add_argument("source", type=Path, help="a timeline directory or a trace.json written by merge")
+    check.add_argument("--no-backward", action="store_true",
+                       help="do not require backward spans (the Averager after backward records none)")  # fmt: skip
     return parser
+
+
+def _check(ranks: list[Rank], backward: bool) -> int:
+    gaps = problems(ranks, backward=backward)
+    for line in gaps:
+        print(f"missing: {line}")
+    if gaps:
+        return 1
+    buckets = [e for e in ranks[0].events if e["kind"] == "bucket"]
+    steps = sorted({e["step"] for e in buckets})
+    print(f"# complete: {len(ranks)} ranks, {len(steps)} steps, {len(buckets) // max(len(steps), 1)} buckets per step")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# wrote {output} (open it in ui.perfetto.dev or chrome://tracing)")
             print(format_report(analyse(ranks), args.top))
             return 0
+        if args.command == "check":
+            return _check(load_any(args.source), not args.no_backward)
         try:
             import matplotlib  # noqa: F401
         except ImportError:
