@@ -177,6 +177,8 @@ def library() -> Library | str:
 def _compiler() -> list[str]:
     named = os.environ.get("CXX", "").split()
     if named:
+        if shutil.which(named[0]) is None:
+            raise _BuildFailed(f"CXX={named[0]!r} is not a command here")
         return named
     for name in ("c++", "g++", "clang++"):
         found = shutil.which(name)

@@ -1,8 +1,9 @@
 """mpigpu.jax's compiled FFI handler (issue 38) on JAX CPU arrays: which calls it takes, the same bits as
 the Python handler, every rank deciding alike, its build cache, and the watchdog seeing its calls.
 
-The MPI tests run under mpiexec (-n 1, 2, 4); the others build the library into a private cache here
-(a C++ compiler is part of the CPU machine this suite runs on: the tests fail, not skip, without one).
+The MPI tests run under mpiexec (-n 1, 2, 4); the others build the library into a private cache here.
+Without a C++ compiler the tests that need the compiled handler skip, saying so (the Python handler then
+runs every call, as tests/jax/test_jax_mpi.py checks); .ci/run fails on a machine without one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,17 @@ from mpigpu.core.errors import ConfigError  # noqa: E402
 from mpigpu.jax import _native  # noqa: E402
 
 mpi = pytest.mark.mpi(min_size=1)
+
+
+def _no_compiler() -> str | None:
+    try:
+        _native._compiler()
+    except _native._BuildFailed as exc:
+        return str(exc)
+    return None
+
+
+needs_compiler = pytest.mark.skipif(_no_compiler() is not None, reason=f"the compiled handler: {_no_compiler()}")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -73,6 +85,7 @@ CASES = [  # (dtype, op): every one the compiled handler takes on the host
 ]
 
 
+@needs_compiler
 @mpi
 @pytest.mark.parametrize(("dtype", "op"), CASES)
 def test_allreduce_compiled_equals_the_reference_and_the_python_handler(comm, monkeypatch, dtype: str, op: str) -> None:
@@ -90,6 +103,7 @@ def test_allreduce_compiled_equals_the_reference_and_the_python_handler(comm, mo
     assert compiled.tobytes() == python.tobytes()
 
 
+@needs_compiler
 @mpi
 def test_nan_is_made_canonical_as_the_python_handler_makes_it(comm, monkeypatch) -> None:
     """A NaN with payload and sign bits comes out as the canonical NaN on both handlers, bit for bit (one
@@ -104,6 +118,7 @@ def test_nan_is_made_canonical_as_the_python_handler_makes_it(comm, monkeypatch)
         assert compiled.tobytes() == python.tobytes(), (handlers, compiled.view(np.uint32), python.view(np.uint32))
 
 
+@needs_compiler
 @mpi
 def test_broadcast_and_allgather_compiled(comm, monkeypatch) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -118,6 +133,7 @@ def test_broadcast_and_allgather_compiled(comm, monkeypatch) -> None:
     assert got.tobytes() == python.tobytes()
 
 
+@needs_compiler
 @pytest.mark.mpi(min_size=2)
 def test_calls_it_does_not_take_run_on_the_python_handler_and_say_why(comm, monkeypatch) -> None:
     mj = _mj()
@@ -152,6 +168,7 @@ def test_one_rank_that_cannot_makes_every_rank_use_the_python_handler(comm, monk
     assert record.handler == "python" and "rank 1: no compiler on this node (test)" in record.handler_reason
 
 
+@needs_compiler
 @pytest.mark.mpi(min_size=2)
 def test_compiled_demanded_on_one_rank_raises_on_every_rank_and_the_next_call_pairs(comm, monkeypatch) -> None:
     mj = _mj()
@@ -198,6 +215,7 @@ def _entries(where: Path) -> list[Path]:
     return sorted(p for p in where.iterdir() if p.name.endswith(".so"))
 
 
+@needs_compiler
 def test_built_once_cached_privately_then_loaded_and_rebuilt_when_corrupt(fresh_library: Path, capfd) -> None:
     first = _native.library()
     assert isinstance(first, _native.Library), first
@@ -216,6 +234,7 @@ def test_built_once_cached_privately_then_loaded_and_rebuilt_when_corrupt(fresh_
     assert "corrupt or truncated: rebuilding it" in capfd.readouterr().err
 
 
+@needs_compiler
 def test_an_entry_another_user_could_have_written_is_not_loaded(fresh_library: Path, capfd) -> None:
     assert isinstance(_native.library(), _native.Library)
     (entry,) = _entries(fresh_library)
@@ -248,6 +267,7 @@ STALL = textwrap.dedent("""
 """)
 
 
+@needs_compiler
 def test_the_watchdog_reports_a_stall_inside_the_compiled_handler(tmp_path: Path) -> None:
     script = tmp_path / "stall.py"
     script.write_text(STALL)
