@@ -53,7 +53,8 @@ def allreduce(x: Any, op: str | Op = "avg", *, comm: Any = None, backend: str = 
     in_mesh = mesh_reduction(op_, comm, backend)
     if in_mesh is not None:
         return in_mesh(x)
-    return _allreduce(_as_jax(x, comm), op_.value, comm_key(comm), backend)
+    x = _as_jax(x, comm)
+    return _allreduce(x, op_.value, comm_key(comm), backend, ordered_calls(x))
 
 
 def _checked_backend(backend: Any) -> str:
@@ -83,7 +84,8 @@ def broadcast(x: Any, root: int = 0, *, comm: Any = None, backend: str = "auto")
     root = check_root(root, size)
     backend = _checked_backend(backend)
     refuse_in_mesh("broadcast", "jax.lax.all_gather(x, axis)[root]")
-    return _broadcast(_as_jax(x, comm), root, rank, comm_key(comm), backend)
+    x = _as_jax(x, comm)
+    return _broadcast(x, root, rank, comm_key(comm), backend, ordered_calls(x))
 
 
 def allgather(x: Any, *, comm: Any = None, backend: str = "auto") -> jax.Array:
@@ -94,7 +96,8 @@ def allgather(x: Any, *, comm: Any = None, backend: str = "auto") -> jax.Array:
     rank, size = _rank_and_size(comm)
     backend = _checked_backend(backend)
     refuse_in_mesh("allgather", "jax.lax.all_gather(x, axis, tiled=True)")
-    return _allgather(_as_jax(x, comm), rank, size, comm_key(comm), backend)
+    x = _as_jax(x, comm)
+    return _allgather(x, rank, size, comm_key(comm), backend, ordered_calls(x))
 
 
 def _as_jax(x: Any, comm: Any) -> Any:
@@ -113,57 +116,59 @@ def _as_jax(x: Any, comm: Any) -> Any:
     return jax.device_put(jnp.asarray(x), jax.devices("cpu")[0])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _allreduce(x: jax.Array, op: str, key: int, backend: str) -> jax.Array:
-    return allreduce_p.bind(x, op=op, comm=key, backend=backend, ordered=ordered_calls())
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _allreduce(x: jax.Array, op: str, key: int, backend: str, ordered: bool) -> jax.Array:
+    return allreduce_p.bind(x, op=op, comm=key, backend=backend, ordered=ordered)
 
 
-def _allreduce_fwd(x: jax.Array, op: str, key: int, backend: str) -> tuple[jax.Array, None]:
-    return _allreduce(x, op, key, backend), None
+def _allreduce_fwd(x: jax.Array, op: str, key: int, backend: str, ordered: bool) -> tuple[jax.Array, None]:
+    return _allreduce(x, op, key, backend, ordered), None
 
 
-def _allreduce_bwd(op: str, key: int, backend: str, _: None, cotangent: jax.Array) -> tuple[jax.Array]:
+def _allreduce_bwd(op: str, key: int, backend: str, ordered: bool, _: None, cotangent: jax.Array) -> tuple[jax.Array]:
     """y = sum_r x_r on every rank, and the loss is the sum of the ranks' losses, so dL/dx_r = sum_s dL_s/dy_s:
     the sum-allreduce of the cotangent (avg: the avg-allreduce)."""
     if op not in _DIFFERENTIABLE:
         raise InvalidArgument(f"jax.grad of mpigpu.jax.allreduce is defined for op='sum' and op='avg', not op={op!r}")
-    return (_allreduce(cotangent, op, key, backend),)
+    return (_allreduce(cotangent, op, key, backend, ordered),)
 
 
 _allreduce.defvjp(_allreduce_fwd, _allreduce_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _broadcast(x: jax.Array, root: int, rank: int, key: int, backend: str) -> jax.Array:
-    return broadcast_p.bind(x, root=root, comm=key, backend=backend, ordered=ordered_calls())
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _broadcast(x: jax.Array, root: int, rank: int, key: int, backend: str, ordered: bool) -> jax.Array:
+    return broadcast_p.bind(x, root=root, comm=key, backend=backend, ordered=ordered)
 
 
-def _broadcast_fwd(x: jax.Array, root: int, rank: int, key: int, backend: str) -> tuple[jax.Array, None]:
-    return _broadcast(x, root, rank, key, backend), None
+def _broadcast_fwd(x: jax.Array, root: int, rank: int, key: int, backend: str, ordered: bool) -> tuple[jax.Array, None]:
+    return _broadcast(x, root, rank, key, backend, ordered), None
 
 
-def _broadcast_bwd(root: int, rank: int, key: int, backend: str, _: None, cotangent: jax.Array) -> tuple[jax.Array]:
+def _broadcast_bwd(root: int, rank: int, key: int, backend: str, ordered: bool, _: None,
+                   cotangent: jax.Array) -> tuple[jax.Array]:  # fmt: skip
     """Every rank's y is root's x: dL/dx_root = sum_s dL_s/dy_s; the other ranks' x reach no output."""
-    total = _allreduce(cotangent, Op.SUM.value, key, backend)  # on every rank: a collective
+    total = _allreduce(cotangent, Op.SUM.value, key, backend, ordered)  # on every rank: a collective
     return (total if rank == root else jnp.zeros_like(cotangent),)
 
 
 _broadcast.defvjp(_broadcast_fwd, _broadcast_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _allgather(x: jax.Array, rank: int, size: int, key: int, backend: str) -> jax.Array:
-    return allgather_p.bind(x, size=size, comm=key, backend=backend, ordered=ordered_calls())
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _allgather(x: jax.Array, rank: int, size: int, key: int, backend: str, ordered: bool) -> jax.Array:
+    return allgather_p.bind(x, size=size, comm=key, backend=backend, ordered=ordered)
 
 
-def _allgather_fwd(x: jax.Array, rank: int, size: int, key: int, backend: str) -> tuple[jax.Array, None]:
-    return _allgather(x, rank, size, key, backend), None
+def _allgather_fwd(x: jax.Array, rank: int, size: int, key: int, backend: str, ordered: bool) -> tuple[jax.Array, None]:
+    return _allgather(x, rank, size, key, backend, ordered), None
 
 
-def _allgather_bwd(rank: int, size: int, key: int, backend: str, _: None, cotangent: jax.Array) -> tuple[jax.Array]:
+def _allgather_bwd(rank: int, size: int, key: int, backend: str, ordered: bool, _: None,
+                   cotangent: jax.Array) -> tuple[jax.Array]:  # fmt: skip
     """Rank r's rows appear in every rank's y: dL/dx_r = rows r of sum_s dL_s/dy_s."""
     rows = cotangent.shape[0] // size
-    total = _allreduce(cotangent, Op.SUM.value, key, backend)
+    total = _allreduce(cotangent, Op.SUM.value, key, backend, ordered)
     return (total[rank * rows : (rank + 1) * rows],)
 
 

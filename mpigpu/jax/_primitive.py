@@ -90,14 +90,17 @@ def _primitive(collective: str) -> Primitive:
 allreduce_p, broadcast_p, allgather_p = (_primitive(c) for c in COLLECTIVES)
 
 
-def ordered_calls() -> bool:
-    """Whether the mpigpu calls traced now carry the ordered effect (a token from call to call and program to
+def ordered_calls(x: Any = None) -> bool:
+    """Whether an mpigpu call traced now carries the ordered effect (a token from call to call and program to
     program). Not in programs for a GPU (MPIGPU_JAX_ORDER=auto): a device runs its programs in launch order
     and each program's calls in XLA's schedule, the same on every rank for the same program, and a program
     with any effect loses JAX's C++ dispatch (about 0.4 ms a step on an H100 host). CPU programs keep it: the
-    CPU runtime runs programs and independent operations concurrently."""
+    CPU runtime runs programs and independent operations concurrently. Where the program runs: ``x``'s
+    devices for a concrete array (a call outside jit), else JAX's default device."""
     if _order_setting() == "tokens":
         return True
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        return any(d.platform != "gpu" for d in x.devices())
     device = jax.config.jax_default_device
     if device is None or isinstance(device, str):
         device = jax.devices()[0]

@@ -28,6 +28,16 @@ from mpigpu.jax import _native  # noqa: E402
 mpi = pytest.mark.mpi(min_size=1)
 
 
+@pytest.fixture(autouse=True)
+def _cpu_programs_carry_the_token(monkeypatch):
+    """These programs run on JAX's CPU, also on GPU machines, where JAX's default device is a GPU and a call
+    traced inside jit is therefore untokened (MPIGPU_JAX_ORDER=auto) and refused when compiled for the CPU:
+    there a user sets MPIGPU_JAX_ORDER=tokens, as this does."""
+    from mpigpu.jax import _primitive
+
+    monkeypatch.setattr(_primitive, "_order_setting", lambda: "tokens")
+
+
 def _no_compiler() -> str | None:
     try:
         _native._compiler()
@@ -62,6 +72,11 @@ def _handler(monkeypatch, mode: str) -> None:
     monkeypatch.setattr(ctx, "settings", dataclasses.replace(ctx.settings, jax_handler=mode))
 
 
+def _cpu(x):
+    """On JAX's CPU device (the MPI path of the compiled handler), on GPU machines too."""
+    return jax.device_put(np.asarray(x), jax.devices("cpu")[0])
+
+
 def _run_both(monkeypatch, make, x):
     """(compiled handler's result, Python handler's result, the handlers the two programs were compiled with)."""
     mj = _mj()
@@ -94,7 +109,7 @@ def test_allreduce_compiled_equals_the_reference_and_the_python_handler(comm, mo
     x = (base + rank if op != "prod" else np.where(base % 3 == 0, 2.0, 1.0)).astype(dtype)
     every = [(base + r if op != "prod" else np.where(base % 3 == 0, 2.0, 1.0)) for r in range(size)]
     reference = {"sum": np.sum, "avg": np.mean, "prod": np.prod, "max": np.max, "min": np.min}[op](every, axis=0)
-    compiled, python, handlers = _run_both(monkeypatch, lambda mj: lambda v: mj.allreduce(v, op), jnp.asarray(x))
+    compiled, python, handlers = _run_both(monkeypatch, lambda mj: lambda v: mj.allreduce(v, op), _cpu(x))
     expected = "compiled" if size > 1 else "python"
     assert handlers == (expected, "python")
     assert compiled.dtype == np.dtype(dtype)
@@ -111,7 +126,7 @@ def test_nan_is_made_canonical_as_the_python_handler_makes_it(comm, monkeypatch)
     odd_nan = np.array([0xFFC00123, 0x3F800000, 0x7F800001], np.uint32).view(np.float32)  # -NaN, 1.0, sNaN
     for op in ("sum", "avg"):
         compiled, python, handlers = _run_both(
-            monkeypatch, lambda mj, op=op: lambda v: mj.allreduce(v, op), jnp.asarray(odd_nan)
+            monkeypatch, lambda mj, op=op: lambda v: mj.allreduce(v, op), _cpu(odd_nan)
         )
         if comm.Get_size() > 1:
             assert compiled.view(np.uint32)[0] == 0x7FC00000 and compiled.view(np.uint32)[2] == 0x7FC00000
@@ -122,7 +137,7 @@ def test_nan_is_made_canonical_as_the_python_handler_makes_it(comm, monkeypatch)
 @mpi
 def test_broadcast_and_allgather_compiled(comm, monkeypatch) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
-    x = jnp.asarray(np.arange(6, dtype=np.float64).reshape(2, 3) + 10 * rank)
+    x = _cpu(np.arange(6, dtype=np.float64).reshape(2, 3) + 10 * rank)
     root = size - 1
     got, python, handlers = _run_both(monkeypatch, lambda mj: lambda v: mj.broadcast(v, root=root), x)
     assert handlers[0] == ("compiled" if size > 1 else "python")
@@ -138,7 +153,7 @@ def test_broadcast_and_allgather_compiled(comm, monkeypatch) -> None:
 def test_calls_it_does_not_take_run_on_the_python_handler_and_say_why(comm, monkeypatch) -> None:
     mj = _mj()
     _handler(monkeypatch, "auto")
-    x = jnp.asarray(np.arange(5, dtype=np.float32) - comm.Get_rank())
+    x = _cpu(np.arange(5, dtype=np.float32) - comm.Get_rank())
     out = np.asarray(jax.jit(lambda v: mj.allreduce(v, "max"))(x))
     assert np.array_equal(out, np.arange(5, dtype=np.float32))
     record = mj.compiled_calls()[-1]
@@ -161,7 +176,7 @@ def test_one_rank_that_cannot_makes_every_rank_use_the_python_handler(comm, monk
     _handler(monkeypatch, "auto")
     if comm.Get_rank() == 1:
         monkeypatch.setattr(_native, "local_verdict", lambda *args: "no compiler on this node (test)")
-    x = jnp.asarray(np.arange(4, dtype=np.float32))
+    x = _cpu(np.arange(4, dtype=np.float32))
     out = np.asarray(jax.jit(lambda v: mj.allgather(v))(x))
     assert np.array_equal(out, np.tile(np.arange(4, dtype=np.float32), comm.Get_size()))
     record = mj.compiled_calls()[-1]
@@ -174,7 +189,7 @@ def test_compiled_demanded_on_one_rank_raises_on_every_rank_and_the_next_call_pa
     mj = _mj()
     rank = comm.Get_rank()
     _handler(monkeypatch, "compiled" if rank == 0 else "auto")
-    x = jnp.asarray(np.arange(3, dtype=np.float32))
+    x = _cpu(np.arange(3, dtype=np.float32))
     with pytest.raises(ConfigError, match=r"MPIGPU_JAX_HANDLER=compiled on rank\(s\) 0.*rank \d: float32 max"):
         jax.jit(lambda v: mj.allreduce(v, "max"))(x)
     out = np.asarray(jax.jit(lambda v: mj.allreduce(v + 1, "sum"))(x))
@@ -285,8 +300,12 @@ def test_cpu_programs_keep_the_token_and_refuse_an_untokened_call() -> None:
     from mpigpu.jax import _primitive
     from mpigpu.jax._comms import comm_key
 
-    assert _primitive.ordered_calls()  # this machine's JAX runs on the CPU
-    x = jnp.ones(3, jnp.float32)
+    x = _cpu(np.ones(3, np.float32))
+    with pytest.MonkeyPatch.context() as auto:
+        auto.setattr(_primitive, "_order_setting", lambda: "auto")
+        assert _primitive.ordered_calls(x)  # a concrete array on the CPU (a call outside jit), GPU machines too
+        on_gpu = jax.devices()[0].platform == "gpu"
+        assert _primitive.ordered_calls() is not on_gpu  # inside jit: JAX's default device decides
     untokened = jax.jit(lambda v: _primitive.allreduce_p.bind(v, op="sum", comm=comm_key(), backend="auto",
                                                              ordered=False))  # fmt: skip
     with pytest.raises(InvalidArgument, match="MPIGPU_JAX_ORDER=tokens"):
