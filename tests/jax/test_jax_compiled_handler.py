@@ -267,6 +267,7 @@ def test_no_compiler_leaves_the_python_handler_with_the_reason(fresh_library: Pa
 
 
 STALL = textwrap.dedent("""
+    import sys
     import time
     import numpy as np
     import jax
@@ -278,7 +279,8 @@ STALL = textwrap.dedent("""
     f(x).block_until_ready()
     if rank == 1:
         time.sleep(2.5)  # rank 0 waits in the compiled handler's MPI_Allreduce meanwhile
-    print(rank, np.asarray(f(x)).tolist(), mj.compiled_calls()[-1].handler)
+    out = np.asarray(f(x)).tolist()
+    sys.stdout.write(f"{rank} {out} {mj.compiled_calls()[-1].handler}\n")  # one write: lines never interleave
 """)
 
 
