@@ -280,7 +280,7 @@ STALL = textwrap.dedent("""
     if rank == 1:
         time.sleep(2.5)  # rank 0 waits in the compiled handler's MPI_Allreduce meanwhile
     out = np.asarray(f(x)).tolist()
-    sys.stdout.write(f"{rank} {out} {mj.compiled_calls()[-1].handler}\n")  # one write: lines never interleave
+    sys.stdout.write(f"{rank} {out} {mj.compiled_calls()[-1].handler}\\n")  # one write: lines never interleave
 """)
 
 
