@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build mpigpu as a user gets it and run it from a fresh environment (CI calls this from .ci/run):
 #   python -m build (a wheel and an sdist, once), check that both carry the CUDA kernels' sources
-#   (.cu, .cuh) and py.typed, install the wheel and the mpich wheel into a new venv, then
+#   (.cu, .cuh), the JAX FFI handler's source (.cc) and py.typed, install the wheel and the mpich
+#   wheel into a new venv, then
 #   `mpiexec -n 2 python -m mpigpu.average` on a small size and `--version` against mpigpu/_version.py.
 # Runs from a temporary directory, so the checkout's own mpigpu/ cannot stand in for the installed one.
 # Usage: scripts/package-check.sh        (PYTHON=python3.x to choose the interpreter)
@@ -29,7 +30,8 @@ expected=$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' "$root/mpigpu/_version.py")
 import sys, tarfile, zipfile
 from pathlib import Path
 wheel, sdist, root = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-wanted = {p.relative_to(root).as_posix() for p in (root / "mpigpu/kernels").glob("*.cu*")} | {"mpigpu/py.typed"}
+sources = [*(root / "mpigpu/kernels").glob("*.cu*"), *(root / "mpigpu/jax").glob("*.cc")]
+wanted = {p.relative_to(root).as_posix() for p in sources} | {"mpigpu/py.typed"}
 assert len(wanted) > 1, "no kernel sources found"
 in_wheel = set(zipfile.ZipFile(wheel).namelist())
 in_sdist = {"/".join(n.split("/")[1:]) for n in tarfile.open(sdist).getnames()}
@@ -37,7 +39,7 @@ for name, members in (("wheel", in_wheel), ("sdist", in_sdist)):
     missing = sorted(wanted - members)
     if missing:
         sys.exit(f"package: the {name} lacks {', '.join(missing)}")
-print(f"package: wheel and sdist carry {len(wanted)} kernel sources and py.typed")
+print(f"package: wheel and sdist carry {len(wanted) - 1} kernel and FFI handler sources and py.typed")
 PY
 
 echo "== package: install the wheel and mpich into a fresh venv, then run the average on 2 ranks"
