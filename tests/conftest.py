@@ -201,3 +201,24 @@ def _no_mpich_leftovers() -> Iterator[None]:
     before, since = set(mpich_segments()), time.time()
     yield
     remove_leftovers(before, since)
+
+
+# -- JAX on the CPU (tests/jax) -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def jax_x64() -> Iterator[None]:
+    """float64 and int64 arrays stay 64-bit in the module that uses it (JAX's default truncates them)."""
+    jax = pytest.importorskip("jax", reason="jax is not installed (the CI test script installs it)")
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", before)
+
+
+@pytest.fixture
+def jax_cpu_programs_tokened(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test's programs run on JAX's CPU, also on GPU machines, where JAX's default device is a GPU and a
+    call traced inside jit is therefore untokened (MPIGPU_JAX_ORDER=auto) and refused when compiled for the
+    CPU: there a user sets MPIGPU_JAX_ORDER=tokens, as this does."""
+    from mpigpu.jax import _primitive
+
+    monkeypatch.setattr(_primitive, "_order_setting", lambda: "tokens")

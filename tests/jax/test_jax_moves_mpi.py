@@ -16,27 +16,11 @@ jnp = jax.numpy
 from mpigpu.core.errors import InvalidArgument, MismatchError  # noqa: E402
 
 mpi = pytest.mark.mpi(min_size=1)
-
-
-@pytest.fixture(autouse=True)
-def _cpu_programs_carry_the_token(monkeypatch):
-    """These programs run on JAX's CPU, also on GPU machines, where JAX's default device is a GPU and a call
-    traced inside jit is therefore untokened (MPIGPU_JAX_ORDER=auto) and refused when compiled for the CPU:
-    there a user sets MPIGPU_JAX_ORDER=tokens, as this does."""
-    from mpigpu.jax import _primitive
-
-    monkeypatch.setattr(_primitive, "_order_setting", lambda: "tokens")
+# float64 kept 64-bit, and the CPU programs carrying their token on GPU machines too (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("jax_x64", "jax_cpu_programs_tokened")
 
 
 DTYPES = ["float32", "float64", "bfloat16", "int32", "int64", "uint8"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _x64():
-    before = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", before)
 
 
 @pytest.fixture
