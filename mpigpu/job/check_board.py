@@ -17,24 +17,22 @@ Two parities are enough: a rank can reach check ``k + 2`` (and overwrite the slo
 ``k % 2``) only after every rank has written ``k + 1``, and a rank writes ``k + 1`` only after it
 finished reading the slots of ``k``.
 
-Waiting does not burn an oversubscribed machine: it spins briefly, then yields the CPU, then sleeps
-in short steps. A rank that never arrives leaves the others waiting here exactly as in an MPI
+Waiting does not burn an oversubscribed machine (``shm.wait_at_least``: it spins briefly, then yields
+the CPU, then sleeps in short steps). A rank that never arrives leaves the others waiting here exactly as in an MPI
 collective, so the caller's watchdog (``MPIGPU_TIMEOUT``) ends it with its usual error.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import platform
 import struct
-import time
 from typing import Any
 
 from mpigpu.core._mpi import MPI
 from mpigpu.core.errors import MpigpuError
 from mpigpu.core.typed import allreduce_int
-from mpigpu.job.shm import SharedSegment
+from mpigpu.job.shm import SharedSegment, wait_at_least
 
 __all__ = ["CheckBoard", "board_for", "open_board", "pack"]
 
@@ -45,10 +43,6 @@ _PACK = struct.Struct(f"={FIELDS}q").pack  # native int64, as the "q" view reads
 # x86 (total store order) never reorders a store with an earlier store, nor a load with an earlier load:
 # the values are visible before k without a fence. Elsewhere (Arm: Grace) the fences are needed.
 _FENCE = platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686")
-
-_SPIN_S = 20e-6  # busy-wait this long first: the other ranks are usually microseconds away
-_YIELD_S = 2e-3  # then give the CPU away (sched_yield) until this long
-_SLEEP_S = 50e-6  # then sleep in steps of this long (an oversubscribed machine, a slow rank)
 
 # id(communicator object) -> (that object, its board): check_signature looks its communicator up here
 _BOARDS: dict[int, tuple[Any, CheckBoard]] = {}
@@ -111,8 +105,8 @@ class CheckBoard:
         mv[self._mine[parity]] = k
         others = self._others[parity]
         for slot, _, _ in others:
-            if mv[slot] != k:
-                _wait(mv, slot, k)
+            if mv[slot] != k:  # a slot of this parity holds k - 2 until its rank posts k, never more than k
+                wait_at_least(mv, slot, k)
         if fence is not None:
             fence()  # k was seen: the values written before it are read after it
         for _, start, end in others:  # noqa: SIM110 - the hot path: no generator
@@ -142,20 +136,6 @@ class CheckBoard:
                 self._bytes.release()
             segment, self._segment = self._segment, None
             segment.close()
-
-
-def _wait(mv: memoryview, slot: int, k: int) -> None:
-    """Until ``mv[slot] == k``: spin, then yield, then sleep in short steps."""
-    clock = time.perf_counter
-    start = clock()
-    while mv[slot] != k:
-        waited = clock() - start
-        if waited < _SPIN_S:
-            continue
-        if waited < _YIELD_S:
-            os.sched_yield()
-        else:
-            time.sleep(_SLEEP_S)
 
 
 def board_for(comm: Any) -> CheckBoard | None:

@@ -4,12 +4,20 @@ Every rank of ``node_comm`` maps the same bytes, so a rank can read what another
 MPI moving anything. The segment is page-aligned and laid out identically in every process (the
 caller places its areas at fixed offsets). ``register()`` pins it for CUDA (portable and mapped), so
 copy engines move data in and out at pinned speed and kernels can read it directly (zero-copy).
+
+Waiting never burns an oversubscribed machine: ``barrier()`` and the check board wait in ``wait_at_least``
+(spin briefly, then yield the CPU, then sleep in short steps), not in ``MPI_Barrier``, whose shared-memory
+algorithm in MPICH spins a whole core per waiting thread. With several ranks of threads on few cores
+(issue 39: 4 ranks x 8 threads on 2 cores) the spinning waiters starved the one thread everybody waited
+for, and a round took minutes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import os
+import time
 from typing import Any
 
 import numpy as np
@@ -18,20 +26,41 @@ from mpigpu.core._mpi import MPI
 from mpigpu.core.errors import BackendUnavailable, MpigpuError
 from mpigpu.core.typed import allgather_ints
 
-__all__ = ["SharedSegment"]
+__all__ = ["SharedSegment", "wait_at_least"]
 
 _PAGE = mmap.PAGESIZE
 _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 _CUDA_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: kernels may read and write it
+_LINE = 128  # bytes per rank's barrier counter: its own pair of cache lines
+
+_SPIN_S = 20e-6  # wait_at_least: busy-wait this long first (the other ranks are usually microseconds away)
+_YIELD_S = 2e-3  # then give the CPU away (sched_yield) until this long
+_SLEEP_S = 50e-6  # then sleep in steps of this long (an oversubscribed machine, a slow rank)
+
+
+def wait_at_least(mv: memoryview, index: int, value: int) -> None:
+    """Until ``mv[index] >= value`` (a counter another rank raises): spin, then yield, then sleep. A rank
+    that never arrives leaves the caller here as in an MPI collective: the watchdog ends it."""
+    clock = time.perf_counter
+    start = clock()
+    while mv[index] < value:
+        waited = clock() - start
+        if waited < _SPIN_S:
+            continue
+        if waited < _YIELD_S:
+            os.sched_yield()
+        else:
+            time.sleep(_SLEEP_S)
 
 
 class SharedSegment:
     """``nbytes`` of host memory shared by every rank of ``node_comm`` (collective to create and close).
 
     Memory model: a passive-target epoch (``Lock_all``) stays open for the segment's lifetime, and
-    ``barrier()`` is ``Win_sync; Barrier; Win_sync``, the MPI-3 idiom that makes every store made
-    before the barrier on any rank visible to loads made after it on every rank (the unified model),
-    also on weakly ordered CPUs.
+    ``barrier()`` is ``Win_sync``, this rank's counter raised, every rank's counter awaited, ``Win_sync``:
+    the MPI-3 idiom (with the counters in place of ``MPI_Barrier``) that makes every store made before
+    the barrier on any rank visible to loads made after it on every rank, also on weakly ordered CPUs.
+    The counters live after the caller's ``nbytes``, one line per rank.
     """
 
     def __init__(self, node_comm: Any, nbytes: int) -> None:
@@ -42,8 +71,9 @@ class SharedSegment:
         self.rank = node_comm.Get_rank()
         self.size = node_comm.Get_size()
         self.nbytes = int(nbytes)
+        counters = -(-self.nbytes // _LINE) * _LINE  # the barrier counters' offset, after the caller's bytes
         # Local rank 0 allocates everything (plus a page of slack for alignment); the others map it.
-        local = self.nbytes + _PAGE if self.rank == 0 else 0
+        local = counters + _LINE * self.size + _PAGE if self.rank == 0 else 0
         self._win = mpi.Win.Allocate_shared(local, 1, comm=node_comm)
         buffer, _ = self._win.Shared_query(0)
         raw = np.frombuffer(buffer, dtype=np.uint8)
@@ -61,6 +91,14 @@ class SharedSegment:
         self.array: np.ndarray = raw[shift : shift + self.nbytes]
         self.ptr: int = base + shift
         self._win.Lock_all(mpi.MODE_NOCHECK)
+        # the barrier: rank r's count of barriers entered at int64 index (counters + r * _LINE) / 8
+        self._counters = memoryview(raw[shift + counters : shift + counters + _LINE * self.size]).cast("q")
+        self._mine = self.rank * (_LINE // 8)
+        self._others = [r * (_LINE // 8) for r in range(self.size) if r != self.rank]
+        self._counters[self._mine] = 0
+        self._entered = 0
+        self._win.Sync()
+        node_comm.Barrier()  # every rank's counter is 0 before any rank's first barrier()
         self._device_ptr: int | None = None
         self._closed = False
 
@@ -83,10 +121,16 @@ class SharedSegment:
         self._win.Sync()
 
     def barrier(self) -> None:
-        """Every rank's stores before this call are visible to every rank's loads after it."""
-        self._win.Sync()
-        self.comm.Barrier()
-        self._win.Sync()
+        """Every rank's stores before this call are visible to every rank's loads after it (collective over
+        ``node_comm``; waits without spinning a core: ``wait_at_least``)."""
+        self._entered += 1
+        entered, counters = self._entered, self._counters
+        self._win.Sync()  # this rank's stores before the barrier are visible before its counter is
+        counters[self._mine] = entered
+        for index in self._others:
+            if counters[index] < entered:
+                wait_at_least(counters, index, entered)
+        self._win.Sync()  # every counter was seen: the stores made before them are read after this
 
     # -- CUDA ---------------------------------------------------------------------------------------
     @property
@@ -129,6 +173,7 @@ class SharedSegment:
                 cupy().cuda.runtime.hostUnregister(self.ptr)
             self._device_ptr = None
         self.array = np.empty(0, np.uint8)
+        self._counters.release()
         mpi = MPI()
         if not mpi.Is_finalized():
             self._win.Unlock_all()
