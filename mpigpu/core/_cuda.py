@@ -16,9 +16,11 @@ from mpigpu.core.errors import InvalidArgument, MissingDependency
 __all__ = [
     "INSTALL_CUDA_EXTRA",
     "StreamRef",
+    "as_core_stream",
     "core_stream",
     "cuda_version",
     "cupy",
+    "cupy_stream",
     "require_cuda_core",
     "resolve_stream",
     "set_device",
@@ -147,6 +149,27 @@ def core_stream(handle: int) -> Any:
     if handle == 0:
         return core.LEGACY_DEFAULT_STREAM
     return core.Stream.from_handle(handle)
+
+
+def as_core_stream(stream: Any) -> Any:
+    """``stream`` as a cuda.core Stream, for cuda.core calls such as ``launch``: cuda.core deprecates
+    being handed foreign stream objects, so anything resolve_stream takes (a StreamRef, a CuPy or
+    PyTorch stream, an int handle) is wrapped, once per handle (core_stream); a Stream passes as is."""
+    if isinstance(stream, StreamRef):  # the common case: one dict look-up once wrapped
+        return core_stream(stream.handle)
+    if isinstance(stream, require_cuda_core().Stream):
+        return stream
+    return core_stream(resolve_stream(stream, "", None).handle)
+
+
+def cupy_stream(handle: int) -> Any:
+    """A CuPy stream for an existing handle, which CuPy never destroys: ``Stream.from_external``
+    (CuPy 14 deprecates ExternalStream for it), ExternalStream where CuPy (13) lacks it."""
+    cuda = cupy().cuda
+    from_external = getattr(cuda.Stream, "from_external", None)
+    if from_external is None:
+        return cuda.ExternalStream(handle)
+    return from_external(StreamRef(handle))
 
 
 @functools.cache

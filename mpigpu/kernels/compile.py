@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from mpigpu.core._cuda import require_cuda_core
+from mpigpu.core._cuda import as_core_stream, require_cuda_core
 from mpigpu.core.build_cache import cached_build
 from mpigpu.core.errors import KernelCompileError
 
@@ -149,11 +149,12 @@ def _compile(core: Any, text: str, source: str, options: dict[str, Any]) -> byte
 
 
 def launch(stream: Any, kernel: Any, count: int, *args: Any, block: int = 256, max_blocks: int = 65535) -> None:
-    """Launch a grid-stride kernel over ``count`` items on ``stream`` (needs ``__cuda_stream__``)."""
+    """Launch a grid-stride kernel over ``count`` items on ``stream``: a cuda.core Stream, or any stream
+    resolve_stream takes (a StreamRef, a CuPy or PyTorch stream, a handle), wrapped by as_core_stream."""
     core = require_cuda_core()
     blocks = max(1, min(max_blocks, (count + block - 1) // block))
     config = core.LaunchConfig(grid=blocks, block=block)
-    core.launch(stream, config, kernel, *args)
+    core.launch(as_core_stream(stream), config, kernel, *args)
 
 
 def i64(value: int) -> np.int64:
