@@ -188,11 +188,11 @@ class Workload:
 
     def _changed_on_device(self) -> int:
         """Input elements that differ from the snapshot, compared as bytes on the GPU."""
-        from mpigpu.core._cuda import cupy
+        from mpigpu.core._cuda import cupy, cupy_stream
 
         cp = cupy()
         start, nbytes = self.offset * self.dtype.itemsize, self.x.nbytes
-        with cp.cuda.Stream.from_external(self.stream):  # StreamRef speaks __cuda_stream__
+        with cupy_stream(self.stream.handle):
             x = self.buffers.x[start : start + nbytes].reshape(self.count, self.dtype.itemsize)
             snap = self.buffers.snap[start : start + nbytes].reshape(self.count, self.dtype.itemsize)
             return int(cp.count_nonzero((x != snap).any(axis=1)))

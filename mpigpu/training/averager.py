@@ -342,14 +342,14 @@ class Averager:
         return _Bucket(index, members, self.specs, wire, self._framework(members), arch)
 
     def _init_gpu(self) -> None:
-        from mpigpu.core._cuda import cupy
+        from mpigpu.core._cuda import cupy, cupy_stream
 
         cp = cupy()
         self._ctx.activate_gpu()
         runtime = cp.cuda.runtime
         # The greatest priority (CUDA clamps -1024 to the device's): when backward's kernels and a bucket's
         # reduction are both ready, the scheduler gives the reduction's blocks the free SMs first.
-        self._side = cp.cuda.ExternalStream(runtime.streamCreateWithPriority(runtime.streamNonBlocking, -1024))
+        self._side = cupy_stream(runtime.streamCreateWithPriority(runtime.streamNonBlocking, -1024))
         # per bucket: packed (on the caller's stream), then reduced (on the side stream); the last: all reduced
         count = 2 * len(self._buckets) + 1
         self._events = [runtime.eventCreateWithFlags(runtime.eventDisableTiming) for _ in range(count)]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import mpigpu
+from mpigpu.core._cuda import cupy_stream
 from mpigpu.core.errors import InvalidArgument, MismatchError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1)]
@@ -60,20 +61,20 @@ class _Frame:
     def produce(self, host: np.ndarray):
         """A GPU copy of ``host`` whose last write is enqueued behind ~ms of work on the stream."""
         cp = self.cp
-        with cp.cuda.ExternalStream(self._handle()):
+        with cupy_stream(self._handle()):
             busy = cp.ones(1 << 24, dtype=np.float32)
             for _ in range(10):
                 busy = cp.sin(busy)
             arr = cp.empty(host.shape, host.dtype)
             arr.reshape(-1).view(np.uint8).fill(POISON)
-            arr.set(host, stream=cp.cuda.ExternalStream(self._handle()))
+            arr.set(host, stream=cupy_stream(self._handle()))
         if self.framework == "torch":
             return self.torch.from_dlpack(arr)
         return arr
 
     def poisoned(self, shape: tuple[int, ...], dtype: str):
         arr = self.cp.empty(shape, dtype)
-        with self.cp.cuda.ExternalStream(self._handle()):
+        with cupy_stream(self._handle()):
             arr.reshape(-1).view(np.uint8).fill(POISON)
         return self.torch.from_dlpack(arr) if self.framework == "torch" else arr
 
