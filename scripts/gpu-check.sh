@@ -39,7 +39,7 @@
 #   soak       thousands of random verified calls on GPU arrays; the cost of the argument check at 8 B
 #   train      scripts/training-figures.sh: bench_training for the MLP (+ fusion), ResNet-50, GPT-2 beside DDP,
 #              rows interleaved, GPT-2 checked bitwise with deterministic kernels; then the timeline of ResNet-50
-#              with BackwardAverager (scripts/timeline_step.py): checked complete, merged, one step as a PNG
+#              with BackwardAverager (scripts/timeline_step.py), and GPT-2's: checked complete, merged, one step as a PNG
 #   hvd        Horovod's own test/parallel/test_torch.py as one pytest session on every GPU under Open MPI,
 #              from .hvd-suite (scripts/hvd-suite.sh HOROVOD_CHECKOUT prepares it; carry it along)
 #   jax        issue 23 (not in the default list: name it): mpigpu.jax.init() binds JAX to each rank's GPU under
@@ -274,10 +274,14 @@ stage_soak() {
 
 stage_train() {
   step train-ompi 240 0 "OUT=$OUT/training TRAIN_DEADLINE=225 scripts/training-figures.sh"
-  # issue 37: the timeline of ResNet-50 with BackwardAverager on every GPU: complete (every rank, every
-  # bucket's marks, a backward span per step), merged with its report, and one step drawn
-  local tl="$OUT/timeline"
-  step timeline-ompi 100 0 "rm -rf $tl && MPIGPU_TIMELINE=$tl $OMPI -n $NGPU $PY scripts/timeline_step.py --model resnet50 --steps 6 && $PY -m mpigpu.timeline check $tl && $PY -m mpigpu.timeline merge $tl -o $OUT/timeline-trace.json && $PY -m mpigpu.timeline plot $tl -o $OUT/timeline-resnet50-${GPU_TAG}x$NGPU.png --title 'ResNet-50, BackwardAverager, $NGPU x $GPU_TAG: one step'"
+  # issue 37: the timelines of ResNet-50 and GPT-2 with BackwardAverager on every GPU: complete (every rank,
+  # every bucket's marks, a backward span per step), merged with its report (who waited, how much of the
+  # reduction backward hid), and one step drawn
+  local model tl
+  for model in resnet50 gpt2; do
+    tl="$OUT/timeline-$model"
+    step "timeline-$model-ompi" 100 0 "rm -rf $tl && MPIGPU_TIMELINE=$tl $OMPI -n $NGPU $PY scripts/timeline_step.py --model $model --steps 6 && $PY -m mpigpu.timeline check $tl && $PY -m mpigpu.timeline merge $tl -o $OUT/timeline-$model-trace.json && $PY -m mpigpu.timeline plot $tl -o $OUT/timeline-$model-${GPU_TAG}x$NGPU.png --title '$model, BackwardAverager, $NGPU x $GPU_TAG: one step'"
+  done
 }
 
 stage_jax() {  # issue 23: JAX bound to each rank's GPU under Open MPI (every rank sees every GPU), the sample
