@@ -175,19 +175,6 @@ def _order_mode(mode: str) -> Any:
         _primitive._order_setting = before
 
 
-@contextlib.contextmanager
-def _handler_mode(ctx: Any, mode: str) -> Any:
-    """Programs lowered inside the block use MPIGPU_JAX_HANDLER=``mode`` (``ctx``: mpigpu.jax's channel context)."""
-    import dataclasses
-
-    before = ctx.settings
-    ctx.settings = dataclasses.replace(before, jax_handler=mode)
-    try:
-        yield
-    finally:
-        ctx.settings = before
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -300,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     def python_handler(*more: Any) -> Any:
         def around() -> Any:
             stack = contextlib.ExitStack()
-            stack.enter_context(_handler_mode(jax_ctx, "python"))
+            stack.enter_context(jax_ctx.changed_settings(jax_handler="python"))
             for each in more:
                 stack.enter_context(each())
             return stack

@@ -33,7 +33,6 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -371,17 +370,6 @@ def report(result: SoakResult) -> str:
 
 
 # -- the cost of the cross-rank check ---------------------------------------------------------------
-@contextlib.contextmanager
-def _check_setting(ctx: Any, on: bool) -> Iterator[None]:
-    """MPIGPU_CHECK for this context only, for the duration (every rank switches at the same point)."""
-    saved = ctx.settings
-    ctx.settings = dataclasses.replace(saved, check=on)
-    try:
-        yield
-    finally:
-        ctx.settings = saved
-
-
 def check_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Time per call of a ``--check-bytes`` float32 avg allreduce with the check on and off, per
     backend and placement (collective). Medians over repetitions, each the max over ranks."""
@@ -428,7 +416,7 @@ def check_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
             times: dict[bool, list[float]] = {True: [], False: []}
             for _ in range(args.repeats):
                 for on in (True, False):
-                    with _check_setting(ctx, on):
+                    with ctx.changed_settings(check=on):
                         times[on].append(timed(call))
             rows.append(
                 {

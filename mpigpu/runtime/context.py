@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from mpigpu.backends import BACKEND_NAMES, Availability, Backend, backend_class
@@ -314,6 +316,17 @@ class Context:
             self.async_worker.drain()
 
     # -- backends ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def changed_settings(self, **fields: Any) -> Iterator[None]:
+        """These settings fields for this communicator only, for the block (benchmarks and tests that compare
+        settings in one job; every rank must enter the block at the same call, as with any agreed setting)."""
+        saved = self.settings
+        self.settings = dataclasses.replace(saved, **fields)
+        try:
+            yield
+        finally:
+            self.settings = saved
+
     def created(self, name: str) -> bool:
         """Whether backend ``name`` exists already (``backend`` would not create it)."""
         return name in self._backends
