@@ -54,12 +54,13 @@ figure() {
     "$OUT/training-$name-$tag.txt" | sed 's/^/      /'
 }
 
-# as many steps per row as the sequential runs before (warm-up 3, then 5 rounds of 4; the deterministic run 3 + 2 x 5)
-figure mlp 80 --model mlp --rounds 5 --iters 4 "$@"
-figure resnet50 70 --skip fusion --model resnet50 --rounds 5 --iters 4 "$@"
+# as many steps per row as before (warm-up 3, then 10 rounds of 2, short rounds so that each row is paired
+# closely in time with no communication; the deterministic run 3 + 2 x 5)
+figure mlp 80 --model mlp --rounds 10 --iters 2 "$@"
+figure resnet50 70 --skip fusion --model resnet50 --rounds 10 --iters 2 "$@"
 # GPT-2's fast kernels are not deterministic (DDP differs from itself run to run): its timing run reports
 # the parameter difference; the deterministic run of the same model is the check that cannot fail by chance
-figure gpt2 80 --skip fusion --model gpt2 --param-check report --rounds 5 --iters 4 "$@"
+figure gpt2 80 --skip fusion --model gpt2 --param-check report --rounds 10 --iters 2 "$@"
 # GPT-2's parameters again, with deterministic kernels (attention as plain matrix products): bitwise DDP's or FAIL
 figure gpt2-deterministic 70 --skip fusion --model gpt2 --deterministic --rounds 2 --iters 5 "$@"
 echo "failed runs: $failures"

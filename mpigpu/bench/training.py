@@ -289,6 +289,13 @@ def _spread(values: list[float]) -> list[float]:
     return [min(values), max(values)]
 
 
+def paired_overhead(rounds: dict[str, list[float]], base: str = "none") -> dict[str, list[float]]:
+    """Per row, each round's seconds per step minus ``base``'s in the same round: a shared machine's slow
+    spell falls on both terms of a difference, so these spread far less than the rows' own times (2 x
+    H100, ResNet-50: no communication alone read 22.0 to 32.7 ms over five rounds)."""
+    return {row: [t - b for t, b in zip(times, rounds[base], strict=True)] for row, times in rounds.items()}
+
+
 def measure_training(args: argparse.Namespace, ctx: Any, on_gpu: bool, name: str) -> dict[str, Any]:
     """One training step of model ``name`` (forward, backward, averaging, SGD with momentum; bf16
     autocast on a GPU) without communication, with DDP, with BackwardAverager, with the Averager after
@@ -332,9 +339,10 @@ def measure_training(args: argparse.Namespace, ctx: Any, on_gpu: bool, name: str
         comm.Free()
     median = {row: statistics.median(rounds[row]) for row in ROWS}
     mean = {row: statistics.fmean(rounds[row]) for row in ROWS}
-    overhead = {row: median[row] - median["none"] for row in ROWS}
+    paired = paired_overhead(rounds)
+    overhead = {row: statistics.median(paired[row]) for row in ROWS}
     communication = overhead["averager_after"]
-    hidden = (median["averager_after"] - median["backward_averager"]) / communication if communication > 0 else None
+    hidden = (communication - overhead["backward_averager"]) / communication if communication > 0 else None
     tolerance = args.tolerance * scale
     noise = difference["ddp_repeat"]
     verdicts = {row: _verdict(difference[row], tolerance, noise, args.deterministic) for row in _AVERAGING}
@@ -364,7 +372,9 @@ def measure_training(args: argparse.Namespace, ctx: Any, on_gpu: bool, name: str
         "mean_seconds": mean,
         "round_seconds": rounds,
         "spread_seconds": {row: _spread(rounds[row]) for row in ROWS},
-        "overhead_s": overhead,
+        "overhead_s": overhead,  # per step over no communication: the median over rounds of the paired difference
+        "round_overhead_s": paired,
+        "overhead_spread_s": {row: _spread(paired[row]) for row in ROWS},
         "communication_s": communication,
         "hidden_fraction": hidden,
         "overhead_vs_ddp": {
@@ -485,7 +495,9 @@ def _print_training(r: dict[str, Any]) -> None:
     print(f"# training step: {r['description']}; {r['parameters']:,} parameters; {r['optimizer']}; {wire}")
     print(f"#   ms per step: the median over {steps['rounds']} rounds of {steps['per_round']} steps (each round's "
           f"mean, slowest rank; rows interleaved, alternately forward and backward), the rounds' min-max; "
-          f"parameters compared with DDP's after all {steps['warmup'] + steps['timed']} steps")  # fmt: skip
+          f"vs none: the median over rounds of the row's time minus no communication's in the same round, and "
+          f"that difference's min-max; parameters compared with DDP's after all "
+          f"{steps['warmup'] + steps['timed']} steps")  # fmt: skip
     labels = {
         "none": "no communication",
         "ddp": f"DDP ({r['ddp_backend']}, defaults)",
@@ -504,7 +516,7 @@ def _print_training(r: dict[str, Any]) -> None:
         "ddp_noise": "ok (outside the tolerance, within DDP's own run-to-run noise)",
         None: failed,
     }
-    print(f"  {'':<38} {'ms/step':>9} {'min-max':>17} {'vs none':>9}   max |p - p_DDP|")
+    print(f"  {'':<38} {'ms/step':>9} {'min-max':>17} {'vs none':>9} {'min-max':>17}   max |p - p_DDP|")
     for row in ROWS:
         d = r["max_param_difference"][row]
         if row == "ddp":
@@ -516,8 +528,10 @@ def _print_training(r: dict[str, Any]) -> None:
         else:
             verdict = verdicts[r["verified_by"][row]]
         low, high = (v * 1e3 for v in r["spread_seconds"][row])
+        over_low, over_high = (v * 1e3 for v in r["overhead_spread_s"][row])
         print(f"  {labels[row]:<38} {r['seconds'][row] * 1e3:9.3f} {low:8.3f}-{high:<8.3f} "
-              f"{r['overhead_s'][row] * 1e3:+9.3f}   {d:.2e} {verdict}")  # fmt: skip
+              f"{r['overhead_s'][row] * 1e3:+9.3f} {over_low:+8.3f}/{over_high:<+8.3f}   "
+              f"{d:.2e} {verdict}")  # fmt: skip
     hidden = r["hidden_fraction"]
     hidden_text = f"{hidden * 100:.0f}%" if hidden is not None else "n/a (no communication cost measured)"
     print(f"  communication {r['communication_s'] * 1e3:.3f} ms per step (Averager after backward - no "

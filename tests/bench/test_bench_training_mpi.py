@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, run_mpi
 
-from mpigpu.bench.training import _model_list, _Row, _verdict, round_order
+from mpigpu.bench.training import _model_list, _Row, _verdict, paired_overhead, round_order
 from mpigpu.cli import launcher_rank
 
 pytestmark = pytest.mark.skipif(launcher_rank() >= 0, reason="serial test: it launches mpiexec itself")
@@ -77,8 +77,15 @@ def test_training_step_matches_ddp_and_skips_missing_models(tmp_path) -> None:
         assert len(rounds) == 3 and all(r > 0 for r in rounds)
         assert step["seconds"][row] == pytest.approx(sorted(rounds)[1])
         assert step["spread_seconds"][row] == [min(rounds), max(rounds)]
+    # the cost over no communication: per round, the row's time minus no communication's in that round;
+    # their median and spread
+    for row in ROWS:
+        paired = [t - b for t, b in zip(step["round_seconds"][row], step["round_seconds"]["none"], strict=True)]
+        assert step["round_overhead_s"][row] == pytest.approx(paired)
+        assert step["overhead_s"][row] == pytest.approx(sorted(paired)[1])
+        assert step["overhead_spread_s"][row] == pytest.approx([min(paired), max(paired)])
     assert step["overhead_s"]["none"] == 0.0
-    assert step["communication_s"] == pytest.approx(step["seconds"]["averager_after"] - step["seconds"]["none"])
+    assert step["communication_s"] == step["overhead_s"]["averager_after"]
     assert "hidden_fraction" in step and set(step["overhead_vs_ddp"]) == AVERAGING
     diff, tolerance = step["max_param_difference"], step["tolerance"]
     assert tolerance == pytest.approx(1e-5 * step["param_scale"]) and step["param_scale"] > 0.05
@@ -184,3 +191,12 @@ def test_fusion_and_accuracy(tmp_path) -> None:
     assert accuracy["float32"]["max_rel_error_per_tensor"] < 1e-6
     assert 0 < accuracy["bfloat16"]["rel_l2_error"] < 1e-2
     assert "training" not in document
+
+
+def test_paired_overhead_cancels_a_slow_spell_that_falls_on_both_rows() -> None:
+    # round 2 is slow for everybody (a shared machine's spell): the rows' own medians move by it, their
+    # per-round differences do not
+    rounds = {"none": [20.0, 20.5, 31.0], "row": [21.0, 21.5, 32.0]}
+    assert paired_overhead(rounds) == {"none": [0.0, 0.0, 0.0], "row": [1.0, 1.0, 1.0]}
+    with pytest.raises(ValueError):  # a row with a round missing is an error, not a shorter pairing
+        paired_overhead({"none": [1.0, 2.0], "row": [1.0]})
