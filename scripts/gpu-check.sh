@@ -42,6 +42,13 @@
 #              with BackwardAverager (scripts/timeline_step.py), and GPT-2's: checked complete, merged, one step as a PNG
 #   hvd        Horovod's own test/parallel/test_torch.py as one pytest session on every GPU under Open MPI,
 #              from .hvd-suite (scripts/hvd-suite.sh HOROVOD_CHECKOUT prepares it; carry it along)
+#   hvd_synth  issue 37 (not in the default list: name it): Horovod's pytorch_synthetic_benchmark.py, unchanged, on
+#              mpigpu's Horovod layer beside DDP (python -m mpigpu.bench.synthetic) through scripts/hvd_synthetic.py,
+#              Open MPI, 2 GPUs, ResNet-50 batch 32 fp32, 5 warm-up batches, 5 iterations of 10 batches, 2 runs of
+#              each side alternated (hvd ddp ddp hvd); JSON in $OUT. PASS when every run completes and prints its
+#              img/sec (the goal, hvd >= 1.1 x DDP in every pair, is reported, not asserted). Needs .hvd-suite
+#              (scripts/hvd-suite.sh HOROVOD_CHECKOUT; carry it) and torchvision. Expected ~1-2 min on 2 x H100 (an
+#              estimate: not yet timed there), at most HVD_SYNTH_LIMIT (default 150) seconds
 #   jax        issue 23 (not in the default list: name it): mpigpu.jax.init() binds JAX to each rank's GPU under
 #              Open MPI (tests/gpu/test_jax_gpu.py alone, so init runs before JAX starts), samples/jax_step.py
 #              under both MPIs, scripts/jax_step_bench.py (JSON with machine, versions and goals in $OUT; JAX_STEP=0
@@ -324,6 +331,22 @@ stage_hvd() {  # Horovod's own PyTorch tests, one session per MPI, every GPU (do
   # every GPU; Intel MPI with I_MPI_OFFLOAD=1 shows each rank one (on 2 x H100 rank 1's .cuda(1) failed and
   # the ranks fell apart)
   step hvd-ompi "${HVD_LIMIT:-240}" 0 "hvd_session '$OMPI' $LOGS/hvd-ompi.pytest.txt"
+}
+
+stage_hvd_synth() {  # issue 37: Horovod's synthetic benchmark on mpigpu's layer beside DDP, the runs alternated
+  if [ ! -f .hvd-suite/examples/pytorch/pytorch_synthetic_benchmark.py ]; then
+    printf '%-4s %-38s (no .hvd-suite benchmark: scripts/hvd-suite.sh HOROVOD_CHECKOUT, and carry it)\n' FAIL hvd_synth \
+      | tee -a "$SUMMARY"
+    failures=$((failures + 1))
+    return
+  fi
+  if [ "$NGPU" -lt 2 ]; then
+    printf '%-4s %-38s (needs 2 GPUs, this machine has %s)\n' SKIP hvd_synth "$NGPU" | tee -a "$SUMMARY"
+    return
+  fi
+  step hvd-synth-ompi "${HVD_SYNTH_LIMIT:-150}" 0 "$PY scripts/hvd_synthetic.py --launcher '$OMPI' -n 2 --runs 2 \
+    --model resnet50 --batch-size 32 --num-warmup-batches 5 --num-batches-per-iter 10 --num-iters 5 --timeout 70 \
+    --json $OUT/hvd-synthetic-${GPU_TAG}x2-$(date -u +%F).json"
 }
 
 stage_retest() {  # RETEST="pytest paths" under Open MPI with all GPUs and Intel MPI with 2
