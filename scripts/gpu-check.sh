@@ -47,7 +47,7 @@
 #              Open MPI, 2 GPUs, ResNet-50 batch 32 fp32, 5 warm-up batches, 5 iterations of 10 batches, 2 runs of
 #              each side alternated (hvd ddp ddp hvd); JSON in $OUT. PASS when every run completes and prints its
 #              img/sec (the goal, hvd >= 1.1 x DDP in every pair, is reported, not asserted). Needs .hvd-suite
-#              (scripts/hvd-suite.sh HOROVOD_CHECKOUT; carry it) and torchvision. Expected ~1-2 min on 2 x H100 (an
+#              (scripts/hvd-suite.sh HOROVOD_CHECKOUT; carry it) and torchvision. Expected ~1 min on 2 x H100 (an
 #              estimate: not yet timed there), at most HVD_SYNTH_LIMIT (default 150) seconds
 #   jax        issue 23 (not in the default list: name it): mpigpu.jax.init() binds JAX to each rank's GPU under
 #              Open MPI (tests/gpu/test_jax_gpu.py alone, so init runs before JAX starts), samples/jax_step.py

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -148,6 +150,21 @@ def test_hvd_suite_copies_the_benchmark_unchanged(tmp_path: Path) -> None:
     for name, text in files.items():
         assert (tmp_path / "s" / name).read_text() == text
     assert (tmp_path / "s" / "horovod" / "torch" / "__init__.py").is_file()
+
+
+def test_the_gpu_check_stage_passes_options_the_driver_takes() -> None:
+    """gpu-check's hvd_synth stage cannot run here: its command line is read with the driver's own parser,
+    so a misspelt option fails here and not on the GPU machine."""
+    script = (ROOT / "scripts" / "gpu-check.sh").read_text()
+    stage = script[script.index("stage_hvd_synth() {") :]
+    stage = stage[: stage.index("\n}\n")]
+    command = stage.split("scripts/hvd_synthetic.py", 1)[1].rsplit('"', 1)[0].replace("\\\n", " ")
+    command = re.sub(r"\$\{?\w+\}?|\$\([^)]*\)", "v", command)
+    args = _driver()._parser().parse_args(shlex.split(command))
+    assert (args.runs, args.ranks, args.model, args.batch_size) == (2, 2, "resnet50", 32)
+    assert (args.num_warmup_batches, args.num_batches_per_iter, args.num_iters) == (5, 10, 5)
+    assert not args.fp16_allreduce and not args.no_cuda and args.json is not None and args.launcher == "v"
+    assert "HVD_SYNTH_LIMIT" in stage, "the stage's time limit is a variable"
 
 
 # -- on the host, launched for real -------------------------------------------------------------------
