@@ -42,7 +42,8 @@ from typing import Any
 
 from mpigpu.cli import nonneg_int, now, positive_int, seconds_arg, versions, write_json
 
-ROOT = Path(__file__).resolve().parent.parent
+DRIVER = Path(__file__).resolve()
+ROOT = DRIVER.parent.parent
 HVD_SCRIPT = Path("examples/pytorch/pytorch_synthetic_benchmark.py")  # inside the suite folder
 GOAL = 1.1  # issue 37: hvd's img/sec at least 1.1 x DDP's, float32, every run
 SIDES = ("hvd", "ddp")
@@ -285,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         if figures is None:
             print("\n".join(f"#   | {line}" for line in output.splitlines()[-TAIL_LINES:]), flush=True)
     doc = {
-        "date": now(), "command": [sys.executable, *sys.argv], "machine": _machine(),
+        "date": now(), "command": [sys.executable, str(DRIVER), *(sys.argv[1:] if argv is None else argv)],
+        "machine": _machine(),
         "versions": {**versions(), "torchvision": torchvision, "launcher": _version_line([*launcher, "--version"])},
         "torchvision": torchvision, "ranks": args.ranks, "launcher": launcher,
         "options": {k: getattr(args, k) for k in ("model", "batch_size", "num_warmup_batches", "num_batches_per_iter",

@@ -1,6 +1,7 @@
 """Issue 37's comparison: scripts/hvd_synthetic.py (runs alternated, img/sec parsed, JSON and verdict) on canned
-output, python -m mpigpu.bench.synthetic (the DDP side) at 2 ranks on the host, the driver end to end with a tiny
-model (a stand-in torchvision whose ``models.tiny`` both sides build), and the clear stop without torchvision.
+output; the driver end to end at 2 ranks on the host with a tiny model (a stand-in torchvision whose
+``models.tiny`` both sides build), the DDP side (python -m mpigpu.bench.synthetic) included; and the clear stop
+without torchvision.
 
 The driver's end-to-end run takes Horovod's own benchmark from HOROVOD_CHECKOUT (a Horovod work tree or bare git
 directory) when that is set; without it, a copy of the DDP side stands in for Horovod's file, so the launches,
@@ -125,6 +126,7 @@ def test_main_on_canned_runs_writes_the_json_and_the_table(
     assert doc["goal"] == {"ratio": 1.1, "every_pair": True, "float32_only": True, "pairs_reaching": 0, "met": False}
     assert doc["ok"] is False and doc["ranks"] == 2 and doc["torchvision"] == "0.26.0"
     assert doc["options"]["batch_size"] == 32 and "torch" in doc["versions"] and "hostname" in doc["machine"]
+    assert doc["command"][1:4] == [str(DRIVER), "--suite", str(tmp_path / "suite")]
     printed = capsys.readouterr().out
     assert "   1  hvd,ddp        2100.0 +-196.0         2000.0 +-0.0    1.050" in printed, printed
     assert "FAILED rc=1" in printed and "#   | RuntimeError: boom" in printed
@@ -186,15 +188,6 @@ def _pythonpath(*front: Path) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([*map(str, front), str(ROOT), *rest])}
 
 
-def test_ddp_side_at_two_ranks_prints_the_figures(stand_in: Path) -> None:
-    done = run_mpi(2, ["-m", "mpigpu.bench.synthetic", *TINY], timeout=120, env=_pythonpath(stand_in))
-    assert done.returncode == 0, done.stdout + done.stderr
-    got = _driver().parse_output(done.stdout)
-    assert got["ranks"] == 2 and got["device"] == "CPU" and len(got["iter_img_s"]) == 2
-    assert "# DDP, torch.distributed gloo" in done.stdout and "torchvision test stand-in tiny" in done.stdout
-    assert done.stdout.count("Total img/sec") == 1  # rank 0 alone prints
-
-
 def _horovod_suite(tmp_path: Path) -> tuple[Path, str]:
     """The suite folder and what its benchmark is: Horovod's from HOROVOD_CHECKOUT, else a copy of the DDP side."""
     suite = tmp_path / "suite"
@@ -223,6 +216,9 @@ def test_driver_end_to_end_at_two_ranks(stand_in: Path, tmp_path: Path) -> None:
     assert all(r["figures"]["ranks"] == 2 and len(r["figures"]["iter_img_s"]) == 2 for r in doc["runs"])
     assert doc["pairs"][0]["ratio"] > 0 and doc["torchvision"] == "test stand-in"
     assert "# PASS: 2 of 2 runs completed" in done.stdout
+    ddp = "\n".join(doc["runs"][1]["output"])  # the DDP side: its header, and rank 0 alone prints the figures
+    assert "# DDP, torch.distributed gloo" in ddp and "torchvision test stand-in tiny" in ddp
+    assert ddp.count("Total img/sec") == 1 and ddp.count("Iter #") == 2
 
 
 @pytest.fixture(scope="module")
