@@ -104,6 +104,18 @@ def fresh_context(comm: Any) -> Iterator[Any]:
         dup.Free()
 
 
+def load_script(path: Path | str, name: str | None = None) -> Any:
+    """A script or sample (not a package module) imported as a module, to call its functions."""
+    import importlib.util
+
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def mpiexec() -> str:
     """The launcher that belongs to the MPI mpi4py loads (the venv's mpich wheel first)."""
     local = Path(sys.executable).parent / "mpiexec"

@@ -5,14 +5,13 @@ And the Horovod layer's per-call row (scripts/hvd_call_bench.py) on CPU tensors 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import pytest
-from conftest import run_mpi
+from conftest import load_script, run_mpi
 from test_bench import YIELD
 
 from mpigpu.cli import launcher_rank
@@ -24,11 +23,7 @@ MPI_CALLS = {"allreduce": "comm.Allreduce", "reduce_scatter": "comm.Reduce_scatt
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("cpu_call_vs_mpi", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 @serial
@@ -133,10 +128,7 @@ def test_the_horovod_rows_on_gpus_say_there_is_none_here() -> None:
 
 def test_the_horovod_check_sees_a_wrong_result_and_a_touched_input() -> None:
     torch = pytest.importorskip("torch")
-    spec = importlib.util.spec_from_file_location("hvd_call_bench", HVD)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(HVD)
     columns = object.__new__(module.Columns)  # no Horovod needed to check a call
     columns.torch, columns.rank, columns.n, columns.count = torch, 0, 2, 6
     columns.t = torch.zeros(6)

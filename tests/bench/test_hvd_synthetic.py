@@ -9,7 +9,6 @@ the alternation and the parsing are still run for real."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, mpiexec, run_mpi
+from conftest import ROOT, load_script, mpiexec, run_mpi
 
 pytest.importorskip("torch", reason="both sides train with torch (the test extra installs the CPU build)")
 
@@ -32,11 +31,7 @@ TINY = ["--model", "tiny", "--batch-size", "2", "--num-warmup-batches", "1", "--
 
 
 def _driver() -> Any:
-    spec = importlib.util.spec_from_file_location("hvd_synthetic", DRIVER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(DRIVER)
 
 
 def _output(values: list[float], ranks: int = 2, device: str = "GPU") -> str:

@@ -7,10 +7,10 @@ samples/horovod_train.py in-process on the GPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
+from conftest import load_script
 
 import mpigpu
 
@@ -242,9 +242,7 @@ def test_distributed_optimizer(device, passes, compression) -> None:
 
 
 def test_sample_on_gpu() -> None:
-    spec = importlib.util.spec_from_file_location("horovod_train", os.path.join(SAMPLES, "horovod_train.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(os.path.join(SAMPLES, "horovod_train.py"))
     if getattr(mpigpu, "broadcast", None) is None:
         pytest.skip("broadcast_parameters of CUDA tensors needs mpigpu.broadcast (the other branch of issue 16)")
     assert module.main(["--device", "cuda", "--epochs", "2"]) == 0

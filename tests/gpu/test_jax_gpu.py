@@ -17,6 +17,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import load_script
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # several ranks share the node's GPUs
 
@@ -370,14 +371,10 @@ def test_mismatch_raises_everywhere_while_compiling(ctx, jx, comm) -> None:
 
 
 def test_jax_step_sample(ctx, jx) -> None:
-    import importlib.util
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "samples" / "jax_step.py"
-    spec = importlib.util.spec_from_file_location("jax_step_sample", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(path, "jax_step_sample")
     assert module.main(["--steps", "20"]) == 0
 
 

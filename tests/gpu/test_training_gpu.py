@@ -6,11 +6,11 @@ Values come from the 'exact' pattern, so every average is checked exactly."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import numpy as np
 import pytest
+from conftest import load_script
 
 import mpigpu
 from mpigpu.backends import backend_class
@@ -47,10 +47,7 @@ def _wrong(host: np.ndarray, dtype: str, op: Op, comm, offset: int = 0) -> int:
 
 
 def _sample(name: str):
-    spec = importlib.util.spec_from_file_location(f"sample_{name}", os.path.join(SAMPLES, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(os.path.join(SAMPLES, f"{name}.py"), f"sample_{name}")
 
 
 # -- interop --------------------------------------------------------------------------------------
