@@ -34,7 +34,7 @@ from mpigpu.core.ops import Op, parse_op
 from mpigpu.jax._comms import comm_key
 from mpigpu.jax._device import init
 from mpigpu.jax._primitive import CompiledCall, allgather_p, allreduce_p, broadcast_p, compiled_calls, ordered_calls
-from mpigpu.jax._spmd import mesh_reduction, refuse_in_mesh
+from mpigpu.jax._spmd import manual_axes, mesh_reduction, refuse_in_mesh
 
 __all__ = ["CompiledCall", "allgather", "allreduce", "average_tree", "broadcast", "compiled_calls", "init"]
 
@@ -54,7 +54,7 @@ def allreduce(x: Any, op: str | Op = "avg", *, comm: Any = None, backend: str = 
     if in_mesh is not None:
         return in_mesh(x)
     x = _as_jax(x, comm)
-    return _allreduce(x, op_.value, comm_key(comm), backend, ordered_calls(x))
+    return _allreduce(x, op_.value, comm_key(comm), backend, ordered_calls(x), bool(manual_axes()))
 
 
 def _checked_backend(backend: Any) -> str:
@@ -116,21 +116,24 @@ def _as_jax(x: Any, comm: Any) -> Any:
     return jax.device_put(jnp.asarray(x), jax.devices("cpu")[0])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _allreduce(x: jax.Array, op: str, key: int, backend: str, ordered: bool) -> jax.Array:
-    return allreduce_p.bind(x, op=op, comm=key, backend=backend, ordered=ordered)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _allreduce(x: jax.Array, op: str, key: int, backend: str, ordered: bool, devices: bool = False) -> jax.Array:
+    """``devices``: inside shard_map, one call per device, each a participant (mpigpu.jax._devices)."""
+    return allreduce_p.bind(x, op=op, comm=key, backend=backend, ordered=ordered, devices=devices)
 
 
-def _allreduce_fwd(x: jax.Array, op: str, key: int, backend: str, ordered: bool) -> tuple[jax.Array, None]:
-    return _allreduce(x, op, key, backend, ordered), None
+def _allreduce_fwd(x: jax.Array, op: str, key: int, backend: str, ordered: bool,
+                   devices: bool = False) -> tuple[jax.Array, None]:  # fmt: skip
+    return _allreduce(x, op, key, backend, ordered, devices), None
 
 
-def _allreduce_bwd(op: str, key: int, backend: str, ordered: bool, _: None, cotangent: jax.Array) -> tuple[jax.Array]:
+def _allreduce_bwd(op: str, key: int, backend: str, ordered: bool, devices: bool, _: None,
+                   cotangent: jax.Array) -> tuple[jax.Array]:  # fmt: skip
     """y = sum_r x_r on every rank, and the loss is the sum of the ranks' losses, so dL/dx_r = sum_s dL_s/dy_s:
     the sum-allreduce of the cotangent (avg: the avg-allreduce)."""
     if op not in _DIFFERENTIABLE:
         raise InvalidArgument(f"jax.grad of mpigpu.jax.allreduce is defined for op='sum' and op='avg', not op={op!r}")
-    return (_allreduce(cotangent, op, key, backend, ordered),)
+    return (_allreduce(cotangent, op, key, backend, ordered, devices),)
 
 
 _allreduce.defvjp(_allreduce_fwd, _allreduce_bwd)

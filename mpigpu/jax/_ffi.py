@@ -81,11 +81,17 @@ class _Attrs(ctypes.Structure):
 
 
 class _Api(ctypes.Structure):
-    """XLA_FFI_Api up to XLA_FFI_Stream_Get (the fields this module calls); the rest is never read."""
+    """XLA_FFI_Api up to XLA_FFI_DeviceOrdinal_Get (the last field this module calls); a field past the
+    ``struct_size`` XLA reports is absent from that XLA (read none of it)."""
 
     _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("api_version", _ApiVersion),
                 ("internal_api", c_void_p), ("error_create", c_void_p), ("error_get_message", c_void_p),
-                ("error_destroy", c_void_p), ("handler_register", c_void_p), ("stream_get", c_void_p)]  # fmt: skip
+                ("error_destroy", c_void_p), ("handler_register", c_void_p), ("stream_get", c_void_p),
+                ("type_register", c_void_p), ("execution_context_get", c_void_p), ("state_set", c_void_p),
+                ("state_get", c_void_p), ("device_memory_allocate", c_void_p), ("device_memory_free", c_void_p),
+                ("thread_pool_schedule", c_void_p), ("thread_pool_num_threads", c_void_p),
+                ("future_create", c_void_p), ("future_set_available", c_void_p), ("future_set_error", c_void_p),
+                ("run_id_get", c_void_p), ("device_ordinal_get", c_void_p)]  # fmt: skip
 
 
 class _CallFrame(ctypes.Structure):
@@ -113,6 +119,11 @@ class _StreamGetArgs(ctypes.Structure):
     _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("ctx", c_void_p), ("stream", c_void_p)]
 
 
+class _DeviceOrdinalGetArgs(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("ctx", c_void_p),
+                ("device_ordinal", ctypes.c_int32)]  # fmt: skip
+
+
 def _struct_size(cls: type[ctypes.Structure], last: str) -> int:
     """XLA_FFI_STRUCT_SIZE: the offset of the last field plus its size (no trailing padding)."""
     field = getattr(cls, last)
@@ -125,6 +136,7 @@ def _struct_size(cls: type[ctypes.Structure], last: str) -> int:
 # interval).
 _ERROR_CREATE = ctypes.PYFUNCTYPE(c_void_p, ctypes.POINTER(_ErrorCreateArgs))
 _STREAM_GET = ctypes.PYFUNCTYPE(c_void_p, ctypes.POINTER(_StreamGetArgs))
+_DEVICE_ORDINAL_GET = ctypes.PYFUNCTYPE(c_void_p, ctypes.POINTER(_DeviceOrdinalGetArgs))
 HANDLER = ctypes.CFUNCTYPE(c_void_p, ctypes.POINTER(_CallFrame))
 
 
@@ -223,6 +235,18 @@ class Call:
         if error:
             raise HandlerError("XLA_FFI_Stream_Get failed: this call has no CUDA stream")
         return int(args.stream or 0)
+
+    def device_ordinal(self) -> int:
+        """The XLA device ordinal this call runs for (XLA_FFI_DeviceOrdinal_Get): on a program over several
+        devices XLA calls the handler once per device, each with its own ordinal."""
+        api = self._frame.api.contents
+        if api.struct_size < _struct_size(_Api, "device_ordinal_get") or not api.device_ordinal_get:
+            raise HandlerError("this XLA's FFI has no XLA_FFI_DeviceOrdinal_Get: upgrade jax and jaxlib")
+        args = _DeviceOrdinalGetArgs(_struct_size(_DeviceOrdinalGetArgs, "device_ordinal"), None, self._frame.ctx, 0)
+        error = _DEVICE_ORDINAL_GET(api.device_ordinal_get)(ctypes.byref(args))
+        if error:
+            raise HandlerError("XLA_FFI_DeviceOrdinal_Get failed: this call has no device ordinal")
+        return int(args.device_ordinal)
 
 
 def _int_attrs(count: int, types: int, names: int, values: int) -> dict[str, int]:

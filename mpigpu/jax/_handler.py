@@ -18,6 +18,8 @@ from mpigpu.core._cuda import StreamRef
 from mpigpu.core.arrays import ArrayView, raw_view
 from mpigpu.core.ops import Op
 from mpigpu.jax._comms import ready_channel
+from mpigpu.jax._devices import DEVICES_ATTRIBUTE
+from mpigpu.jax._devices import execute as on_devices
 from mpigpu.jax._ffi import Buffer, Call, HandlerError
 from mpigpu.runtime.context import Context
 
@@ -53,6 +55,9 @@ def execute(call: Call) -> None:
     if len(data) != 1 or len(outs) != 1 or data[0].dtype != outs[0].dtype:
         raise HandlerError(f"mpigpu_{collective} expects one array in and one out of its dtype: {data} -> {outs}")
     ctx = ready_channel(key).ctx
+    if attrs.get(DEVICES_ATTRIBUTE):  # once per device inside shard_map: the devices meet (never under _lock)
+        on_devices(call, ctx, data[0], outs[0], op, backend, on_gpu)
+        return
     with _lock:
         _run(ctx, collective, data[0], outs[0], op, root, backend, StreamRef(call.stream()) if on_gpu else None)
 

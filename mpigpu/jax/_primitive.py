@@ -50,12 +50,15 @@ from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError
 from mpigpu.core.ops import Op
 from mpigpu.jax import _ffi, _native
 from mpigpu.jax._comms import Channel, channel
+from mpigpu.jax._devices import DEVICES_ATTRIBUTE, REASON, position
 from mpigpu.jax._device import FIX
 from mpigpu.jax._handler import ATTRIBUTE, COLLECTIVES, encode, execute
 from mpigpu.jax._tokens import install as install_token_passing
 from mpigpu.job.check import COLLECTIVES as CHECKED
 from mpigpu.job.check import Signature, check_signature
 from mpigpu.job.device import GpuInfo
+from mpigpu.multi import paths
+from mpigpu.multi.group import Group
 from mpigpu.runtime.plan import Choice, choose_cached
 
 __all__ = ["EFFECT", "TARGETS", "CompiledCall", "allgather_p", "allreduce_p", "broadcast_p", "check_program_device",
@@ -74,6 +77,7 @@ class CollectiveEffect(effects.Effect):
 EFFECT = CollectiveEffect()
 effects.ordered_effects.add_type(CollectiveEffect)
 effects.lowerable_effects.add_type(CollectiveEffect)
+effects.shardable_ordered_effects.add_type(CollectiveEffect)  # in a program over several devices (shard_map)
 for _allowed in ("control_flow_allowed_effects", "custom_derivatives_allowed_effects", "remat_allowed_effects"):
     if hasattr(effects, _allowed):  # a list this JAX version lacks is skipped
         getattr(effects, _allowed).add_type(CollectiveEffect)
@@ -262,8 +266,7 @@ def _choose_and_check(
         )  # fmt: skip
         refusal = _native.local_verdict(ctx, collective, dtype, op, choice.backend, on_gpu, spec.nbytes, spec.size)
     except Exception as exc:  # any failure here must reach the other ranks, which are in the check
-        with contextlib.suppress(MismatchError), _watched(ch, f"{name} (reporting an invalid call)"):
-            check_signature(ch.check, Signature(0, 0, 0, 0, 0, error=f"{type(exc).__name__}: {exc}"), name)
+        _report(ch, name, exc)
         raise
     with _watched(ch, f"{name} of {spec.size} {dtype.name} (cross-rank check while compiling)"):
         check_signature(ch.check, signature, name, backend_name=choice.backend)
@@ -280,6 +283,50 @@ def _choose_and_check(
     return choice.backend, slot
 
 
+def _choose_per_device(ch: Channel, aval: Any, op: Op, backend: str, platform: str, axis_context: Any) -> str:
+    """The call once per device inside shard_map (mpigpu.jax._devices): map the program's devices to this
+    process's, choose the path as mpigpu.multi does and check across ranks (collective on the check
+    communicator; the process's device group is made here, collective, on the first such program).
+    Returns the path's backend."""
+    name = "mpigpu.jax.allreduce"
+    group = Group.of(ch.ctx)
+    try:
+        if platform not in ("cpu", "cuda"):
+            raise InvalidArgument(f"mpigpu.jax runs on CPU and CUDA devices, not on {platform!r}")
+        on_gpu = platform == "cuda"
+        mesh_devices = getattr(getattr(axis_context, "mesh", None), "devices", None)
+        if mesh_devices is None:
+            raise InvalidArgument("mpigpu.jax inside jax.shard_map needs a mesh of concrete devices (jax.sharding.Mesh)")
+        ordinals = [getattr(d, "local_hardware_id", None) for d in np.ravel(mesh_devices)]
+        positions = sorted(position(group, on_gpu, -1 if o is None else o) for o in ordinals)
+        if positions != list(range(group.count)):
+            raise InvalidArgument(
+                f"mpigpu.jax inside jax.shard_map: the mesh maps {len(positions)} device(s), each once, of the "
+                f"{group.count} this process drives ({[group.describe(k) for k in range(group.count)]}): map "
+                "over Mesh(jax.local_devices(), ...)"
+            )
+        dtype = parse_dtype(np.dtype(aval.dtype))
+        spec = ArrayView(None, 0, tuple(int(d) for d in aval.shape), dtype, group.gpus[0] if on_gpu else None,
+                         True, "xla")  # fmt: skip
+        choice = paths.choose(group, spec, op, backend)
+        signature = Signature(spec.size, dtype.code, op.code, backend_code(choice.backend), int(on_gpu),
+                              shape=spec.shape, collective=CHECKED.index("allreduce over devices"))  # fmt: skip
+    except Exception as exc:
+        _report(ch, name, exc)
+        raise
+    with _watched(ch, f"{name} of {spec.size} {dtype.name} per device (cross-rank check while compiling)"):
+        check_signature(ch.check, signature, name, backend_name=choice.backend)
+    _compiled.append(CompiledCall(platform, dtype.name, spec.size, spec.nbytes, op.value, backend, choice.backend,
+                                  choice.reason, "allreduce", "python", REASON))  # fmt: skip
+    return choice.backend
+
+
+def _report(ch: Channel, name: str, exc: BaseException) -> None:
+    """Tell the other ranks, waiting in the lowering's cross-rank check, that this rank refused the call."""
+    with contextlib.suppress(MismatchError), _watched(ch, f"{name} (reporting an invalid call)"):
+        check_signature(ch.check, Signature(0, 0, 0, 0, 0, error=f"{type(exc).__name__}: {exc}"), name)
+
+
 def _watched(ch: Channel, label: str) -> Any:
     watchdog = ch.ctx.watchdog
     return watchdog.watch(label) if watchdog.on else contextlib.nullcontext()
@@ -294,7 +341,7 @@ def _ir_type(ctx: Any, aval: Any) -> Any:
 
 def _lowering(collective: str) -> Any:
     def lower(ctx: Any, x: Any, *, comm: int, backend: str, op: str = "sum", root: int = 0, size: int = 0,
-              ordered: bool = True) -> list[Any]:  # fmt: skip
+              ordered: bool = True, devices: bool = False) -> list[Any]:  # fmt: skip
         (aval,), (out_aval,) = ctx.avals_in, ctx.avals_out
         platforms = tuple(ctx.module_context.platforms)
         if len(platforms) != 1:
@@ -307,8 +354,12 @@ def _lowering(collective: str) -> Any:
                 "rank's GPU (jax.device_put(x, mpigpu.jax.init())), or set MPIGPU_JAX_ORDER=tokens"
             )
         op_ = Op(op)
-        chosen, slot = _choose_and_check(channel(comm), aval, op_, backend, platform,
-                                         ctx.module_context.axis_context, collective, root)  # fmt: skip
+        axis_context = ctx.module_context.axis_context
+        if devices:
+            chosen, slot = _choose_per_device(channel(comm), aval, op_, backend, platform, axis_context), None
+        else:
+            chosen, slot = _choose_and_check(channel(comm), aval, op_, backend, platform, axis_context, collective,
+                                             root)  # fmt: skip
         if slot is None:
             _register(platform)
         target = TARGETS[collective] if slot is None else _native.target(collective, ordered)
@@ -323,6 +374,8 @@ def _lowering(collective: str) -> Any:
         )
         if slot is None:
             attrs = {ATTRIBUTE: np.int64(encode(op_, chosen, platform != "cpu", comm, collective, root))}
+            if devices:
+                attrs[DEVICES_ATTRIBUTE] = np.int64(1)
         else:
             attrs = {_native.SLOT_ATTRIBUTE: np.int64(slot)}
         if not ordered:

@@ -1,14 +1,18 @@
-"""mpigpu.jax's calls inside ``jax.shard_map``: XLA's own collectives.
+"""mpigpu.jax's calls inside ``jax.shard_map``: XLA's own collectives, or mpigpu's FFI call once per device.
 
 Inside a ``shard_map`` over a mesh of every device of every process (one process with its local
 devices; or, with ``mpigpu.jax.init(distributed=True)``, every process's devices, one or several each),
 a reduction over the world is a reduction over the mesh's manual axes: ``lax.psum``/``pmin``/``pmax``
 with mpigpu's semantics (avg: the sum divided once, by the number of devices in the mesh; float16 and
 bfloat16 summed in float32), which XLA compiles into its own collectives (NCCL on GPUs), scheduled with
-the rest of the program and dispatched on JAX's C++ path. mpigpu's FFI call cannot run there (one device
-per program), so anything else inside a ``shard_map`` (several processes whose JAX runtimes do not know
-each other, a mesh over part of the devices, a communicator other than the world, an op XLA has no
-collective for) is refused while tracing, on every rank alike.
+the rest of the program and dispatched on JAX's C++ path.
+
+Where XLA's collectives cannot reach every participant (several MPI processes whose JAX runtimes are
+separate, each mapping its own local devices) or a backend is named, ``allreduce`` and ``average_tree``
+lower to mpigpu's FFI call instead, which XLA runs once per device: each device's call takes part as
+(rank, device) in mpigpu.multi's group (mpigpu.jax._devices). Anything else inside a ``shard_map`` (a mesh
+over part of a process's devices, a communicator other than the world, broadcast and allgather) is
+refused while tracing, on every rank alike.
 """
 
 from __future__ import annotations
@@ -64,7 +68,9 @@ def manual_axes() -> tuple[str, ...]:
 
 def mesh_reduction(op: Op, comm: Any, backend: str) -> Callable[[Any], Any] | None:
     """Inside ``shard_map``: the XLA collectives that reduce across every process with mpigpu's semantics
-    (a function of one array or pytree). Outside: None (mpigpu's FFI call). Raises InvalidArgument where neither can."""
+    (a function of one array or pytree), or None where mpigpu's FFI call runs once per device (the mesh
+    maps every local device of a JAX runtime that knows this process only, or ``backend`` names one).
+    Outside ``shard_map``: None (mpigpu's FFI call). Raises InvalidArgument where neither can run."""
     axes = manual_axes()
     if not axes:
         return None
@@ -75,22 +81,22 @@ def mesh_reduction(op: Op, comm: Any, backend: str) -> Callable[[Any], Any] | No
         mpi = MPI()
         if mpi.Comm.Compare(comm, world()) not in (mpi.IDENT, mpi.CONGRUENT):
             raise InvalidArgument(f"{where} reduces over the world only (the mesh's processes), not over {comm}")
-    if backend != "auto":
-        raise InvalidArgument(f"{where} runs XLA's own collective; backend must be 'auto', not {backend!r}")
-    if op not in _XLA_OPS:
-        raise InvalidArgument(f"{where}: XLA has no {op.value!r} collective; use 'sum', 'avg', 'min' or 'max'")
     from mpigpu.core._mpi import world
 
     shape = jax.sharding.get_abstract_mesh().shape
     mapped = math.prod(shape[a] for a in axes)
     processes, ranks = jax.process_count(), world().Get_size()
-    if processes != ranks or mapped != jax.device_count():
-        raise InvalidArgument(
-            f"{where} needs a mesh over every device of every process (mapped over {dict(shape)}; JAX knows "
-            f"{processes} of the {ranks} process(es) and {jax.device_count()} device(s)): with several processes "
-            "start JAX with mpigpu.jax.init(distributed=True), and map over Mesh(jax.devices(), ...)"
-        )
-    return lambda tree: jax.tree_util.tree_map(lambda x: _reduce_leaf(x, op, axes, mapped), tree)
+    if backend == "auto" and op in _XLA_OPS and processes == ranks and mapped == jax.device_count():
+        return lambda tree: jax.tree_util.tree_map(lambda x: _reduce_leaf(x, op, axes, mapped), tree)
+    if processes == 1 and mapped == jax.local_device_count():
+        return None  # one FFI call per device (mpigpu.jax._devices)
+    raise InvalidArgument(
+        f"{where} needs a mesh over every local device of this process (mapped over {dict(shape)}; JAX knows "
+        f"{processes} of the {ranks} process(es) and {jax.device_count()} device(s), {jax.local_device_count()} "
+        "of them local): map over Mesh(jax.local_devices(), ...) for mpigpu's call once per device, or, with "
+        "several processes, start JAX with mpigpu.jax.init(distributed=True) and map over Mesh(jax.devices(), ...)"
+        + ("" if backend == "auto" else f" with backend='auto' (not {backend!r}) for XLA's collectives")
+    )
 
 
 def refuse_in_mesh(name: str, instead: str) -> None:

@@ -25,7 +25,7 @@ from mpigpu.multi.group import Group, Meeting, copy_error
 from mpigpu.runtime.context import Context, announce_rejection
 from mpigpu.runtime.plan import Choice, log_choice
 
-__all__ = ["Entry", "allreduce_devices", "refuse_if_bound", "start_devices"]
+__all__ = ["Entry", "allreduce_devices", "allreduce_entry", "refuse_if_bound", "start_devices"]
 
 _COLLECTIVE = COLLECTIVES.index("allreduce over devices")
 
@@ -235,6 +235,16 @@ def start_devices(x: Any, op: Any, out: Any, comm: Any, backend: str, stream: An
     _raise_for(meeting, entry)
     entry.choice = meeting.entries[0].choice
     return entry.result, [entry]
+
+
+def allreduce_entry(group: Group, entry: Entry) -> None:
+    """One device's part of an allreduce whose arguments its caller has already checked (``entry``: its views,
+    op, backend and stream, or an error): meet the process's other devices, then return with ``entry.out``
+    reduced, or raise as every participant does. mpigpu.jax's call once per device inside jax.shard_map
+    makes it, on XLA's thread for that device."""
+    k, entry = _bound_entry(group, entry)
+    meeting = group.meet(k, entry, _steps(group))
+    _raise_for(meeting, entry)
 
 
 def _list_call(
