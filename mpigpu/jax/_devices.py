@@ -13,8 +13,6 @@ refusal raises on every participant and a stall names the (rank, device) that ha
 
 from __future__ import annotations
 
-from typing import Any
-
 from mpigpu.core._cuda import StreamRef
 from mpigpu.core.arrays import raw_view
 from mpigpu.core.errors import DeviceError

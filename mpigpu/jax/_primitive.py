@@ -50,8 +50,8 @@ from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError
 from mpigpu.core.ops import Op
 from mpigpu.jax import _ffi, _native
 from mpigpu.jax._comms import Channel, channel
-from mpigpu.jax._devices import DEVICES_ATTRIBUTE, REASON, position
 from mpigpu.jax._device import FIX
+from mpigpu.jax._devices import DEVICES_ATTRIBUTE, REASON, position
 from mpigpu.jax._handler import ATTRIBUTE, COLLECTIVES, encode, execute
 from mpigpu.jax._tokens import install as install_token_passing
 from mpigpu.job.check import COLLECTIVES as CHECKED
@@ -296,7 +296,7 @@ def _choose_per_device(ch: Channel, aval: Any, op: Op, backend: str, platform: s
         on_gpu = platform == "cuda"
         mesh_devices = getattr(getattr(axis_context, "mesh", None), "devices", None)
         if mesh_devices is None:
-            raise InvalidArgument("mpigpu.jax inside jax.shard_map needs a mesh of concrete devices (jax.sharding.Mesh)")
+            raise InvalidArgument("mpigpu.jax inside jax.shard_map needs a mesh of devices (jax.sharding.Mesh)")
         ordinals = [getattr(d, "local_hardware_id", None) for d in np.ravel(mesh_devices)]
         positions = sorted(position(group, on_gpu, -1 if o is None else o) for o in ordinals)
         if positions != list(range(group.count)):
