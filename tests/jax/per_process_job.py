@@ -2,7 +2,9 @@
 with --xla_force_host_platform_device_count), one jitted shard_map over every device of every process.
 With JAX_DISTRIBUTED=1 (mpigpu.jax.init(distributed=True)), mpigpu.jax's reductions are XLA's own
 all-reduces over every device of every rank: exact against a float64 reference, avg divided by the
-number of devices in the job. Without it and with several ranks, the call is refused on every rank.
+number of devices in the job. Without it and with several ranks, each process maps its own devices and
+mpigpu's FFI call runs once per device (test_jax_per_device.py), refused on every rank here, where
+MPIGPU_DEVICES_PER_RANK does not say how many host devices a process drives.
 Prints "ok <rank>" or "refused <rank>: <message>"."""
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import numpy as np
 
 import mpigpu.jax as mj
-from mpigpu.core.errors import InvalidArgument
+from mpigpu.core.errors import MpigpuError
 
 
 def main() -> None:
@@ -43,7 +45,7 @@ def main() -> None:
                                                                             for g in mine]))}  # fmt: skip
     try:
         outs = step(x, t)
-    except InvalidArgument as exc:
+    except MpigpuError as exc:
         print(f"refused {rank}: {exc}", flush=True)
         return
     every = [shard(g).astype(np.float64) for g in range(devices)]

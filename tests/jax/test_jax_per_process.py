@@ -30,11 +30,13 @@ def test_two_processes_two_devices_each_average_over_four() -> None:
     assert "ok 0: 2 local of 4 devices" in out and "ok 1: 2 local of 4 devices" in out, out
 
 
-def test_two_processes_without_the_distributed_runtime_are_refused_on_every_rank() -> None:
-    """Each JAX runtime knows its own two devices only: a psum there would average within the process."""
+def test_two_processes_without_the_distributed_runtime_need_their_device_count_on_every_rank() -> None:
+    """Each JAX runtime knows its own two devices only: a psum there would average within the process, so
+    mpigpu's FFI call runs once per device (test_jax_per_device.py), and needs to know how many host
+    devices each process drives."""
     done = run_mpi(2, [JOB], timeout=180, env=TWO_DEVICES)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     for rank in (0, 1):
-        assert f"refused {rank}: mpigpu.jax inside jax.shard_map needs a mesh over every device" in out, out
-    assert "init(distributed=True)" in out
+        assert f"refused {rank}: mpigpu.jax inside jax.shard_map: the program runs on JAX's CPU device 1" in out, out
+    assert "set MPIGPU_DEVICES_PER_RANK" in out
