@@ -47,7 +47,7 @@ def main() -> None:
     def put(rows: list[np.ndarray]) -> jax.Array:  # one block of rows per local device
         return jax.device_put(np.concatenate(rows), split)
 
-    def mapped(body, n_in: int = 1):  # noqa: ANN001, ANN202
+    def mapped(body, n_in: int = 1):
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"),) * n_in, out_specs=P("d")))
 
     def rows_of(p: int) -> np.ndarray:  # participant p's rows: small integers, every sum exact in float32
@@ -60,7 +60,7 @@ def main() -> None:
     if mode == "exact":
         ops = ("sum", "avg", "max", "min")
 
-        def body(x, w):  # noqa: ANN001, ANN202
+        def body(x, w):
             grad = jax.grad(lambda u: jnp.sum(mj.allreduce(u * x, "sum", backend=backend) ** 2))(w)
             return (*(mj.allreduce(x, op, backend=backend) for op in ops),
                     mj.average_tree({"a": x, "b": 2 * x}, backend=backend), grad)  # fmt: skip
@@ -125,7 +125,7 @@ def main() -> None:
                 time.sleep(120)  # this device never reaches the call in time
             return np.zeros((), np.float32)
 
-        def body(x):  # noqa: ANN001, ANN202
+        def body(x):
             delay = jax.pure_callback(wait, jax.ShapeDtypeStruct((), jnp.float32), jax.lax.axis_index("d"))
             return mj.allreduce(x + delay, "sum", backend=backend)
 

@@ -29,3 +29,21 @@ def test_step_bench_on_the_cpu(tmp_path) -> None:
     assert set(document["goals"]) == {"in_jit_vs_pmean", "in_shard_map_vs_pmean", "handler_cpu_us_per_call"}
     assert document["machine"]["nodes"] == 1 and document["versions"]["jaxlib"]
     assert document["skipped"] == {}
+
+
+def test_local_devices_mode_on_two_host_devices(tmp_path) -> None:
+    """--local-devices (one process, two of XLA's host devices): (s) and (c) through XLA's collectives, (sd)
+    through mpigpu's FFI call once per device (issue 38), all ending with the same parameters."""
+    out = tmp_path / "jax-step-local.json"
+    args = [str(ROOT / "scripts" / "jax_step_bench.py"), "--local-devices", "--device", "cpu", "--width", "32",
+            "--depth", "2", "--steps", "3", "--warmup", "1", "--json", str(out)]  # fmt: skip
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    result = run_mpi(1, args, timeout=240, env=env)
+    assert result.returncode == 0 and "# PASS" in result.stdout, result.stdout + result.stderr
+    document = json.loads(out.read_text())
+    rows = document["results"]
+    assert set(rows) == {"in_shard_map", "jax_pmean", "per_device_ffi"}, rows
+    assert rows["in_shard_map"]["backend"] == rows["jax_pmean"]["backend"] == "XLA's CPU collectives"
+    assert rows["per_device_ffi"]["backend"] == "cpu per device"
+    assert all(r["identical_on_every_device"] and r["devices_holding_a_copy"] == 2 for r in rows.values()), rows
+    assert document["goals"]["per_device_ffi_vs_pmean"]["target"] == 1.1
