@@ -23,6 +23,7 @@ __all__ = [
     "check_out",
     "copy_single",
     "framework_of",
+    "pointer_device",
     "raw_view",
     "require_c_order",
     "scalar_fix",
@@ -213,7 +214,7 @@ def _device_view(obj: Any, framework: str) -> ArrayView:
         ptr=int(view.ptr),
         shape=shape,
         dtype=dtype,
-        device=_pointer_device(int(view.ptr), int(view.device_id)),
+        device=pointer_device(int(view.ptr), int(view.device_id)),
         readonly=bool(view.readonly),
         framework=framework,
         keepalive=view,
@@ -256,9 +257,10 @@ def _jax_gpu_view(array: Any, device: Any) -> ArrayView:
     )
 
 
-def _pointer_device(ptr: int, reported: int) -> int:
-    """The GPU that owns ``ptr``. The CUDA array interface carries no device, and a view built from
-    it reports the current one, so ask the driver (seen: Numba arrays on GPU 1 reported as GPU 0)."""
+def pointer_device(ptr: int, reported: int) -> int:
+    """The GPU that owns ``ptr`` (``reported`` where the driver does not know it). The CUDA array interface
+    carries no device, and a view built from it reports the current one, so ask the driver (seen: Numba
+    arrays on GPU 1 reported as GPU 0)."""
     if ptr == 0:
         return reported
     from mpigpu.core._cuda import cupy

@@ -14,7 +14,7 @@ refusal raises on every participant and a stall names the (rank, device) that ha
 from __future__ import annotations
 
 from mpigpu.core._cuda import StreamRef
-from mpigpu.core.arrays import raw_view
+from mpigpu.core.arrays import pointer_device, raw_view
 from mpigpu.core.errors import DeviceError
 from mpigpu.core.ops import Op
 from mpigpu.jax._ffi import Buffer, Call
@@ -59,17 +59,39 @@ def execute(call: Call, ctx: Context, x: Buffer, out: Buffer, op: Op, backend: s
     group = Group.of(ctx)  # made when the program was lowered
     try:
         k = position(group, on_gpu, call.device_ordinal())
-    except Exception as exc:  # it still meets the others, which then raise with it (never wait for it)
-        allreduce_entry(group, Entry(0, error=exc))
-        return
+    except Exception as exc:  # the others must not wait for it: this call fails on every participant
+        group.doom(exc)
+        raise
     device = group.gpus[k] if group.gpus is not None else None
     if device is not None:
         from mpigpu.core._cuda import set_device
 
         set_device(device)  # for CuPy and cuda.core on this XLA thread
-    xv = raw_view(x.ptr, x.shape, x.dtype, device, readonly=True)
-    ov = raw_view(out.ptr, out.shape, out.dtype, device, readonly=False)
-    if xv.size == 0:  # every participant has the same shape (checked when lowered): none takes part
+    if x.shape and 0 in x.shape:  # every participant has the same shape (checked when lowered): none takes part
         return
-    stream = StreamRef(call.stream()) if device is not None else None
+    try:
+        if device is not None and device not in _seen:
+            _check_buffer(x, device, k)
+        xv = raw_view(x.ptr, x.shape, x.dtype, device, readonly=True)
+        ov = raw_view(out.ptr, out.shape, out.dtype, device, readonly=False)
+        stream = StreamRef(call.stream()) if device is not None else None
+    except Exception as exc:  # it meets the others, which raise with it
+        allreduce_entry(group, Entry(k, error=exc))
+        return
     allreduce_entry(group, Entry(k, x=xv, out=ov, op=op, backend=backend, stream=stream))
+
+
+_seen: set[int] = set()  # GPUs whose buffers were found where the mapping put them
+
+
+def _check_buffer(x: Buffer, device: int, k: int) -> None:
+    """The first call on each GPU checks that XLA's buffer is on the GPU its ordinal was mapped to (the
+    mapping assumes XLA's GPU ordinals are CUDA ordinals, as JAX's ``local_hardware_id`` says)."""
+    found = pointer_device(x.ptr, device)
+    if found != device:
+        raise DeviceError(
+            f"mpigpu.jax inside jax.shard_map: XLA's device ordinal was mapped to GPU {device} (position {k} of "
+            f"this process's devices), but the call's buffer is on GPU {found}: JAX's and mpigpu's GPU numbering "
+            "differ here (CUDA_VISIBLE_DEVICES, jax_cuda_visible_devices?)"
+        )
+    _seen.add(device)

@@ -46,7 +46,7 @@ from jax.interpreters import mlir
 from mpigpu.backends import backend_code
 from mpigpu.core.arrays import ArrayView
 from mpigpu.core.dtypes import parse_dtype
-from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError
+from mpigpu.core.errors import ConfigError, DeviceError, InvalidArgument, MismatchError
 from mpigpu.core.ops import Op
 from mpigpu.jax import _ffi, _native
 from mpigpu.jax._comms import Channel, channel
@@ -291,6 +291,8 @@ def _choose_per_device(ch: Channel, aval: Any, op: Op, backend: str, platform: s
     name = "mpigpu.jax.allreduce"
     group = Group.of(ch.ctx)
     try:
+        if ch.ctx.settings.jax_handler == "compiled":
+            raise ConfigError(f"MPIGPU_JAX_HANDLER=compiled, but {REASON}: unset MPIGPU_JAX_HANDLER")
         if platform not in ("cpu", "cuda"):
             raise InvalidArgument(f"mpigpu.jax runs on CPU and CUDA devices, not on {platform!r}")
         on_gpu = platform == "cuda"
