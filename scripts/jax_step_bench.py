@@ -28,7 +28,8 @@ every other row runs on the device init() returns.
 JAX multi-process runtime: (s) and (c) over a mesh of the process's devices (jax.local_devices()), each
 device with its own --batch samples; mpigpu.jax.init() is not called (it would restrict JAX to one GPU).
 (sd) is (s) with a named backend (nccl on GPUs, cpu on host devices): mpigpu's FFI call once per device,
-the devices meeting as mpigpu.multi's participants (issue 38's goal: within 1.1x of (c)).
+the devices meeting as mpigpu.multi's participants (issue 38's goal: within 1.1x of (c)). The variants are
+compiled and warmed up first, then timed in turns (LOCAL_ROUNDS rounds of steps / LOCAL_ROUNDS steps each).
 Times are per step; the checks: every device ends with the same parameters, and (s) and (sd) agree with (c).
 
     mpirun -np 1 python3 scripts/jax_step_bench.py --local-devices --json jax-step-local.json   # 2 GPUs
@@ -498,6 +499,14 @@ def _jax_variant(
     return init, one_step
 
 
+LOCAL_ROUNDS = 5  # --local-devices: the timed steps of each variant, in this many turns taken in rotation
+
+
+def _local_failure(skipped: dict[str, str], name: str, exc: Exception) -> None:
+    skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    print(f"# {name} failed: {exc}", file=sys.stderr)
+
+
 def local_main(args: argparse.Namespace) -> int:
     """--local-devices: (s) and (c) over a mesh of this one process's devices (module docstring)."""
     from mpigpu.core._mpi import world
@@ -550,21 +559,35 @@ def local_main(args: argparse.Namespace) -> int:
     path = "nccl" if platform_ == "gpu" else "cpu"  # a named backend: mpigpu's FFI call once per device
     variants = (("in_shard_map", mj.average_tree), ("jax_pmean", _pmean(jax)),
                 ("per_device_ffi", lambda tree: mj.average_tree(tree, backend=path)))  # fmt: skip
+    built: dict[str, tuple[Any, dict[str, Any]]] = {}
     for name, reduce in variants:
         first = len(mj.compiled_calls())
         try:
             init, one_step = _jax_variant(jax, loss_fn, update, params0, x_np, y_np, reduce, devices)
-            steps, state = _stepper(jax, init, one_step)
-            steps(args.warmup)
-            ms, host_ms, cpu_ms = _timed(comm, steps, args.steps)
+            built[name] = _stepper(jax, init, one_step)
+            built[name][0](args.warmup)
         except Exception as exc:
-            skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            print(f"# {name} failed: {exc}", file=sys.stderr)
+            built.pop(name, None)
+            _local_failure(skipped, name, exc)
             continue
         calls = mj.compiled_calls()[first:]  # none where XLA's collectives reduce
         backend = "+".join(sorted({f"{c.backend} per device" for c in calls})) or collectives
-        results[name] = {"ms_per_step": ms, "host_dispatch_ms_per_step": host_ms, "main_cpu_ms_per_step": cpu_ms,
+        results[name] = {"ms_per_step": 0.0, "host_dispatch_ms_per_step": 0.0, "main_cpu_ms_per_step": 0.0,
                          "backend": backend, "bytes_reduced_per_step": nparams * 4}  # fmt: skip
+    rounds = max(1, min(LOCAL_ROUNDS, args.steps))  # the variants take turns: a drift in the machine hits all
+    for r in range(rounds):
+        n = args.steps // rounds + (r < args.steps % rounds)
+        for name, (steps, _) in list(built.items()):
+            try:
+                timed = _timed(comm, steps, n)
+            except Exception as exc:
+                del built[name], results[name]
+                _local_failure(skipped, name, exc)
+                continue
+            for key, value in zip(("ms_per_step", "host_dispatch_ms_per_step", "main_cpu_ms_per_step"), timed,
+                                  strict=True):  # fmt: skip
+                results[name][key] += value * n / args.steps
+    for name, (_, state) in built.items():
         # every device's copy of the parameters (out_specs P(): replicated), flattened
         leaves = jax.tree_util.tree_leaves(state["p"])
         finals[name] = [np.concatenate([np.asarray(leaf.addressable_shards[d].data).ravel() for leaf in leaves])

@@ -16,8 +16,10 @@ CPU arrays take the cpu path (MPI_Allreduce); GPU arrays run on the CUDA stream 
 ranks when the program is compiled (MismatchError on every rank), differentiable (sum and avg) and
 ``vmap``-able. ``broadcast`` and ``allgather`` work the same way (differentiable too). Inside
 ``jax.shard_map`` over a mesh of every process (``init(distributed=True)``) they are
-XLA's own collectives (``lax.psum``). ``import mpigpu`` does not import JAX; ``import mpigpu.jax`` does,
-and starts nothing (no MPI, no JAX backend). See docs/jax.md.
+XLA's own collectives (``lax.psum``); over a mesh of this process's devices where each process has its own
+JAX runtime (or with a named backend), ``allreduce`` and ``average_tree`` are mpigpu's FFI call once per
+device, each device a participant (rank, device) as in mpigpu.multi. ``import mpigpu`` does not import
+JAX; ``import mpigpu.jax`` does, and starts nothing (no MPI, no JAX backend). See docs/jax.md.
 """
 
 from __future__ import annotations
@@ -183,7 +185,8 @@ def average_tree(tree: Any, *, comm: Any = None, backend: str = "auto") -> Any:
 
     The leaves of a dtype are ravelled and concatenated into one buffer inside the compiled program,
     reduced once, and split back into leaves of the original shapes. Inside ``jax.shard_map`` over every
-    process: one ``lax.pmean`` of the tree (XLA combines the leaves' all-reduces itself)."""
+    process: one ``lax.pmean`` of the tree (XLA combines the leaves' all-reduces itself); over this
+    process's devices alone: one FFI call per dtype and device, as ``allreduce``."""
     in_mesh = mesh_reduction(Op.AVG, comm, backend)
     if in_mesh is not None:
         return in_mesh(tree)

@@ -14,6 +14,10 @@ backend for that size and runs the cross-rank argument check there, once per com
 thread that compiles; a mismatch raises MismatchError on every rank before anything runs. The
 compiled call itself checks nothing.
 
+Inside ``jax.shard_map`` over this process's devices (``devices=True``: mpigpu.jax._devices) the call runs
+once per device; its effect is declared shardable so that JAX lets a program over several devices carry
+it, and the lowering maps the program's devices and checks across ranks as mpigpu.multi's calls do.
+
 Handlers. Where every rank's compiled handler (mpigpu.jax._native) takes the call, the custom call names it
 and the call's slot; otherwise the Python handler (mpigpu.jax._handler, registered per platform with
 ``jax.ffi.register_ffi_target`` from a ctypes callback) and the call's encoded attribute.
@@ -215,9 +219,9 @@ def check_program_device(axis_context: Any, gpu: GpuInfo | None, rank: int) -> N
     if getattr(axis_context, "num_devices", None) != 1:
         raise InvalidArgument(
             "mpigpu.jax runs in programs on one device per process; this one spans "
-            f"{len(devices) if devices else 'several'} devices. Inside jax.shard_map over a mesh of every "
-            "process (mpigpu.jax.init(distributed=True)) it becomes lax.psum; several devices per process "
-            "are not supported"
+            f"{len(devices) if devices else 'several'} devices. Several devices per process take part inside "
+            "jax.shard_map only: over every device of every process (mpigpu.jax.init(distributed=True)) it "
+            "becomes lax.psum, over this process's devices mpigpu's call runs once per device"
         )
     if not devices or gpu is None or devices[0].platform != "gpu":
         return

@@ -79,7 +79,7 @@ def test_a_program_on_another_gpu_or_several_devices_is_refused() -> None:
     check_program_device(ShardingContext(1, (FakeDevice("cpu", 0),)), None, rank=1)
     with pytest.raises(DeviceError, match=r"GPU 0\), but rank 1 is bound to GPU 1.*mpigpu.jax.init\(\)"):
         check_program_device(ShardingContext(1, tuple(on)), _gpu(1), rank=1)
-    with pytest.raises(InvalidArgument, match=r"spans 2 devices.*several devices per process are not supported"):
+    with pytest.raises(InvalidArgument, match=r"spans 2 devices.*inside jax.shard_map only"):
         check_program_device(ShardingContext(2, (FakeDevice("cpu", 0), FakeDevice("cpu", 1))), None, rank=0)
 
 
