@@ -86,16 +86,20 @@ def mesh_reduction(op: Op, comm: Any, backend: str) -> Callable[[Any], Any] | No
     shape = jax.sharding.get_abstract_mesh().shape
     mapped = math.prod(shape[a] for a in axes)
     processes, ranks = jax.process_count(), world().Get_size()
-    if backend == "auto" and op in _XLA_OPS and processes == ranks and mapped == jax.device_count():
+    spans = processes == ranks and mapped == jax.device_count()  # XLA's collectives reach every participant
+    if spans and backend == "auto" and op in _XLA_OPS:
         return lambda tree: jax.tree_util.tree_map(lambda x: _reduce_leaf(x, op, axes, mapped), tree)
     if processes == 1 and mapped == jax.local_device_count():
         return None  # one FFI call per device (mpigpu.jax._devices)
+    if spans and op not in _XLA_OPS:  # several processes in JAX's distributed runtime: XLA's collectives only
+        raise InvalidArgument(f"{where}: XLA has no {op.value!r} collective; use 'sum', 'avg', 'min' or 'max'")
+    if spans:
+        raise InvalidArgument(f"{where} runs XLA's own collective here; backend must be 'auto', not {backend!r}")
     raise InvalidArgument(
         f"{where} needs a mesh over every local device of this process (mapped over {dict(shape)}; JAX knows "
         f"{processes} of the {ranks} process(es) and {jax.device_count()} device(s), {jax.local_device_count()} "
         "of them local): map over Mesh(jax.local_devices(), ...) for mpigpu's call once per device, or, with "
         "several processes, start JAX with mpigpu.jax.init(distributed=True) and map over Mesh(jax.devices(), ...)"
-        + ("" if backend == "auto" else f" with backend='auto' (not {backend!r}) for XLA's collectives")
     )
 
 

@@ -14,7 +14,7 @@ import os
 import numpy as np
 
 import mpigpu.jax as mj
-from mpigpu.core.errors import MpigpuError
+from mpigpu.core.errors import InvalidArgument, MpigpuError
 
 
 def main() -> None:
@@ -57,6 +57,17 @@ def main() -> None:
     text = step.lower(x, t).as_text()
     assert "mpigpu_allreduce" not in text and "all_reduce" in text
     assert jnp.zeros(1).devices() <= set(jax.local_devices())
+    if jax.process_count() > 1:  # JAX's distributed runtime: XLA's collectives only, refused otherwise
+        for kwargs, message in (({"op": "prod"}, "XLA has no 'prod' collective"),
+                                ({"backend": "cpu"}, "backend must be 'auto', not 'cpu'")):  # fmt: skip
+            refused = jax.jit(jax.shard_map(lambda v, kw=kwargs: mj.allreduce(v, **kw), mesh=mesh, in_specs=P("d"),
+                                            out_specs=P("d")))  # fmt: skip
+            try:
+                refused(x)
+            except InvalidArgument as exc:
+                assert message in str(exc), exc
+            else:
+                raise AssertionError(f"{kwargs} was not refused")
     print(f"ok {rank}: {local} local of {devices} devices", flush=True)
 
 
