@@ -12,8 +12,9 @@
 #              Open MPI -n 1 (one process, both GPUs) and -n 2, Intel MPI -n 2; mpigpu.average --devices-per-rank 2
 #              (-n 1: auto, nccl, host) and --devices-per-rank 1 (-n 2: auto) at 16M; scripts/per_process_bench.py
 #              in layouts 1x2 (-n 1) and 2x1 (-n 2), JSON in $OUT, merged into
-#              $OUT/gpus-per-process-<gpu>x<n>-<date>.txt; scripts/jax_step_bench.py --local-devices (one process,
-#              both GPUs; JSON in $OUT; JAX_STEP=0 skips it). At most PER_PROCESS_LIMIT seconds (default 360)
+#              $OUT/gpus-per-process-<gpu>x<n>-<date>.txt; tests/gpu/test_jax_per_device_gpu.py under Open MPI
+#              -n 1; scripts/jax_step_bench.py --local-devices (one process,
+#              both GPUs; JSON in $OUT; JAX_STEP=0 skips it). At most PER_PROCESS_LIMIT seconds (default 420)
 #   average    python -m mpigpu.average with every backend, each MPI; forced cuda-aware under Open MPI must
 #              fail cleanly (non-zero exit, no core dump)
 #   shared     two ranks sharing one GPU (MPIGPU_ALLOW_SHARED_GPU=1): host staging and training tests,
@@ -175,7 +176,7 @@ stage_per_process() {  # several GPUs per process (mpigpu.multi): one process x 
     return
   fi
   # the stage's own deadline (dynamic scope: step() reads it), within GPU_CHECK_DEADLINE's
-  local DEADLINE=$DEADLINE budget=$(( $(date +%s) + ${PER_PROCESS_LIMIT:-360} ))
+  local DEADLINE=$DEADLINE budget=$(( $(date +%s) + ${PER_PROCESS_LIMIT:-420} ))
   [ "$budget" -lt "$DEADLINE" ] && DEADLINE=$budget
   local tag="${GPU_TAG}x$NGPU" date run mpi n b
   date=$(date -u +%F)
@@ -189,6 +190,8 @@ stage_per_process() {  # several GPUs per process (mpigpu.multi): one process x 
     printf '%-4s %-38s (no %s in this checkout)\n' FAIL per-process-tests "$test" | tee -a "$SUMMARY"
     failures=$((failures + 1))
   fi
+  # issue 38: mpigpu.jax's FFI call once per GPU inside shard_map, one process driving both GPUs
+  step "per-process-jax-tests-ompi-1" 75 0 "export MPIGPU_TIMEOUT=60; $OMPI -n 1 $PY -m pytest -v -rfE --color=no --with-mpi --only-mpi tests/gpu/test_jax_per_device_gpu.py -p no:cacheprovider"
   for b in auto nccl host; do
     step "per-process-average-1x2-$b" 45 0 "$OMPI -n 1 $PY -m mpigpu.average --devices-per-rank 2 --backend $b --size 16M --json $LOGS/per-process-average-1x2-$b.json"
   done
