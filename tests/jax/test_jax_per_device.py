@@ -77,3 +77,29 @@ def test_a_stall_names_the_missing_rank_and_device() -> None:
     assert any("waiting for (rank 1, host device 1) to make this call" in line for line in stalled), out
     assert "(rank 1, host device 0)" not in out, out  # it made the call
     assert "CollectiveTimeout" in out and "MPIGPU_TIMEOUT=8" in out, out
+
+
+def test_xla_device_ordinals_map_to_the_processs_device_positions() -> None:
+    """A GPU by its CUDA ordinal (a process driving GPUs 2 and 3), a host device k by JAX's CPU device k;
+    anything else is a DeviceError that says which devices the process drives."""
+    from types import SimpleNamespace
+
+    from mpigpu.core.errors import DeviceError
+    from mpigpu.jax._devices import position
+
+    def group(gpus: list[int] | None, count: int) -> SimpleNamespace:
+        describe = (lambda k: f"GPU {gpus[k]}") if gpus is not None else (lambda k: f"host device {k}")
+        return SimpleNamespace(gpus=gpus, count=count, describe=describe)
+
+    gpus = group([2, 3], 2)
+    assert [position(gpus, True, o) for o in (2, 3)] == [0, 1]  # type: ignore[arg-type]
+    with pytest.raises(DeviceError, match=r"runs on GPU 0, which is not one of.*GPU 2', 'GPU 3'"):
+        position(gpus, True, 0)  # type: ignore[arg-type]
+    with pytest.raises(DeviceError, match="a program on JAX's CPU devices, but this process drives"):
+        position(gpus, False, 0)  # type: ignore[arg-type]
+    hosts = group(None, 2)
+    assert [position(hosts, False, o) for o in (0, 1)] == [0, 1]  # type: ignore[arg-type]
+    with pytest.raises(DeviceError, match=r"CPU device 2.*MPIGPU_DEVICES_PER_RANK"):
+        position(hosts, False, 2)  # type: ignore[arg-type]
+    with pytest.raises(DeviceError, match="a program on JAX's GPU devices"):
+        position(hosts, True, 0)  # type: ignore[arg-type]
