@@ -290,10 +290,10 @@ def _choose_and_check(
 def _choose_per_device(ch: Channel, aval: Any, op: Op, backend: str, platform: str, axis_context: Any) -> str:
     """The call once per device inside shard_map (mpigpu.jax._devices): map the program's devices to this
     process's, choose the path as mpigpu.multi does and check across ranks (collective on the check
-    communicator; the process's device group is made here, collective, on the first such program).
-    Returns the path's backend."""
+    communicator, where the process's device group is also made, on the first such program). Returns the
+    path's backend."""
     name = "mpigpu.jax.allreduce"
-    group = Group.of(ch.ctx)
+    group = Group.of(ch.ctx, ch.check)
     try:
         if ch.ctx.settings.jax_handler == "compiled":
             raise ConfigError(f"MPIGPU_JAX_HANDLER=compiled, but {REASON}: unset MPIGPU_JAX_HANDLER")

@@ -136,14 +136,16 @@ def devices_of(ctx: Context) -> tuple[list[int] | None, int]:
 class Group:
     """A communicator's participants (collective to create: every rank states how many devices it drives)."""
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, comm: Any = None) -> None:
+        """``comm``: where the ranks state their devices (default: the context's communicator)."""
         self.ctx = ctx
         self.gpus, self.count = devices_of(ctx)
-        rows = allgather_ints(ctx.comm, [self.count, int(self.gpus is not None)])
+        comm = ctx.comm if comm is None else comm
+        rows = allgather_ints(comm, [self.count, int(self.gpus is not None)])
         if len({kind for _, kind in rows}) > 1:
             with_gpus = [r for r, (_, kind) in enumerate(rows) if kind]
             raise mark_raised_everywhere(
-                ctx.comm,
+                comm,
                 DeviceError(
                     f"ranks {with_gpus} drive GPUs and the others host devices: several devices per process need "
                     "GPUs on every rank or on none"
@@ -163,8 +165,10 @@ class Group:
         self.paths: dict[str, Any] = {}  # path name -> its state (per-device NCCL communicators, ...)
 
     @classmethod
-    def of(cls, ctx: Context) -> Group:
-        """The communicator's group, created on its first call over several devices (collective)."""
+    def of(cls, ctx: Context, comm: Any = None) -> Group:
+        """The communicator's group, created on its first call over several devices (collective over ``comm``,
+        default the context's: mpigpu.jax creates it on its check communicator while lowering, where no
+        handler thread of an earlier program can be using the context's)."""
         group = ctx.__dict__.get("device_group")
         if group is None:
             with _lock:  # one creation lock per communicator: two threads may create two groups at once
@@ -172,7 +176,7 @@ class Group:
             with creating:
                 group = ctx.__dict__.get("device_group")
                 if group is None:
-                    group = ctx.device_group = cls(ctx)
+                    group = ctx.device_group = cls(ctx, comm)
                     with _lock:
                         group._failed.update(ctx.__dict__.get("devices_failed_early", {}))
                         doomed = ctx.__dict__.pop("devices_doomed_early", None)
