@@ -25,10 +25,7 @@ from mpigpu.runtime.context import Context
 __all__ = ["DEVICES_ATTRIBUTE", "REASON", "execute", "position"]
 
 DEVICES_ATTRIBUTE = "mpigpu_devices"  # 1: the call runs once per device and meets the process's devices
-REASON = (
-    "one call per device inside jax.shard_map: the Python handler meets the process's devices (mpigpu.multi); "
-    "the compiled handler serves one device per process"
-)
+REASON = "one call per device inside jax.shard_map: the Python handler meets the process's devices (mpigpu.multi)"
 
 
 def position(group: Group, on_gpu: bool, ordinal: int) -> int:

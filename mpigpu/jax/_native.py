@@ -16,6 +16,12 @@ Slots: the library calls a function it is given. For each compiled call, lowerin
 (the function as loaded in this process, the communicator, the datatype and op values) and the program
 names the slot by number: a program never carries a pointer, and a slot is always registered by the
 lowering of this process.
+
+Per-device slots (a call once per device inside ``jax.shard_map``, mpigpu.jax._devices): on the nccl path a
+slot holds one NCCL communicator per local GPU (mpigpu.multi's, one clique of every GPU of every rank) and
+each GPU's CUDA ordinal; XLA calls the handler on each device's thread, which calls ncclAllReduce on its
+GPU's communicator: no meeting of the devices, no Python. Host devices keep the Python handler (MPI has no
+communicator per device).
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ from mpigpu.core.errors import ConfigError
 from mpigpu.core.ops import Op
 
 __all__ = [
-    "COLLECTIVES", "SLOT_ATTRIBUTE", "Library", "Slot", "agree", "library", "local_verdict", "slot_for", "target",
+    "COLLECTIVES", "MAX_DEVICES", "SLOT_ATTRIBUTE", "Library", "Slot", "agree", "library", "local_verdict",
+    "per_device_slot", "per_device_values", "per_device_verdict", "slot_for", "target",
 ]  # fmt: skip
 
 COLLECTIVES = ("allreduce", "broadcast", "allgather")
@@ -67,6 +74,7 @@ _XLA_PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}  # as mpigpu.jax._primitive regi
 _KINDS = {"nccl": 1, "cpu": 2}
 _NCCL_UINT8 = 1
 _INT_MAX = (1 << 31) - 1
+MAX_DEVICES = 16  # native_handler.cc's kMaxDevices: the local GPUs a per-device slot holds
 # after MPI on the host (native_handler.cc's After): canonical NaN (f32, f64), avg's division and canonical NaN
 _AFTER = {("float32", False): 1, ("float64", False): 2, ("float32", True): 3, ("float64", True): 4}
 
@@ -85,7 +93,15 @@ class Slot(ctypes.Structure):
         ("fn", ctypes.c_int64),
         ("nranks", ctypes.c_int32),
         ("after", ctypes.c_int32),
+        ("devices", ctypes.c_int32),  # per-device slot: the local GPUs (0: one device per process)
+        ("ordinals", ctypes.c_int32 * MAX_DEVICES),  # their CUDA ordinals, by position
+        ("comms", ctypes.c_int64 * MAX_DEVICES),  # their ncclComm_t
     ]
+
+    def key(self) -> tuple[Any, ...]:
+        """What the slot holds, as a dictionary key (two calls holding the same share a slot)."""
+        return tuple(tuple(v) if isinstance(v, ctypes.Array) else v
+                     for v in (getattr(self, field) for field, _ in self._fields_))  # fmt: skip
 
 
 class _BuildFailed(Exception):
@@ -316,8 +332,29 @@ def local_verdict(ctx: Any, collective: str, dtype: DType, op: Op, backend: str,
     if ctx.settings.jax_handler == "python":
         return "MPIGPU_JAX_HANDLER=python"
     why = _why_not(collective, dtype, op, backend, on_gpu, nbytes, count, ctx.size)
-    if why is not None:
-        return why
+    return why if why is not None else _not_loaded(on_gpu)
+
+
+def per_device_verdict(ctx: Any, group: Any, backend: str, on_gpu: bool, count: int) -> str | None:
+    """Why this rank's compiled handler cannot take a call once per device inside shard_map (None: it can):
+    GPUs on the nccl path only (``backend``: the path mpigpu.multi chose). Local, as ``local_verdict``."""
+    if ctx.settings.jax_handler == "python":
+        return "MPIGPU_JAX_HANDLER=python"
+    if not on_gpu:
+        return "host devices: MPI has no communicator per device"
+    if backend != "nccl":
+        return f"the {backend} path over several devices: the compiled handler runs the nccl path only"
+    if group.total == 1:
+        return "one participant: the result is the input (the Python handler copies it)"
+    if count == 0:
+        return "an empty array"
+    if group.count > MAX_DEVICES:
+        return f"{group.count} GPUs in one process: a per-device slot holds {MAX_DEVICES}"
+    return _not_loaded(on_gpu)
+
+
+def _not_loaded(on_gpu: bool) -> str | None:
+    """Why the compiled handler or the library it calls is not there (None: both are)."""
     found = library()
     if not isinstance(found, Library):
         return found
@@ -349,23 +386,54 @@ def slot_for(ctx: Any, collective: str, dtype: DType, op: Op, root: int, backend
 
     Collective over the handler's communicator where the backend is new: it is created here, after this
     process's earlier programs have finished (so no handler thread uses that communicator meanwhile)."""
+    values = _slot_values(ctx, collective, dtype, op, root, backend, on_gpu)
+    return _use(ctx, values, f"mpigpu.jax {collective}({backend}, {dtype.name}, compiled handler)", on_gpu)
+
+
+def per_device_slot(ctx: Any, group: Any, check: Any, dtype: DType, op: Op) -> int:
+    """The slot running a call once per device (after ``agree`` said every rank takes it): ncclAllReduce on
+    each local GPU's communicator of ``group`` (mpigpu.multi.paths.DeviceComms), which are created here where
+    new, collectively over ``check``, after this process's earlier programs have finished (one of them may
+    be creating them on the context's communicator), never inside XLA's threads."""
+    from mpigpu.multi.paths import device_comms
+
+    if "nccl" not in group.paths:
+        _drain()
+    values = per_device_values(device_comms(group, check), group.total, dtype, op, _address(True, "allreduce"))
+    return _use(ctx, values, f"mpigpu.jax allreduce(nccl, {dtype.name}, once per device, compiled handler)", True)
+
+
+def per_device_values(comms: Any, participants: int, dtype: DType, op: Op, fn: int) -> Slot:
+    """A per-device slot: ``fn`` (ncclAllReduce) on each local GPU's communicator of ``comms`` (a DeviceComms:
+    ``gpus``, ``handles()``), found by the GPU's CUDA ordinal; ncclAvg divides by ``participants``."""
+    ordinals = (ctypes.c_int32 * MAX_DEVICES)(*comms.gpus)
+    handles = (ctypes.c_int64 * MAX_DEVICES)(*comms.handles())
+    return Slot(_KINDS["nccl"], COLLECTIVES.index("allreduce"), 8, 0, dtype.nccl, op.nccl, 0, fn, participants, 0,
+                len(comms.gpus), ordinals, handles)  # fmt: skip
+
+
+def _use(ctx: Any, values: Slot, label: str, on_gpu: bool) -> int:
+    """The number of the slot holding ``values``, the handler registered for the platform and watched."""
     lib = library()
     assert isinstance(lib, Library)
-    values = _slot_values(ctx, collective, dtype, op, root, backend, on_gpu)
-    key = tuple(getattr(values, field) for field, _ in Slot._fields_)
-    number = lib.slot(values, key, f"mpigpu.jax {collective}({backend}, {dtype.name}, compiled handler)")
+    number = lib.slot(values, values.key(), label)
     lib.register("cuda" if on_gpu else "cpu")
     _watch(ctx, lib)
     return number
 
 
+def _drain() -> None:
+    """Wait until this process's earlier programs have finished: none of their handler calls runs now."""
+    import jax
+
+    jax.effects_barrier()
+    jax.block_until_ready(jax.live_arrays())  # and those of programs with no effect (GPU, MPIGPU_JAX_ORDER=auto)
+
+
 def _backend(ctx: Any, name: str) -> Any:
     """The context's backend ``name``, created now if new (after draining this process's programs)."""
     if not ctx.created(name):
-        import jax
-
-        jax.effects_barrier()  # earlier programs' handler calls have finished: none uses ctx.comm now
-        jax.block_until_ready(jax.live_arrays())  # and those of programs with no effect (GPU, MPIGPU_JAX_ORDER=auto)
+        _drain()  # none of the earlier programs' handler calls uses ctx.comm now
         if ctx.gpu is not None:
             ctx.activate_gpu()
     return ctx.backend(name)

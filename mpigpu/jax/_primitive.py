@@ -50,7 +50,7 @@ from jax.interpreters import mlir
 from mpigpu.backends import backend_code
 from mpigpu.core.arrays import ArrayView
 from mpigpu.core.dtypes import parse_dtype
-from mpigpu.core.errors import ConfigError, DeviceError, InvalidArgument, MismatchError
+from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError
 from mpigpu.core.ops import Op
 from mpigpu.jax import _ffi, _native
 from mpigpu.jax._comms import Channel, channel
@@ -287,16 +287,16 @@ def _choose_and_check(
     return choice.backend, slot
 
 
-def _choose_per_device(ch: Channel, aval: Any, op: Op, backend: str, platform: str, axis_context: Any) -> str:
+def _choose_per_device(
+    ch: Channel, aval: Any, op: Op, backend: str, platform: str, axis_context: Any
+) -> tuple[str, int | None]:
     """The call once per device inside shard_map (mpigpu.jax._devices): map the program's devices to this
-    process's, choose the path as mpigpu.multi does and check across ranks (collective on the check
-    communicator, where the process's device group is also made, on the first such program). Returns the
-    path's backend."""
+    process's, choose the path as mpigpu.multi does and the handler, and check across ranks (collective on
+    the check communicator, where the process's device group is also made, on the first such program).
+    Returns the path's backend and the compiled handler's slot (None: the Python handler meets the devices)."""
     name = "mpigpu.jax.allreduce"
     group = Group.of(ch.ctx, ch.check)
     try:
-        if ch.ctx.settings.jax_handler == "compiled":
-            raise ConfigError(f"MPIGPU_JAX_HANDLER=compiled, but {REASON}: unset MPIGPU_JAX_HANDLER")
         if platform not in ("cpu", "cuda"):
             raise InvalidArgument(f"mpigpu.jax runs on CPU and CUDA devices, not on {platform!r}")
         on_gpu = platform == "cuda"
@@ -317,14 +317,18 @@ def _choose_per_device(ch: Channel, aval: Any, op: Op, backend: str, platform: s
         choice = paths.choose(group, spec, op, backend)
         signature = Signature(spec.size, dtype.code, op.code, backend_code(choice.backend), int(on_gpu),
                               shape=spec.shape, collective=CHECKED.index("allreduce over devices"))  # fmt: skip
+        refusal = _native.per_device_verdict(ch.ctx, group, choice.backend, on_gpu, spec.size)
     except Exception as exc:
         _report(ch, name, exc)
         raise
     with _watched(ch, f"{name} of {spec.size} {dtype.name} per device (cross-rank check while compiling)"):
         check_signature(ch.check, signature, name, backend_name=choice.backend)
+        refusal = _native.agree(ch.check, refusal, ch.ctx.settings.jax_handler)
+    slot = None if refusal else _native.per_device_slot(ch.ctx, group, ch.check, dtype, op)
+    handler, why = ("python", f"{REASON}: {refusal}") if slot is None else ("compiled", "")
     _compiled.append(CompiledCall(platform, dtype.name, spec.size, spec.nbytes, op.value, backend, choice.backend,
-                                  choice.reason, "allreduce", "python", REASON))  # fmt: skip
-    return choice.backend
+                                  choice.reason, "allreduce", handler, why))  # fmt: skip
+    return choice.backend, slot
 
 
 def _report(ch: Channel, name: str, exc: BaseException) -> None:
@@ -362,7 +366,7 @@ def _lowering(collective: str) -> Any:
         op_ = Op(op)
         axis_context = ctx.module_context.axis_context
         if devices:
-            chosen, slot = _choose_per_device(channel(comm), aval, op_, backend, platform, axis_context), None
+            chosen, slot = _choose_per_device(channel(comm), aval, op_, backend, platform, axis_context)
         else:
             chosen, slot = _choose_and_check(channel(comm), aval, op_, backend, platform, axis_context, collective,
                                              root)  # fmt: skip

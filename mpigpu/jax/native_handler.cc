@@ -11,6 +11,11 @@
 // one plain library call (NCCL's ncclAvg included; on CPU MPI_Allreduce, then avg's IEEE division by
 // the rank count and every NaN made the canonical one, as mpigpu.backends.cpu does).
 //
+// Per-device slots (a call once per device inside jax.shard_map, nccl path): the slot holds one NCCL
+// communicator per local GPU (mpigpu.multi's DeviceComms) with the CUDA ordinal of each, and XLA calls the
+// handler once per device, on that device's thread and stream; the call picks its GPU's communicator by
+// XLA's device ordinal (the mapping of mpigpu.jax._devices.position, checked for every device when lowered).
+//
 // Build: c++ -std=c++17 -O2 -shared -fPIC -I<jax.ffi.include_dir()> (mpigpu.jax._native does it,
 // once per machine, into the private kernel cache).
 
@@ -30,6 +35,7 @@ namespace {
 enum Kind : int32_t { kEmpty = 0, kNccl = 1, kMpi = 2 };
 enum Collective : int32_t { kAllreduce = 0, kBroadcast = 1, kAllgather = 2 };
 enum After : int32_t { kNothing = 0, kCanonF32 = 1, kCanonF64 = 2, kAvgF32 = 3, kAvgF64 = 4 };
+constexpr int kMaxDevices = 16;  // mpigpu.jax._native.MAX_DEVICES
 
 // One compiled call's fixed arguments. Mirrored by mpigpu.jax._native.Slot (ctypes): keep the two equal.
 struct Slot {
@@ -43,6 +49,9 @@ struct Slot {
   int64_t fn;            // the library function (broadcast and allgather move bytes)
   int32_t nranks;
   int32_t after;         // After: what runs on the host after MPI (CPU only)
+  int32_t devices;       // per-device slot: how many local GPUs (0: one device per process, ``comm``)
+  int32_t ordinals[kMaxDevices];  // per-device slot: the CUDA ordinal of each local GPU, by position
+  int64_t comms[kMaxDevices];     // per-device slot: that GPU's ncclComm_t
 };
 
 constexpr int kSlots = 4096;
@@ -129,11 +138,35 @@ ffi::Error Lookup(int64_t index, Slot* found) {
   return ffi::Error::Success();
 }
 
-ffi::Error Run(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int64_t index) {
+// A per-device call: ncclAllReduce on this device's communicator, on this device's stream. Not under
+// call_lock. NCCL lets each GPU of a clique be driven by its own thread without a group, but "every NCCL call
+// may have to block, waiting for other threads/ranks to arrive" (NCCL's guide, group calls; e.g. the
+// intra-process barrier of NCCL_LAUNCH_MODE=GROUP): the thread of GPU 0 may wait inside ncclAllReduce until
+// the thread of GPU 1 has called it too. Under one process-wide lock that thread would wait for a lock the
+// first one holds: a deadlock. Each thread uses only its own GPU's communicator, so no two threads ever use
+// one communicator at once, and XLA issues a device's calls in the program's order on every rank.
+ffi::Error RunPerDevice(const Slot& s, void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
+                        int32_t ordinal, int64_t index) {
+  int k = 0;
+  while (k < s.devices && s.ordinals[k] != ordinal) ++k;
+  if (k == s.devices) {
+    return ffi::Error::Internal("mpigpu: XLA's device ordinal " + std::to_string(ordinal) +
+                                " is not one of the GPUs this per-device call was compiled for");
+  }
+  Busy busy(index);  // the devices' calls overlap: the watchdog sees that one of them runs
+  const int rc = ((NcclAllReduce)s.fn)(x.untyped_data(), out->untyped_data(), x.element_count(),
+                                       static_cast<int>(s.datatype), static_cast<int>(s.op),
+                                       reinterpret_cast<void*>(s.comms[k]), stream);
+  if (rc != 0) return ffi::Error::Internal("mpigpu: NCCL returned error " + std::to_string(rc));
+  return ffi::Error::Success();
+}
+
+ffi::Error Run(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int32_t ordinal, int64_t index) {
   Slot s;
   if (ffi::Error e = Lookup(index, &s); e.failure()) return e;
   const size_t count = x.element_count();
   if (count == 0) return ffi::Error::Success();
+  if (s.devices > 0) return RunPerDevice(s, stream, x, out, ordinal, index);
   std::lock_guard<std::mutex> hold(call_lock);
   Busy busy(index);
   int rc;
@@ -167,16 +200,17 @@ ffi::Error Run(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, 
 
 ffi::Error RunCpu(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> out,
                   int64_t index) {
-  return Run(nullptr, x, out, index);
+  return Run(nullptr, x, out, 0, index);
 }
 
-ffi::Error RunGpu(void* stream, ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+ffi::Error RunGpu(void* stream, int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                   ffi::Result<ffi::AnyBuffer> out, int64_t index) {
-  return Run(stream, x, out, index);
+  return Run(stream, x, out, ordinal, index);
 }
 
-ffi::Error RunGpuPlain(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int64_t index) {
-  return Run(stream, x, out, index);
+ffi::Error RunGpuPlain(void* stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
+                       int64_t index) {
+  return Run(stream, x, out, ordinal, index);
 }
 
 }  // namespace
@@ -227,6 +261,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mpigpu_native_cpu, RunCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mpigpu_native_gpu, RunGpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::Token>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Token>()
@@ -237,6 +272,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mpigpu_native_gpu, RunGpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mpigpu_native_gpu_plain, RunGpuPlain,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("mpigpu_slot"));

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from mpigpu.core.arrays import ArrayView
     from mpigpu.multi.group import Group
 
-__all__ = ["BUILT", "choose", "run"]
+__all__ = ["BUILT", "DeviceComms", "choose", "device_comms", "run"]
 
 BUILT = ("auto", "nccl", "host", "cuda-aware", "cpu")  # the backends a call over several devices per process takes
 
@@ -89,10 +89,7 @@ def run(group: Group, choice: Choice, entries: list[Any], op: Op) -> None:
         _copy_own(entries[0])
         return
     if choice.backend == "nccl":
-        comms = group.paths.get("nccl")
-        if comms is None:
-            comms = group.paths["nccl"] = DeviceComms(group)
-        comms.allreduce(entries, op)
+        device_comms(group).allreduce(entries, op)
     elif choice.backend == "cuda-aware":
         _gather_fold_on_gpu(group, entries, op)
     else:
@@ -111,11 +108,22 @@ def _copy_own(entry: Any) -> None:
         copy_single(x, entry.out, entry.stream)
 
 
+def device_comms(group: Group, comm: Any = None) -> DeviceComms:
+    """The group's NCCL communicators, one per local GPU, created on first use (collective over ``comm``,
+    default the context's: mpigpu.jax creates them on its check communicator while lowering)."""
+    comms = group.paths.get("nccl")
+    if comms is None:
+        comms = group.paths["nccl"] = DeviceComms(group, comm)
+    return comms
+
+
 class DeviceComms:
     """One NCCL communicator per local GPU, each a participant of the job's (collective to create)."""
 
-    def __init__(self, group: Group) -> None:
+    def __init__(self, group: Group, comm: Any = None) -> None:
+        """``comm``: where the ranks exchange NCCL's id and their failures (default: the context's)."""
         ctx = group.ctx
+        comm = ctx.comm if comm is None else comm
         self.gpus = list(group.gpus or [])
         error: BaseException | None = None
         nccl: Any = None
@@ -127,8 +135,8 @@ class DeviceComms:
                 uid = nccl.get_unique_id()
         except Exception as exc:
             error = BackendUnavailable(f"NCCL could not prepare per-GPU communicators: {type(exc).__name__}: {exc}")
-        fail_together(ctx.comm, error, "nccl over several devices per process: preparing")
-        uid = ctx.comm.bcast(uid, root=0)
+        fail_together(comm, error, "nccl over several devices per process: preparing")
+        uid = comm.bcast(uid, root=0)
         self.comms: list[Any] = []
         try:
             import cupy
@@ -142,7 +150,11 @@ class DeviceComms:
                 nccl.groupEnd()
         except Exception as exc:
             error = BackendUnavailable(f"NCCL could not create per-GPU communicators: {type(exc).__name__}: {exc}")
-        fail_together(ctx.comm, error, "nccl over several devices per process: creating the communicators")
+        fail_together(comm, error, "nccl over several devices per process: creating the communicators")
+
+    def handles(self) -> list[int]:
+        """Each GPU's ncclComm_t, in the group's device order (for mpigpu.jax's compiled handler)."""
+        return [int(c.comm) for c in self.comms]
 
     def allreduce(self, entries: list[Any], op: Op) -> None:
         """ncclAllReduce on every local GPU, one NCCL group (one thread drives them all)."""

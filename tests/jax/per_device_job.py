@@ -9,6 +9,9 @@ participant (rank, device) of the job. argv[1] picks what runs; each prints line
 - ``refuse``: calls refused while compiling, on every rank ("refused <rank>: <error>"), then a call that pairs.
 - ``unmapped``: a mesh over part of the local devices, then (MPIGPU_DEVICES_PER_RANK short of XLA's
   devices) a device not among the process's: both refused on every rank ("refused <rank> <what>: <error>").
+- ``handler``: the Python handler with its reason on host devices ("handler <rank>: <reason>"), then
+  MPIGPU_JAX_HANDLER=compiled on rank 0 alone: refused on every rank ("demanded <rank>: <error>"), then a call
+  that pairs ("paired <rank>").
 - ``stall``: rank 1's last device reaches the call 120 s late (a host callback sleeps first).
 
 The backend is argv[2] (default "auto"; one process alone needs a named one, else XLA's collectives run).
@@ -117,6 +120,22 @@ def main() -> None:
                 call()
             except MpigpuError as exc:
                 print(f"refused {rank} {name}: {type(exc).__name__}: {exc}", flush=True)
+    elif mode == "handler":
+        from mpigpu.jax._comms import channel, comm_key
+
+        x = put([rows_of(first + k) for k in range(local)])
+        every = [rows_of(p).astype(np.float64) for p in range(total)]
+        check(mapped(lambda v: mj.allreduce(v, "sum", backend=backend))(x), sum(every))
+        call = mj.compiled_calls()[-1]
+        print(f"handler {rank}: {call.handler}: {call.handler_reason}", flush=True)
+        demanded = channel(comm_key()).ctx.changed_settings(jax_handler="compiled" if rank == 0 else "auto")
+        try:
+            with demanded:
+                mapped(lambda v: mj.allreduce(v, "avg", backend=backend))(x)
+        except MpigpuError as exc:
+            print(f"demanded {rank}: {type(exc).__name__}: {exc}", flush=True)
+        check(mapped(lambda v: mj.allreduce(v, "avg", backend=backend))(x), sum(every) / total)
+        print(f"paired {rank}", flush=True)
     elif mode == "stall":
         late = rank == comm.Get_size() - 1
 

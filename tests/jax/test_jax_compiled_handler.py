@@ -202,6 +202,60 @@ def test_agree_is_the_same_decision_from_every_ranks_verdict() -> None:
     assert many is not None and many.endswith("and 2 more ranks")
 
 
+def test_the_per_device_verdict_takes_gpus_on_the_nccl_path_only(monkeypatch) -> None:
+    """Host devices, other paths, one participant, an empty array and more GPUs than a slot holds keep the
+    Python handler, each with its reason; GPUs on the nccl path take the compiled one where it is loaded."""
+    from types import SimpleNamespace
+
+    def verdict(mode="auto", on_gpu=True, backend="nccl", total=4, count=2, size=8):
+        ctx = SimpleNamespace(settings=SimpleNamespace(jax_handler=mode))
+        return _native.per_device_verdict(ctx, SimpleNamespace(total=total, count=count), backend, on_gpu, size)
+
+    monkeypatch.setattr(_native, "_not_loaded", lambda on_gpu: None)
+    assert verdict() is None
+    assert verdict(mode="python") == "MPIGPU_JAX_HANDLER=python"
+    assert verdict(on_gpu=False, backend="cpu") == "host devices: MPI has no communicator per device"
+    assert "the host path" in verdict(backend="host")
+    assert "the cuda-aware path" in verdict(backend="cuda-aware")
+    assert verdict(total=1, count=1).startswith("one participant")
+    assert verdict(size=0) == "an empty array"
+    assert verdict(count=_native.MAX_DEVICES + 1) == f"{_native.MAX_DEVICES + 1} GPUs in one process: a " \
+        f"per-device slot holds {_native.MAX_DEVICES}"  # fmt: skip
+    monkeypatch.setattr(_native, "_not_loaded", lambda on_gpu: "no compiler")
+    assert verdict() == "no compiler"
+
+
+class _FakeComms:
+    def __init__(self, gpus: list[int], handles: list[int]) -> None:
+        self.gpus, self._handles = gpus, handles
+
+    def handles(self) -> list[int]:
+        return self._handles
+
+
+def test_a_per_device_slot_holds_each_gpus_communicator_by_its_cuda_ordinal() -> None:
+    """GPUs 2 and 3 of a process (positions 0 and 1), their communicators in the same order, ncclAvg dividing
+    by every participant; the rest of the table empty; equal tables share a slot, others do not."""
+    import re
+
+    from mpigpu.core.dtypes import parse_dtype
+    from mpigpu.core.ops import Op
+
+    source = (Path(_native.__file__).parent / _native.SOURCE).read_text()
+    assert re.search(rf"constexpr int kMaxDevices = {_native.MAX_DEVICES};", source)
+    f32 = parse_dtype(np.dtype("float32"))
+    slot = _native.per_device_values(_FakeComms([2, 3], [0x1000, 0x2000]), 4, f32, Op.AVG, 0x77)
+    assert (slot.kind, slot.collective, slot.devices, slot.nranks, slot.fn) == (1, 0, 2, 4, 0x77)
+    assert (slot.datatype, slot.op, slot.comm) == (f32.nccl, Op.AVG.nccl, 0)
+    assert list(slot.ordinals) == [2, 3] + [0] * (_native.MAX_DEVICES - 2)
+    assert list(slot.comms) == [0x1000, 0x2000] + [0] * (_native.MAX_DEVICES - 2)
+    again = _native.per_device_values(_FakeComms([2, 3], [0x1000, 0x2000]), 4, f32, Op.AVG, 0x77)
+    other = _native.per_device_values(_FakeComms([2, 3], [0x1000, 0x3000]), 4, f32, Op.AVG, 0x77)
+    assert hash(slot.key()) == hash(again.key()) and slot.key() == again.key() and slot.key() != other.key()
+    with pytest.raises(IndexError):  # more GPUs than the table holds: the verdict keeps those calls away
+        _native.per_device_values(_FakeComms(list(range(17)), list(range(17))), 17, f32, Op.SUM, 0x77)
+
+
 @pytest.fixture
 def fresh_library(monkeypatch, tmp_path: Path):
     """A process state with no library decided yet, and a cache of this test's own."""
@@ -221,7 +275,7 @@ def test_built_once_cached_privately_then_loaded_and_rebuilt_when_corrupt(fresh_
     assert not first.cached
     (entry,) = _entries(fresh_library)
     assert stat.S_IMODE(fresh_library.stat().st_mode) == 0o700 and stat.S_IMODE(entry.stat().st_mode) == 0o600
-    assert first.dll.mpigpu_native_slot_bytes() == ctypes.sizeof(_native.Slot)
+    assert first.dll.mpigpu_native_slot_bytes() == ctypes.sizeof(_native.Slot)  # per-device table included
     _native._state.clear()
     second = _native.library()
     assert isinstance(second, _native.Library) and second.cached

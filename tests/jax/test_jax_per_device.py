@@ -67,6 +67,20 @@ def test_a_mesh_over_part_of_the_devices_and_a_device_not_in_the_group_are_refus
                "CPU device 1" in out and "MPIGPU_DEVICES_PER_RANK" in out, out  # fmt: skip
 
 
+def test_host_devices_keep_the_python_handler_and_a_demanded_compiled_one_raises_on_every_rank() -> None:
+    """MPI has no communicator per device: the compiled handler takes no per-device call on host devices. With
+    MPIGPU_JAX_HANDLER=compiled on rank 0 alone every rank raises the same ConfigError, and the next call pairs."""
+    out = _job(2, 2, "handler")
+    for rank in (0, 1):
+        assert f"handler {rank}: python: one call per device inside jax.shard_map" in out, out
+        assert "rank 1: host devices: MPI has no communicator per device" in out, out
+        assert (
+            f"demanded {rank}: ConfigError: MPIGPU_JAX_HANDLER=compiled on rank(s) 0, but the compiled "
+            "handler cannot take this call (rank 0: host devices: MPI has no communicator per device" in out
+        ), out
+        assert f"paired {rank}" in out, out
+
+
 def test_a_stall_names_the_missing_rank_and_device() -> None:
     """Rank 1's device 1 reaches the call 120 s late: the stall report names it, MPIGPU_TIMEOUT ends the job."""
     env = {**_layout(2), "MPIGPU_STALL": "1", "MPIGPU_TIMEOUT": "8"}
