@@ -27,10 +27,13 @@ every other row runs on the device init() returns.
 --local-devices: one process drives every device it sees (several GPUs per process, mpigpu.multi), with no
 JAX multi-process runtime: (s) and (c) over a mesh of the process's devices (jax.local_devices()), each
 device with its own --batch samples; mpigpu.jax.init() is not called (it would restrict JAX to one GPU).
-(sd) is (s) with a named backend (nccl on GPUs, cpu on host devices): mpigpu's FFI call once per device,
-the devices meeting as mpigpu.multi's participants (issue 38's goal: within 1.1x of (c)). The variants are
+(sd) is (s) with a named backend (nccl on GPUs, cpu on host devices): mpigpu's FFI call once per device, on
+the handler MPIGPU_JAX_HANDLER=auto picks (GPUs, nccl: the compiled one, each device's thread calling NCCL on
+its own communicator; host devices: the Python one, the devices meeting as mpigpu.multi's participants);
+issue 38's goal: within 1.1x of (c). (sdp) is (sd) on the Python handler (forced). The variants are
 compiled and warmed up first, then timed in turns (LOCAL_ROUNDS rounds of steps / LOCAL_ROUNDS steps each).
-Times are per step; the checks: every device ends with the same parameters, and (s) and (sd) agree with (c).
+Times are per step; the checks: every device ends with the same parameters, and (s), (sd) and (sdp) agree
+with (c).
 
     mpirun -np 1 python3 scripts/jax_step_bench.py --local-devices --json jax-step-local.json   # 2 GPUs
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \
@@ -522,6 +525,7 @@ def local_main(args: argparse.Namespace) -> int:
     import jax
 
     import mpigpu.jax as mj
+    from mpigpu.jax._comms import channel, comm_key
     from mpigpu.runtime.context import Context
 
     devices = jax.local_devices()
@@ -557,21 +561,29 @@ def local_main(args: argparse.Namespace) -> int:
     finals: dict[str, list[np.ndarray]] = {}
     skipped: dict[str, str] = {}
     path = "nccl" if platform_ == "gpu" else "cpu"  # a named backend: mpigpu's FFI call once per device
-    variants = (("in_shard_map", mj.average_tree), ("jax_pmean", _pmean(jax)),
-                ("per_device_ffi", lambda tree: mj.average_tree(tree, backend=path)))  # fmt: skip
+    jax_ctx = channel(comm_key(comm)).ctx
+
+    def per_device(tree: Any) -> Any:
+        return mj.average_tree(tree, backend=path)
+
+    variants = (("in_shard_map", mj.average_tree, contextlib.nullcontext),
+                ("jax_pmean", _pmean(jax), contextlib.nullcontext),
+                ("per_device_ffi", per_device, contextlib.nullcontext),
+                ("per_device_python", per_device, lambda: jax_ctx.changed_settings(jax_handler="python")))  # fmt: skip
     built: dict[str, tuple[Any, dict[str, Any]]] = {}
-    for name, reduce in variants:
+    for name, reduce, around in variants:
         first = len(mj.compiled_calls())
         try:
             init, one_step = _jax_variant(jax, loss_fn, update, params0, x_np, y_np, reduce, devices)
             built[name] = _stepper(jax, init, one_step)
-            built[name][0](args.warmup)
+            with around():  # compiled, and so its handler chosen, in the warm-up (one step at least)
+                built[name][0](max(1, args.warmup))
         except Exception as exc:
             built.pop(name, None)
             _local_failure(skipped, name, exc)
             continue
         calls = mj.compiled_calls()[first:]  # none where XLA's collectives reduce
-        backend = "+".join(sorted({f"{c.backend} per device" for c in calls})) or collectives
+        backend = "+".join(sorted({f"{c.backend} per device, {c.handler}" for c in calls})) or collectives
         results[name] = {"ms_per_step": 0.0, "host_dispatch_ms_per_step": 0.0, "main_cpu_ms_per_step": 0.0,
                          "backend": backend, "bytes_reduced_per_step": nparams * 4}  # fmt: skip
     rounds = max(1, min(LOCAL_ROUNDS, args.steps))  # the variants take turns: a drift in the machine hits all
@@ -604,15 +616,16 @@ def local_main(args: argparse.Namespace) -> int:
             results[name]["max_abs_diff_vs_pmean"] = diff
             ok &= diff <= 1e-4 * max(1.0, float(np.max(np.abs(reference[0]))))
     labels = {"in_shard_map": "(s) shard_map + mj.average_tree", "jax_pmean": "(c) shard_map + lax.pmean",
-              "per_device_ffi": f"(sd) (s), FFI per device ({path})"}  # fmt: skip
-    print(f"# {'variant':<38} {'ms/step':>8} {'host ms':>8} {'main cpu':>8} {'vs (c)':>6}  {'backend':<22} "
+              "per_device_ffi": f"(sd) (s), FFI per device ({path})",
+              "per_device_python": "(sdp) (sd), Python handler"}  # fmt: skip
+    print(f"# {'variant':<38} {'ms/step':>8} {'host ms':>8} {'main cpu':>8} {'vs (c)':>6}  {'backend':<27} "
           f"{'MB/step':>8}  identical  max |diff| vs (c)")  # fmt: skip
     base = results.get("jax_pmean", {}).get("ms_per_step")
     for name, r in results.items():
         ratio = f"{r['ms_per_step'] / base:6.2f}" if base else f"{'-':>6}"
         diff = r.get("max_abs_diff_vs_pmean")
         print(f"  {labels[name]:<38} {r['ms_per_step']:8.3f} {r['host_dispatch_ms_per_step']:8.3f} "
-              f"{r['main_cpu_ms_per_step']:8.3f} {ratio}  {r['backend']:<22} {r['bytes_reduced_per_step'] / 1e6:8.2f}  "
+              f"{r['main_cpu_ms_per_step']:8.3f} {ratio}  {r['backend']:<27} {r['bytes_reduced_per_step'] / 1e6:8.2f}  "
               f"{r['identical_on_every_device']!s:<9}  {'-' if diff is None else f'{diff:.2e}'}")  # fmt: skip
     for name, why in skipped.items():
         print(f"# {labels[name]} failed: {why}")

@@ -4,6 +4,10 @@ drives 2 GPUs (``mpirun -n 1``: MPIGPU_DEVICES_PER_RANK unset, so every visible 
 mpigpu's FFI call once per GPU, on XLA's thread and stream for that GPU, each GPU a participant. Small
 integers: every result exact against a float64 reference. nccl refuses float max (it runs on host).
 
+The nccl path runs on the compiled handler (each GPU's thread calls ncclAllReduce on its own communicator,
+no meeting): the same bits as the Python handler's route (MPIGPU_JAX_HANDLER=python), also for data whose
+sums round, and back-to-back steps exact.
+
     mpirun -n 1 python -m pytest --with-mpi tests/gpu/test_jax_per_device_gpu.py
 """
 
@@ -64,7 +68,65 @@ def test_each_gpu_takes_part_and_the_result_is_exact(gpus, backend: str, op: str
     for piece in out.addressable_shards:
         assert np.array_equal(np.asarray(piece.data, np.float64), want), (piece.device, piece.data[:4], want[:4])
     call = mj.compiled_calls()[-1]
-    assert call.backend == backend and call.handler == "python" and "one call per device" in call.handler_reason
+    if backend == "nccl":  # every GPU with a communicator of the clique: the compiled handler
+        assert call.backend == "nccl" and call.handler == "compiled" and call.handler_reason == "", call
+    else:
+        assert call.backend == backend and call.handler == "python" and "the host path" in call.handler_reason, call
+
+
+def _python_route():
+    """A block in which programs lowered use the Python handler (the meeting of the devices)."""
+    from mpigpu.jax._comms import channel, comm_key
+
+    return channel(comm_key()).ctx.changed_settings(jax_handler="python")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_the_compiled_route_gives_the_python_routes_bits(gpus, dtype: str, op: str) -> None:
+    """Random data (sums that round): the compiled handler and the Python handler's nccl path, the same bits."""
+    jax, mj, mesh = gpus
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = mesh.devices.size
+    noise = np.concatenate([np.random.default_rng(p).standard_normal(ROWS) for p in range(n)]).astype(np.float32)
+    x = jax.device_put(jnp.asarray(noise, dtype), NamedSharding(mesh, P("d")))
+
+    def reduce(v):
+        return mj.allreduce(v, op, backend="nccl")
+
+    compiled = jax.jit(jax.shard_map(reduce, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(x)
+    assert mj.compiled_calls()[-1].handler == "compiled", mj.compiled_calls()[-1]
+    with _python_route():
+        python = jax.jit(jax.shard_map(reduce, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(x)
+    assert mj.compiled_calls()[-1].handler == "python", mj.compiled_calls()[-1]
+    for a, b in zip(compiled.addressable_shards, python.addressable_shards, strict=True):
+        assert a.device == b.device
+        got, want = np.asarray(a.data), np.asarray(b.data)
+        assert got.tobytes() == want.tobytes(), (a.device, got[:4], want[:4])
+        assert np.isfinite(got.astype(np.float32)).all()
+
+
+def test_back_to_back_compiled_steps_are_exact(gpus) -> None:
+    """20 steps launched without waiting, each GPU's calls on its own thread and stream, then every result."""
+    jax, mj, mesh = gpus
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = mesh.devices.size
+    split = NamedSharding(mesh, P("d"))
+    step = jax.jit(jax.shard_map(lambda x: mj.allreduce(x, "avg", backend="nccl") + 1, mesh=mesh, in_specs=P("d"),
+                                 out_specs=P("d")))  # fmt: skip
+    xs = [jax.device_put(np.concatenate([(t + 1) * _rows(p) for p in range(n)]), split) for t in range(20)]
+    outs = [step(x) for x in xs]
+    assert mj.compiled_calls()[-1].handler == "compiled", mj.compiled_calls()[-1]
+    every = np.stack([_rows(p).astype(np.float64) for p in range(n)])
+    for t, out in enumerate(outs):
+        want = (t + 1) * every.sum(0) / n + 1
+        for piece in out.addressable_shards:
+            assert np.array_equal(np.asarray(piece.data, np.float64), want), (t, piece.device, piece.data[:4])
 
 
 def test_average_tree_and_a_refusal(gpus) -> None:

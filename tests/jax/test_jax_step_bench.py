@@ -33,7 +33,8 @@ def test_step_bench_on_the_cpu(tmp_path) -> None:
 
 def test_local_devices_mode_on_two_host_devices(tmp_path) -> None:
     """--local-devices (one process, two of XLA's host devices): (s) and (c) through XLA's collectives, (sd)
-    through mpigpu's FFI call once per device (issue 38), all ending with the same parameters."""
+    and (sdp) through mpigpu's FFI call once per device (issue 38; on host devices both on the Python
+    handler), all ending with the same parameters."""
     out = tmp_path / "jax-step-local.json"
     args = [str(ROOT / "scripts" / "jax_step_bench.py"), "--local-devices", "--device", "cpu", "--width", "32",
             "--depth", "2", "--steps", "3", "--warmup", "1", "--json", str(out)]  # fmt: skip
@@ -42,8 +43,8 @@ def test_local_devices_mode_on_two_host_devices(tmp_path) -> None:
     assert result.returncode == 0 and "# PASS" in result.stdout, result.stdout + result.stderr
     document = json.loads(out.read_text())
     rows = document["results"]
-    assert set(rows) == {"in_shard_map", "jax_pmean", "per_device_ffi"}, rows
+    assert set(rows) == {"in_shard_map", "jax_pmean", "per_device_ffi", "per_device_python"}, rows
     assert rows["in_shard_map"]["backend"] == rows["jax_pmean"]["backend"] == "XLA's CPU collectives"
-    assert rows["per_device_ffi"]["backend"] == "cpu per device"
+    assert rows["per_device_ffi"]["backend"] == rows["per_device_python"]["backend"] == "cpu per device, python"
     assert all(r["identical_on_every_device"] and r["devices_holding_a_copy"] == 2 for r in rows.values()), rows
     assert document["goals"]["per_device_ffi_vs_pmean"]["target"] == 1.1
