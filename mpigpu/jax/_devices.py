@@ -1,6 +1,8 @@
 """mpigpu.jax's call once per device inside ``jax.shard_map``: where the mesh maps this process's local
 devices and each MPI process has its own JAX runtime, XLA runs the FFI call once per device, on a thread per
-device, and each call takes part as participant (rank, device) of mpigpu.multi's group.
+device, and each call takes part as participant (rank, device) of mpigpu.multi's group. This module is the
+Python handler's side; on GPUs on the nccl path the compiled handler takes these calls instead, each device
+calling NCCL on its own communicator of that group (mpigpu.jax._native, per-device slots).
 
 The device of a call is XLA's device ordinal (XLA_FFI_DeviceOrdinal_Get in the call frame), mapped to its
 position among the devices this process drives (``mpigpu.local_devices()``): a GPU by its CUDA ordinal, a
