@@ -138,13 +138,15 @@ ffi::Error Lookup(int64_t index, Slot* found) {
   return ffi::Error::Success();
 }
 
-// A per-device call: ncclAllReduce on this device's communicator, on this device's stream. Not under
-// call_lock. NCCL lets each GPU of a clique be driven by its own thread without a group, but "every NCCL call
-// may have to block, waiting for other threads/ranks to arrive" (NCCL's guide, group calls; e.g. the
-// intra-process barrier of NCCL_LAUNCH_MODE=GROUP): the thread of GPU 0 may wait inside ncclAllReduce until
-// the thread of GPU 1 has called it too. Under one process-wide lock that thread would wait for a lock the
-// first one holds: a deadlock. Each thread uses only its own GPU's communicator, so no two threads ever use
-// one communicator at once, and XLA issues a device's calls in the program's order on every rank.
+// A per-device call: ncclAllReduce on this device's communicator, on this device's stream (NCCL makes the
+// communicator's GPU current for the call and restores the thread's device). Not under call_lock. NCCL lets
+// each GPU of a clique be driven by its own thread without a group, but "every NCCL call may have to block,
+// waiting for other threads/ranks to arrive" (NCCL's guide, group calls): with NCCL_LAUNCH_MODE=GROUP a
+// launch enters an intra-process barrier with the clique's other communicators of this process (src/group.cc,
+// doLaunches; the default, PARALLEL, has none). So GPU 0's thread may wait inside ncclAllReduce until GPU 1's
+// thread has called it too; under one process-wide lock GPU 1's thread would wait for the lock GPU 0's thread
+// holds: a deadlock. Each thread uses only its own GPU's communicator (never two threads on one communicator,
+// as NCCL requires), and XLA issues a device's calls in the program's order on that device's thread.
 ffi::Error RunPerDevice(const Slot& s, void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                         int32_t ordinal, int64_t index) {
   int k = 0;
