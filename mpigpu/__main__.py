@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("mpigpu.run", "run your script so that one rank's failure ends the whole job"),
     "bench.training": ("mpigpu.bench.training", "gradient averaging as training does it: fusion, training steps"),
     "bench.soak": ("mpigpu.bench.soak", "thousands of random allreduce calls, each verified"),
+    "bench.synthetic": ("mpigpu.bench.synthetic", "Horovod's synthetic benchmark's measurement, on torch DDP"),
     "timeline": ("mpigpu.timeline", "merge the ranks' MPIGPU_TIMELINE files into one trace; plot a step"),
 }
 

@@ -29,6 +29,7 @@ COMMANDS = [
     "mpigpu.bench.main",
     "mpigpu.bench.training",
     "mpigpu.bench.soak",
+    "mpigpu.bench.synthetic",
     "mpigpu.timeline",
 ]
 # the old command names (mpigpu._moved.MOVED), kept working
