@@ -588,17 +588,17 @@ def local_main(args: argparse.Namespace) -> int:
                          "backend": backend, "bytes_reduced_per_step": nparams * 4}  # fmt: skip
     rounds = max(1, min(LOCAL_ROUNDS, args.steps))  # the variants take turns: a drift in the machine hits all
     for r in range(rounds):
-        n = args.steps // rounds + (r < args.steps % rounds)
+        this_round = args.steps // rounds + (r < args.steps % rounds)
         for name, (steps, _) in list(built.items()):
             try:
-                timed = _timed(comm, steps, n)
+                timed = _timed(comm, steps, this_round)
             except Exception as exc:
                 del built[name], results[name]
                 _local_failure(skipped, name, exc)
                 continue
             for key, value in zip(("ms_per_step", "host_dispatch_ms_per_step", "main_cpu_ms_per_step"), timed,
                                   strict=True):  # fmt: skip
-                results[name][key] += value * n / args.steps
+                results[name][key] += value * this_round / args.steps
     for name, (_, state) in built.items():
         # every device's copy of the parameters (out_specs P(): replicated), flattened
         leaves = jax.tree_util.tree_leaves(state["p"])

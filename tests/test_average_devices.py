@@ -191,26 +191,3 @@ def test_per_process_bench_merges_both_layouts_into_one_table(tmp_path) -> None:
     assert "8 B" in text and "1 MiB" in text and "(1.00x)" in text
     missing = _serial([BENCH, "--merge", str(tmp_path / "none.json")])
     assert missing.returncode == 2 and "cannot read" in missing.stderr
-
-
-# -- scripts/jax_step_bench.py --local-devices -----------------------------------------------------------
-TWO_HOST_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-
-
-def test_jax_step_bench_one_process_two_devices(tmp_path) -> None:
-    pytest.importorskip("jax", reason="jax is not installed")
-    out = tmp_path / "jax-step-local.json"
-    args = ["scripts/jax_step_bench.py", "--local-devices", "--device", "cpu", "--width", "32", "--depth", "2",
-            "--steps", "3", "--warmup", "1", "--json", str(out)]  # fmt: skip
-    done = _serial(args, env=TWO_HOST_DEVICES, timeout=240)
-    assert done.returncode == 0 and "# PASS" in done.stdout, done.stdout + done.stderr
-    document = json.loads(out.read_text())
-    assert document["mode"] == "local_devices" and document["local_devices"] == 2 and document["ranks"] == 1
-    rows = document["results"]
-    assert set(rows) == {"in_shard_map", "jax_pmean"}, rows
-    for row in rows.values():
-        assert row["identical_on_every_device"] is True and row["devices_holding_a_copy"] == 2
-        assert row["backend"] == "XLA's CPU collectives" and row["max_abs_diff_vs_pmean"] <= 1e-6
-    assert set(document["goals"]) == {"in_shard_map_vs_pmean"} and document["skipped"] == {}
-    refused = run_mpi(2, args[:2], timeout=120, env=TWO_HOST_DEVICES)
-    assert refused.returncode == 2 and "--local-devices runs in one process" in refused.stderr

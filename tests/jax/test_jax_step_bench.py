@@ -42,9 +42,14 @@ def test_local_devices_mode_on_two_host_devices(tmp_path) -> None:
     result = run_mpi(1, args, timeout=240, env=env)
     assert result.returncode == 0 and "# PASS" in result.stdout, result.stdout + result.stderr
     document = json.loads(out.read_text())
+    assert document["mode"] == "local_devices" and document["local_devices"] == 2 and document["ranks"] == 1
+    assert document["skipped"] == {}
     rows = document["results"]
     assert set(rows) == {"in_shard_map", "jax_pmean", "per_device_ffi", "per_device_python"}, rows
     assert rows["in_shard_map"]["backend"] == rows["jax_pmean"]["backend"] == "XLA's CPU collectives"
     assert rows["per_device_ffi"]["backend"] == rows["per_device_python"]["backend"] == "cpu per device, python"
     assert all(r["identical_on_every_device"] and r["devices_holding_a_copy"] == 2 for r in rows.values()), rows
     assert document["goals"]["per_device_ffi_vs_pmean"]["target"] == 1.1
+    assert all(r["max_abs_diff_vs_pmean"] <= 1e-6 for r in rows.values()), rows
+    refused = run_mpi(2, args[:2], timeout=120, env=env)  # the mode drives one process's devices
+    assert refused.returncode == 2 and "--local-devices runs in one process" in refused.stderr
