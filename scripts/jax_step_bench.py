@@ -31,7 +31,7 @@ device with its own --batch samples; mpigpu.jax.init() is not called (it would r
 the handler MPIGPU_JAX_HANDLER=auto picks (GPUs, nccl: the compiled one, each device's thread calling NCCL on
 its own communicator; host devices: the Python one, the devices meeting as mpigpu.multi's participants);
 issue 38's goal: within 1.1x of (c). (sdp) is (sd) on the Python handler (forced). The variants are
-compiled and warmed up first, then timed in turns (LOCAL_ROUNDS rounds of steps / LOCAL_ROUNDS steps each).
+compiled and warmed up first, then timed in turns, as in the main mode (below).
 Times are per step; the checks: every device ends with the same parameters, and (s), (sd) and (sdp) agree
 with (c).
 
@@ -46,10 +46,13 @@ thread per step (near host ms: dispatch is Python work; well below: it waits, fo
 The in-jit rows also say what the FFI handler costs per call, measured inside it on XLA's thread: wall
 and CPU time (wall - CPU: waiting, for the GIL or in MPI), calls per step, and for the Python handler how
 many calls found their thread's Python state new (all of them in (a1)). The compiled handler times itself
-(its C++ counters, on only while a row is timed). Every variant starts from the same parameters
-and data and runs the same number of steps; the script checks that all end with the same parameters
-on every rank (to a float32 tolerance: the reductions add in different orders) and that each is
-identical across ranks. (s) and (c) are skipped, with a one-line reason, if jax.distributed cannot start.
+(its C++ counters, on only while a row is timed). Every variant is compiled and warmed up first, then the
+variants are timed in ROUNDS turns taken in rotation, so that a slow spell of a shared machine falls on all
+of them ((a1) alone, first, before any other variant's Python handler keeps a thread state on XLA's
+threads). Every variant starts from the same parameters and data and runs the same number of steps; the
+script checks that all end with the same parameters on every rank (to a float32 tolerance: the reductions
+add in different orders) and that each is identical across ranks. (s) and (c) are skipped, with a one-line
+reason, if jax.distributed cannot start.
 Times are the slowest rank's, per step, after warm-up. The JSON (--json) also holds the machine, the
 versions, and the issue-23 goals: (a) and (s) against (c), and the handler's cost per call.
 """
@@ -67,9 +70,12 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+ROUNDS = 5  # the timed steps of each variant, in this many turns taken in rotation (both modes)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -153,6 +159,79 @@ def _timed(comm: Any, run_steps: Any, steps: int) -> tuple[float, float, float]:
     return tuple(comm.allreduce(v, op=slowest) * 1e3 / steps for v in (elapsed, dispatch, cpu))  # type: ignore[return-value]
 
 
+@dataclass
+class _Variant:
+    """A compiled, warmed-up variant of the main mode: its stepper, its parameters, the block its steps run
+    in (settings it was compiled with, or run-time ones such as a new thread state per call), and whether
+    its final parameters are checked."""
+
+    steps: Any
+    state: dict[str, Any]
+    around: Any
+    checked: bool
+
+
+@dataclass
+class _Totals:
+    """A handler's times summed over a variant's turns (``_handler_row`` reads them)."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    fresh: int = 0
+    threads: set[int] = field(default_factory=set)
+
+    def add(self, times: Any) -> None:
+        self.calls += times.calls
+        self.seconds += times.seconds
+        self.cpu_seconds += times.cpu_seconds
+        self.fresh += getattr(times, "fresh", 0)
+        self.threads |= set(getattr(times, "threads", ()))
+
+
+def _time_in_turns(comm: Any, variants: dict[str, _Variant], results: dict[str, Any], steps: int, *,
+                   python_times: Any = None, compiled_times: Any = None, failed: Any = None) -> None:  # fmt: skip
+    """Time every variant's ``steps`` steps in ROUNDS turns, the variants in rotation (a slow spell of a shared
+    machine falls on all of them, not on the ones that happened to run then), each turn inside its variant's
+    block; each row's times are the turns' step-weighted sum. With ``python_times``/``compiled_times`` (the
+    handlers' recorders), the FFI handler's cost per call over the turns too. ``failed(name, exc)``: a variant
+    whose turn raises is dropped (from ``variants`` and ``results``) and reported there; without it, raised."""
+    from mpigpu.core._mpi import MPI
+
+    names = list(variants)
+    totals = {name: (_Totals(), _Totals()) for name in names}  # (Python handler, compiled handler)
+    rounds = max(1, min(ROUNDS, steps))
+    for r in range(rounds):
+        this_round = steps // rounds + (r < steps % rounds)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            variant = variants.get(name)
+            if variant is None:  # dropped in an earlier round
+                continue
+            recorders = (python_times() if python_times is not None else contextlib.nullcontext(),
+                         compiled_times() if compiled_times is not None else contextlib.nullcontext())  # fmt: skip
+            try:
+                with variant.around(), recorders[0] as times, recorders[1] as compiled:
+                    timed = _timed(comm, variant.steps, this_round)
+            except Exception as exc:
+                if failed is None:
+                    raise
+                del variants[name], results[name]
+                failed(name, exc)
+                continue
+            for key, value in zip(("ms_per_step", "host_dispatch_ms_per_step", "main_cpu_ms_per_step"), timed,
+                                  strict=True):  # fmt: skip
+                results[name][key] += value * this_round / steps
+            for total, recorded in zip(totals[name], (times, compiled), strict=True):
+                if recorded is not None:
+                    total.add(recorded)
+    for name in variants:
+        python, compiled = totals[name]
+        if comm.allreduce(python.calls, op=MPI().MAX):
+            results[name]["handler"] = _handler_row(comm, python, steps, "python")
+        elif comm.allreduce(compiled.calls, op=MPI().MAX):
+            results[name]["handler"] = _handler_row(comm, compiled, steps, "compiled")
+
+
 def _handler_row(comm: Any, times: Any, steps: int, kind: str) -> dict[str, Any]:
     """The FFI handler's cost per call during the timed steps, the slowest rank's (``kind``: "python" or
     "compiled"; the compiled one has no thread states to count)."""
@@ -187,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.local_devices:
         return local_main(args)
     import mpigpu
-    from mpigpu.core._mpi import MPI, world
+    from mpigpu.core._mpi import world
     from mpigpu.runtime.context import Context
 
     comm = world()
@@ -249,28 +328,21 @@ def main(argv: list[str] | None = None) -> int:
     unravel = ravel_pytree(params0)[1]
     update_b = jax.jit(lambda p, flat: update(p, unravel(flat)))
 
+    variants: dict[str, _Variant] = {}
+
     def run_variant(
         name: str, init: Any, one_step: Any, reduced: Any, around: Any = contextlib.nullcontext, checked: bool = True
     ) -> None:
-        """Time ``one_step``; ``reduced()`` (called after the warm-up, which compiles) says what reduced the
-        gradient: (backend, bytes per step and rank)."""
+        """Compile and warm up ``one_step`` under ``around``; ``reduced()`` (called right after the warm-up,
+        which compiles, before the next variant compiles) says what reduced the gradient: (backend, bytes per
+        step and rank). The variants are timed later, in turns (``_time_in_turns``)."""
         steps, state = _stepper(jax, init, one_step)
-
-        library = _native.library()
-        native = library.record_times() if isinstance(library, _native.Library) else contextlib.nullcontext()
         with around():
             steps(args.warmup)
-            with record_times() as times, native as compiled_times:
-                ms, host_ms, cpu_ms = _timed(comm, steps, args.steps)
         backend, nbytes = reduced()
-        results[name] = {"ms_per_step": ms, "host_dispatch_ms_per_step": host_ms, "main_cpu_ms_per_step": cpu_ms,
+        variants[name] = _Variant(steps, state, around, checked)
+        results[name] = {"ms_per_step": 0.0, "host_dispatch_ms_per_step": 0.0, "main_cpu_ms_per_step": 0.0,
                          "backend": backend, "bytes_reduced_per_step": nbytes}  # fmt: skip
-        if comm.allreduce(times.calls, op=MPI().MAX):
-            results[name]["handler"] = _handler_row(comm, times, args.steps, "python")
-        elif compiled_times is not None and comm.allreduce(compiled_times.calls, op=MPI().MAX):
-            results[name]["handler"] = _handler_row(comm, compiled_times, args.steps, "compiled")
-        if checked:
-            finals[name] = _host_copy(jax, state["p"])
 
     def init_local() -> Any:
         return jax.device_put(params0, device)
@@ -310,7 +382,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return around
 
-    in_jit("in_jit_fresh_thread_state", "auto", python_handler(fresh_thread_states))  # first: no thread state kept
+    library = _native.library()
+    recorders = {"python_times": record_times,
+                 "compiled_times": library.record_times if isinstance(library, _native.Library) else None}  # fmt: skip
+    # (a1) first, and timed at once, alone: the other variants' Python handler calls pin XLA's threads, whose
+    # thread states are then kept (what (a1) must not find)
+    in_jit("in_jit_fresh_thread_state", "auto", python_handler(fresh_thread_states))
+    timed_first = {"in_jit_fresh_thread_state": variants.pop("in_jit_fresh_thread_state")}
+    _time_in_turns(comm, timed_first, results, args.steps, **recorders)
     calls_a = in_jit("in_jit", "auto")
     in_jit("in_jit_python", "auto", python_handler())
     in_jit("in_jit_tokens", "auto", order("tokens"))
@@ -339,6 +418,11 @@ def main(argv: list[str] | None = None) -> int:
                 if rank == 0:
                     print(f"# {name} failed: {exc}", file=sys.stderr)
                 break
+
+    _time_in_turns(comm, variants, results, args.steps, **recorders)
+    for name, variant in {**timed_first, **variants}.items():
+        if variant.checked:
+            finals[name] = _host_copy(jax, variant.state["p"])
 
     # checks: every variant identical across ranks, and the variants agree with each other
     ok = True
@@ -502,9 +586,6 @@ def _jax_variant(
     return init, one_step
 
 
-LOCAL_ROUNDS = 5  # --local-devices: the timed steps of each variant, in this many turns taken in rotation
-
-
 def _local_failure(skipped: dict[str, str], name: str, exc: Exception) -> None:
     skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     print(f"# {name} failed: {exc}", file=sys.stderr)
@@ -570,38 +651,26 @@ def local_main(args: argparse.Namespace) -> int:
                 ("jax_pmean", _pmean(jax), contextlib.nullcontext),
                 ("per_device_ffi", per_device, contextlib.nullcontext),
                 ("per_device_python", per_device, lambda: jax_ctx.changed_settings(jax_handler="python")))  # fmt: skip
-    built: dict[str, tuple[Any, dict[str, Any]]] = {}
+    built: dict[str, _Variant] = {}
     for name, reduce, around in variants:
         first = len(mj.compiled_calls())
         try:
             init, one_step = _jax_variant(jax, loss_fn, update, params0, x_np, y_np, reduce, devices)
-            built[name] = _stepper(jax, init, one_step)
+            steps, state = _stepper(jax, init, one_step)
             with around():  # compiled, and so its handler chosen, in the warm-up (one step at least)
-                built[name][0](max(1, args.warmup))
+                steps(max(1, args.warmup))
         except Exception as exc:
-            built.pop(name, None)
             _local_failure(skipped, name, exc)
             continue
+        built[name] = _Variant(steps, state, around, checked=True)
         calls = mj.compiled_calls()[first:]  # none where XLA's collectives reduce
         backend = "+".join(sorted({f"{c.backend} per device, {c.handler}" for c in calls})) or collectives
         results[name] = {"ms_per_step": 0.0, "host_dispatch_ms_per_step": 0.0, "main_cpu_ms_per_step": 0.0,
                          "backend": backend, "bytes_reduced_per_step": nparams * 4}  # fmt: skip
-    rounds = max(1, min(LOCAL_ROUNDS, args.steps))  # the variants take turns: a drift in the machine hits all
-    for r in range(rounds):
-        this_round = args.steps // rounds + (r < args.steps % rounds)
-        for name, (steps, _) in list(built.items()):
-            try:
-                timed = _timed(comm, steps, this_round)
-            except Exception as exc:
-                del built[name], results[name]
-                _local_failure(skipped, name, exc)
-                continue
-            for key, value in zip(("ms_per_step", "host_dispatch_ms_per_step", "main_cpu_ms_per_step"), timed,
-                                  strict=True):  # fmt: skip
-                results[name][key] += value * this_round / args.steps
-    for name, (_, state) in built.items():
+    _time_in_turns(comm, built, results, args.steps, failed=lambda name, exc: _local_failure(skipped, name, exc))
+    for name, variant in built.items():
         # every device's copy of the parameters (out_specs P(): replicated), flattened
-        leaves = jax.tree_util.tree_leaves(state["p"])
+        leaves = jax.tree_util.tree_leaves(variant.state["p"])
         finals[name] = [np.concatenate([np.asarray(leaf.addressable_shards[d].data).ravel() for leaf in leaves])
                         for d in range(len(leaves[0].addressable_shards))]  # fmt: skip
     ok = not skipped
