@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -175,6 +176,16 @@ def versions() -> dict[str, Any]:
         if version:
             found[dist] = version
     return found
+
+
+def gpu_names() -> list[str]:
+    """The model of each GPU ``nvidia-smi`` lists, in its order (none where it is missing or fails)."""
+    query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+    try:
+        listed = subprocess.run(query, capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in listed.splitlines() if line.strip()]
 
 
 def now() -> str:

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mpigpu.cli import nonneg_int, now, positive_int, seconds_arg, versions, write_json
+from mpigpu.cli import gpu_names, nonneg_int, now, positive_int, seconds_arg, versions, write_json
 
 DRIVER = Path(__file__).resolve()
 ROOT = DRIVER.parent.parent
@@ -238,11 +238,7 @@ def _version_line(command: list[str]) -> str | None:
 
 def _machine() -> dict[str, Any]:
     """Host, platform, CPUs, and the GPUs nvidia-smi lists (model of the first, count), if it is there."""
-    names: list[str] = []
-    if shutil.which("nvidia-smi"):
-        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
-        done = subprocess.run(query, capture_output=True, text=True, timeout=30, check=False)
-        names = [line.strip() for line in done.stdout.splitlines() if line.strip()]
+    names = gpu_names()
     return {"hostname": socket.gethostname(), "platform": platform.platform(), "cpus": os.cpu_count(),
             "gpu": names[0] if names else None, "gpus": len(names)}  # fmt: skip
 

@@ -478,13 +478,9 @@ def _torch_distributed(comm: Any, device: int) -> str | None:
 
 # -- the run ----------------------------------------------------------------------------------------------
 def _machine() -> dict[str, Any]:
-    try:
-        names = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
-        ).stdout.split("\n")
-    except (OSError, subprocess.SubprocessError):
-        names = []
-    names = [n.strip() for n in names if n.strip()]
+    from mpigpu.cli import gpu_names
+
+    names = gpu_names()
     return {
         "gpu": names[0] if names else None,
         "gpu_count": len(names),
