@@ -141,8 +141,9 @@ class Library:
                                                 platform=_XLA_PLATFORMS[platform_name])  # fmt: skip
         self.registered.add(platform_name)
 
-    def slot(self, values: Slot, key: tuple[Any, ...], label: str) -> int:
-        """The number of the slot holding ``values`` (registered now if new)."""
+    def slot(self, values: Slot, label: str) -> int:
+        """The number of the slot holding ``values`` (registered now if new; calls holding the same share it)."""
+        key = values.key()
         found = self.slots.get(key)
         if found is not None:
             return found
@@ -416,7 +417,7 @@ def _use(ctx: Any, values: Slot, label: str, on_gpu: bool) -> int:
     """The number of the slot holding ``values``, the handler registered for the platform and watched."""
     lib = library()
     assert isinstance(lib, Library)
-    number = lib.slot(values, values.key(), label)
+    number = lib.slot(values, label)
     lib.register("cuda" if on_gpu else "cpu")
     _watch(ctx, lib)
     return number
