@@ -70,7 +70,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -171,22 +171,14 @@ class _Variant:
     checked: bool
 
 
-@dataclass
-class _Totals:
-    """A handler's times summed over a variant's turns (``_handler_row`` reads them)."""
-
-    calls: int = 0
-    seconds: float = 0.0
-    cpu_seconds: float = 0.0
-    fresh: int = 0
-    threads: set[int] = field(default_factory=set)
-
-    def add(self, times: Any) -> None:
-        self.calls += times.calls
-        self.seconds += times.seconds
-        self.cpu_seconds += times.cpu_seconds
-        self.fresh += getattr(times, "fresh", 0)
-        self.threads |= set(getattr(times, "threads", ()))
+def _add_times(total: Any, times: Any) -> None:
+    """Add one turn's handler times (mpigpu.jax._ffi.HandlerTimes, or the compiled handler's NativeTimes, which
+    counts no thread states) to ``total``, a HandlerTimes summing a variant's turns for ``_handler_row``."""
+    total.calls += times.calls
+    total.seconds += times.seconds
+    total.cpu_seconds += times.cpu_seconds
+    total.fresh += getattr(times, "fresh", 0)
+    total.threads |= set(getattr(times, "threads", ()))
 
 
 def _time_in_turns(comm: Any, variants: dict[str, _Variant], results: dict[str, Any], steps: int, *,
@@ -197,9 +189,10 @@ def _time_in_turns(comm: Any, variants: dict[str, _Variant], results: dict[str, 
     handlers' recorders), the FFI handler's cost per call over the turns too. ``failed(name, exc)``: a variant
     whose turn raises is dropped (from ``variants`` and ``results``) and reported there; without it, raised."""
     from mpigpu.core._mpi import MPI
+    from mpigpu.jax._ffi import HandlerTimes
 
     names = list(variants)
-    totals = {name: (_Totals(), _Totals()) for name in names}  # (Python handler, compiled handler)
+    totals = {name: (HandlerTimes(), HandlerTimes()) for name in names}  # (Python handler, compiled handler)
     rounds = max(1, min(ROUNDS, steps))
     for r in range(rounds):
         this_round = steps // rounds + (r < steps % rounds)
@@ -223,7 +216,7 @@ def _time_in_turns(comm: Any, variants: dict[str, _Variant], results: dict[str, 
                 results[name][key] += value * this_round / steps
             for total, recorded in zip(totals[name], (times, compiled), strict=True):
                 if recorded is not None:
-                    total.add(recorded)
+                    _add_times(total, recorded)
     for name in variants:
         python, compiled = totals[name]
         if comm.allreduce(python.calls, op=MPI().MAX):
