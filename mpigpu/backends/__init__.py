@@ -24,6 +24,9 @@ _REGISTRY: dict[str, str] = {
     "cpu": "mpigpu.backends.cpu:CpuBackend",
 }
 BACKEND_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+# where auto's order is not the registry's: ipc makes reduce_scatter out of a whole allreduce and a copy,
+# 52-58 us from 16 B to 1 MiB on 2 x H100 where nccl's reduceScatter took 35-40 (docs/results.md, 2026-11-26)
+_FIRST: dict[str, tuple[str, ...]] = {"reduce_scatter": ("nccl",)}
 # the backend's field in the cross-rank signature (0 is "no backend": a rank reporting its error)
 _CODES: dict[str, int] = {name: index + 1 for index, name in enumerate(BACKEND_NAMES)}
 
@@ -53,10 +56,12 @@ def backend_code(name: str) -> int:
 
 @functools.cache
 def preference(on_device: bool, collective: str = "allreduce") -> tuple[str, ...]:
-    """The backends ``auto``'s rules try, in order, for GPU (``on_device``) or host arrays."""
+    """The backends ``auto``'s rules try, in order, for GPU (``on_device``) or host arrays: those
+    ``_FIRST`` names for ``collective``, then the registry's order."""
+    first = _FIRST.get(collective, ())
     return tuple(
         name
-        for name in BACKEND_NAMES
+        for name in (*first, *(n for n in BACKEND_NAMES if n not in first))
         if collective in backend_class(name).collectives
         and (backend_class(name).device_arrays if on_device else backend_class(name).host_arrays)
     )

@@ -120,8 +120,7 @@ class IpcBackend(Backend):
     graphs: ClassVar[bool] = True
     anchors: ClassVar[Mapping[str, str]] = {"device": "nccl-raw"}
     # reduce_scatter: the allreduce kernel into a scratch buffer, then this rank's rows (allreduce's bits;
-    # at the sizes auto gives ipc a reduction is latency-bound, so the whole allreduce costs what a
-    # reduce-scatter would)
+    # auto tries nccl's reduceScatter first: mpigpu.backends._FIRST)
     collectives: ClassVar[frozenset[str]] = frozenset({"allreduce", "reduce_scatter"})
 
     @classmethod

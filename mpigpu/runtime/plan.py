@@ -1,12 +1,14 @@
 """Choosing a backend per call: an explicit request is validated; ``auto`` uses the crossover table
 that ``python -m mpigpu.bench --tune`` measured on a matching machine, or these rules:
 
-GPU arrays:  ipc (one node, peer access) up to 4 MiB -> nccl -> cuda-aware MPI -> host staging.
+GPU arrays:  ipc (one node, peer access) up to 4 MiB -> nccl -> cuda-aware MPI -> host staging
+             (reduce_scatter: nccl first, as ipc makes it out of an allreduce).
 Host arrays: cpu (MPI_Allreduce) below 32 MiB -> host (shared-memory reduce) from there on, where
              the host backend is available; cpu otherwise.
 
 The order is the registry's (``mpigpu.backends._REGISTRY``), the size limits are each backend's
-``auto_declines``, and a backend is tried only for the collectives it lists.
+``auto_declines``, and a backend is tried only for the collectives it lists (reduce_scatter tries
+nccl first). The tuning table, measured on allreduce, chooses allreduces only.
 
 Every input to the choice (sizes, dtypes, capabilities agreed at start-up, the table broadcast from
 rank 0) is identical on every rank, so ranks agree without talking.
@@ -125,7 +127,7 @@ def choose(ctx: Context, view: ArrayView, op: Op, requested: str, collective: st
         )
         raise InvalidArgument(f"backend {requested!r} cannot {what}: {problem}; {hint}")
     placement = "device" if view.on_device else "host"
-    if ctx.tuning is not None:
+    if ctx.tuning is not None and collective == "allreduce":  # the table times allreduce only
         name = ctx.tuning.lookup(placement, view.nbytes)
         if name is not None and _usable(ctx, name, view, op, collective) is None:
             return Choice(name, f"tuned table ({ctx.tuning.source}) for {view.nbytes} B")

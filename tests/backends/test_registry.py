@@ -24,7 +24,8 @@ def test_auto_preference_is_the_registry_order() -> None:
     assert preference(False) == ("host", "cpu")
     assert preference(True, "broadcast") == ("nccl", "cuda-aware", "host")  # ipc implements allreduce only
     assert preference(False, "allgather") == ("host", "cpu")
-    assert preference(True, "reduce_scatter") == ("ipc", "nccl", "cuda-aware", "host")  # allreduce's order
+    # ipc makes reduce_scatter out of a whole allreduce: nccl's reduceScatter first
+    assert preference(True, "reduce_scatter") == ("nccl", "ipc", "cuda-aware", "host")
     assert preference(False, "alltoall") == ("host", "cpu")
     assert preference(True, "reduce") == ()  # no backend implements it
 
