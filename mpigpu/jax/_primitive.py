@@ -37,6 +37,7 @@ import inspect
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,8 +243,9 @@ def _choose_and_check(
     Python handler runs it)."""
     ctx = ch.ctx
     name = f"mpigpu.jax.{collective}"
-    try:
-        on_gpu = platform != "cpu"
+    on_gpu = platform != "cpu"
+
+    def local() -> tuple[Choice, Signature, str | None, ArrayView]:
         if on_gpu and platform != "cuda":
             raise InvalidArgument(f"mpigpu.jax runs on CPU and CUDA devices, not on {platform!r}")
         if on_gpu and ctx.gpu is None:
@@ -269,12 +271,10 @@ def _choose_and_check(
             int(on_gpu), shape=spec.shape, collective=CHECKED.index(collective), root=root,
         )  # fmt: skip
         refusal = _native.local_verdict(ctx, collective, dtype, op, choice.backend, on_gpu, spec.nbytes, spec.size)
-    except Exception as exc:  # any failure here must reach the other ranks, which are in the check
-        _report(ch, name, exc)
-        raise
-    with _watched(ch, f"{name} of {spec.size} {dtype.name} (cross-rank check while compiling)"):
-        check_signature(ch.check, signature, name, backend_name=choice.backend)
-        refusal = _native.agree(ch.check, refusal, ctx.settings.jax_handler)
+        return choice, signature, refusal, spec
+
+    choice, refusal, spec = _agreed(ch, name, "", local)
+    dtype = spec.dtype
     slot = None if refusal else _native.slot_for(ctx, collective, dtype, op, root, choice.backend, on_gpu)
     reduction = op.value if collective == "allreduce" else "-"
     handler = "python" if slot is None else "compiled"
@@ -296,7 +296,8 @@ def _choose_per_device(
     Returns the path's backend and the compiled handler's slot (None: the Python handler meets the devices)."""
     name = "mpigpu.jax.allreduce"
     group = Group.of(ch.ctx, ch.check)
-    try:
+
+    def local() -> tuple[Choice, Signature, str | None, ArrayView]:
         if platform not in ("cpu", "cuda"):
             raise InvalidArgument(f"mpigpu.jax runs on CPU and CUDA devices, not on {platform!r}")
         on_gpu = platform == "cuda"
@@ -318,17 +319,32 @@ def _choose_per_device(
         signature = Signature(spec.size, dtype.code, op.code, backend_code(choice.backend), int(on_gpu),
                               shape=spec.shape, collective=CHECKED.index("allreduce over devices"))  # fmt: skip
         refusal = _native.per_device_verdict(ch.ctx, group, choice.backend, on_gpu, spec.size)
-    except Exception as exc:
-        _report(ch, name, exc)
-        raise
-    with _watched(ch, f"{name} of {spec.size} {dtype.name} per device (cross-rank check while compiling)"):
-        check_signature(ch.check, signature, name, backend_name=choice.backend)
-        refusal = _native.agree(ch.check, refusal, ch.ctx.settings.jax_handler)
+        return choice, signature, refusal, spec
+
+    choice, refusal, spec = _agreed(ch, name, " per device", local)
+    dtype = spec.dtype
     slot = None if refusal else _native.per_device_slot(ch.ctx, group, ch.check, dtype, op)
     handler, why = ("python", f"{REASON}: {refusal}") if slot is None else ("compiled", "")
     _compiled.append(CompiledCall(platform, dtype.name, spec.size, spec.nbytes, op.value, backend, choice.backend,
                                   choice.reason, "allreduce", handler, why))  # fmt: skip
     return choice.backend, slot
+
+
+def _agreed(
+    ch: Channel, name: str, where: str, local: Callable[[], tuple[Choice, Signature, str | None, ArrayView]]
+) -> tuple[Choice, str | None, ArrayView]:
+    """Both lowerings' one check while compiling: ``local`` (this rank's choice, signature, handler verdict and
+    the call's shape) raises to every rank (the others raise MismatchError in the check), then the ranks check
+    the signature and agree on the handler. Returns the choice, the agreed refusal (None: compiled) and the
+    shape."""
+    try:
+        choice, signature, refusal, spec = local()
+    except Exception as exc:  # any failure here must reach the other ranks, which are in the check
+        _report(ch, name, exc)
+        raise
+    with _watched(ch, f"{name} of {spec.size} {spec.dtype.name}{where} (cross-rank check while compiling)"):
+        check_signature(ch.check, signature, name, backend_name=choice.backend)
+        return choice, _native.agree(ch.check, refusal, ch.ctx.settings.jax_handler), spec
 
 
 def _report(ch: Channel, name: str, exc: BaseException) -> None:
