@@ -386,9 +386,9 @@ def allreduce_init(
     request holds them); free the request with ``free()`` or a ``with`` block.
 
     From a thread bound with ``on_device`` (or with a list) it returns a DevicesRequest, whose every
-    start is a full call over the process's devices (mpigpu.multi.request)."""
+    start is a full call over the process's devices (mpigpu.calls.devices_async)."""
     if over_devices(x):
-        from mpigpu.multi.request import DevicesRequest
+        from mpigpu.calls.devices_async import DevicesRequest
 
         return DevicesRequest(x, op, out, comm, backend, stream)  # type: ignore[return-value]
     return Request(prepare(x, op, out=out, comm=comm, backend=backend, stream=stream))

@@ -131,6 +131,10 @@ class Family:
         the check did not learn them: it was off)."""
         raise NotImplementedError
 
+    def log(self, ctx: Context, record: Record) -> None:
+        """MPIGPU_LOG: this call's choice, in the one choice log."""
+        log_choice(ctx, record.x, record.choice, self.name)
+
     def label(self, record: Record, phase: str) -> str:
         x = record.x
         if phase == "check":
@@ -231,7 +235,7 @@ def go(ctx: Context, record: Record, args: tuple[Any, ...], stream: StreamRef | 
     else:
         result = family.execute(record, args, stream, check(ctx, record) if checked else None, live)
     if ctx.settings.log:
-        log_choice(ctx, record.x, record.choice, family.name)
+        family.log(ctx, record)
     return result
 
 
@@ -249,7 +253,7 @@ def _recorded_go(ctx: Context, record: Record, args: tuple[Any, ...], stream: St
         result = family.execute(record, args, stream, ranks, live)
     timeline.end(event, None if x.device is None or stream is None else stream.handle)
     if ctx.settings.log:
-        log_choice(ctx, x, record.choice, family.name)
+        family.log(ctx, record)
     return result
 
 

@@ -188,7 +188,7 @@ def allreduce(
     way every device of every rank is a participant, and avg divides by their number.
     """
     if over_devices(x):
-        from mpigpu.multi.call import allreduce_devices
+        from mpigpu.calls.devices import allreduce_devices
 
         return allreduce_devices(x, op, out, comm, backend, stream)
     return call(ALLREDUCE, comm, stream, (x, op, out, backend))
@@ -211,7 +211,7 @@ def allreduce_async(
     the same calls in the same order. From a thread bound with ``on_device`` (or with a list) the call
     runs at once, as the devices must meet; ``wait()`` waits for the GPU work it enqueued."""
     if over_devices(x):
-        from mpigpu.multi.request import start_handle
+        from mpigpu.calls.devices_async import start_handle
 
         name, result, enqueued = start_handle(x, op, out, comm, backend, stream)
         return Handle(name, result=result, event=enqueued)

@@ -15,12 +15,13 @@ refusal raises on every participant and a stall names the (rank, device) that ha
 
 from __future__ import annotations
 
+from mpigpu.calls.devices import allreduce_entry, views_entry
 from mpigpu.core._cuda import StreamRef
 from mpigpu.core.arrays import pointer_device, raw_view
 from mpigpu.core.errors import DeviceError
 from mpigpu.core.ops import Op
 from mpigpu.jax._ffi import Buffer, Call
-from mpigpu.multi.call import Entry, allreduce_entry
+from mpigpu.multi.call import Entry
 from mpigpu.multi.group import Group
 from mpigpu.runtime.context import Context
 
@@ -54,7 +55,7 @@ def position(group: Group, on_gpu: bool, ordinal: int) -> int:
 
 
 def execute(call: Call, ctx: Context, x: Buffer, out: Buffer, op: Op, backend: str, on_gpu: bool) -> None:
-    """One device's call: map its device, then meet the process's other devices (mpigpu.multi.call)."""
+    """One device's call: map its device, then meet the process's other devices (mpigpu.calls.devices)."""
     group = Group.of(ctx)  # made when the program was lowered
     try:
         k = position(group, on_gpu, call.device_ordinal())
@@ -77,7 +78,7 @@ def execute(call: Call, ctx: Context, x: Buffer, out: Buffer, op: Op, backend: s
     except Exception as exc:  # it meets the others, which raise with it
         allreduce_entry(group, Entry(k, error=exc))
         return
-    allreduce_entry(group, Entry(k, x=xv, out=ov, op=op, backend=backend, stream=stream))
+    allreduce_entry(group, views_entry(group, k, xv, ov, op, backend, stream))
 
 
 _seen: set[int] = set()  # GPUs whose buffers were found where the mapping put them

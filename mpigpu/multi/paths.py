@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
     from mpigpu.core.arrays import ArrayView
     from mpigpu.multi.group import Group
 
-__all__ = ["BUILT", "DeviceComms", "choose", "device_comms", "run"]
+__all__ = ["BUILT", "DeviceComms", "bind", "choose", "device_comms"]
 
 BUILT = ("auto", "nccl", "host", "cuda-aware", "cpu")  # the backends a call over several devices per process takes
 
@@ -80,27 +82,31 @@ def choose(group: Group, x: ArrayView, op: Op, backend: str) -> Choice:
     return Choice("nccl", "GPU arrays over several devices per process: one NCCL communicator per GPU")
 
 
-def run(group: Group, choice: Choice, entries: list[Any], op: Op) -> None:
-    """Move and reduce the data of a call whose devices have met and whose ranks agreed."""
-    x = entries[0].x
+def bind(group: Group, choice: Choice, x: ArrayView, op: Op) -> Callable[[list[Any]], None]:
+    """The data movement of calls like ``x``'s on ``choice``'s path, all but the devices' entries fixed:
+    called with the entries of a call whose devices have met and whose ranks agreed. Collective on first
+    use of a path (the per-GPU NCCL communicators are created here)."""
     if x.size == 0:
-        return
+        return _nothing
     if group.total == 1:
-        _copy_own(entries[0])
-        return
+        return _copy_own
     if choice.backend == "nccl":
-        device_comms(group).allreduce(entries, op)
-    elif choice.backend == "cuda-aware":
-        _gather_fold_on_gpu(group, entries, op)
-    else:
-        _gather_fold(group, entries, op)
+        return partial(device_comms(group).allreduce, op=op)
+    if choice.backend == "cuda-aware":
+        return partial(_gather_fold_on_gpu, group, op=op)
+    return partial(_gather_fold, group, op=op)
 
 
-def _copy_own(entry: Any) -> None:
+def _nothing(entries: list[Any]) -> None:
+    return None
+
+
+def _copy_own(entries: list[Any]) -> None:
     """One participant in the job: the result is the input (api's one-rank copy, on the entry's GPU)."""
+    entry = entries[0]
     x = entry.x
     if x.device is None:
-        copy_single(x, entry.out, None)
+        copy_single(x, entry.out, None, entry.x_host, entry.out_host)
         return
     from mpigpu.core._cuda import cupy
 
@@ -306,10 +312,10 @@ def _gather_fold_on_gpu(group: Group, entries: list[Any], op: Op) -> None:
 
 
 def _to_row(entry: Any, row: np.ndarray) -> None:
-    x = entry.x
-    if x.host is not None:
-        row[...] = x.host.reshape(-1)
+    if entry.x_host is not None:
+        row[...] = entry.x_host.reshape(-1)
         return
+    x = entry.x
     from mpigpu.core._cuda import cupy
 
     cp = cupy()
@@ -320,10 +326,10 @@ def _to_row(entry: Any, row: np.ndarray) -> None:
 
 
 def _from_result(entry: Any, result: np.ndarray) -> None:
-    out = entry.out
-    if out.host is not None:
-        out.host[...] = result.reshape(out.host.shape)
+    if entry.out_host is not None:
+        entry.out_host[...] = result.reshape(entry.out_host.shape)
         return
+    out = entry.out
     from mpigpu.core._cuda import cupy
 
     cp = cupy()

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from mpigpu.calls.devices import start_devices
 from mpigpu.core.errors import DeviceError, InvalidArgument
-from mpigpu.multi.call import Entry, start_devices
+from mpigpu.multi.call import Entry
 
 __all__ = ["DevicesRequest", "Enqueued", "start_handle"]
 
@@ -27,7 +28,7 @@ class Enqueued:
         self._events = [
             stream_event(entry.x.device, entry.stream.handle)  # type: ignore[arg-type]
             for entry in entries
-            if entry.stream is not None and entry.x is not None
+            if entry.stream is not None
         ]
 
     @property
@@ -56,14 +57,14 @@ class Enqueued:
 def start_handle(x: Any, op: Any, out: Any, comm: Any, backend: str, stream: Any) -> tuple[str, Any, Enqueued]:
     """Run the call; return (the backend it ran on, its result, the events to wait for)."""
     result, entries = start_devices(x, op, out, comm, backend, stream)
-    choice = entries[0].choice
-    return (choice.backend if choice else backend), result, Enqueued(entries)
+    return entries[0].record.choice.backend, result, Enqueued(entries)
 
 
 class DevicesRequest:
     """``allreduce_init`` from a bound thread or with a list: ``start()``/``wait()``, or ``req()``.
 
-    Each start is a full call (its arguments are checked again, on every device and rank)."""
+    Each start is a full call: its arguments' keys find their records, and the devices and ranks check
+    that they agree, as for any repeated call."""
 
     def __init__(self, x: Any, op: Any, out: Any, comm: Any, backend: str, stream: Any) -> None:
         self._args = (x, op, out, comm, backend)
