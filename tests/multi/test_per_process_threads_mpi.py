@@ -24,9 +24,11 @@ import pytest
 from mpi4py import MPI
 
 import mpigpu
+from mpigpu.calls import devices
 from mpigpu.core._cuda import visible_device_count
 from mpigpu.core.errors import InvalidArgument, MismatchError, MpigpuError
-from mpigpu.multi import bound_index
+from mpigpu.core.ops import Op
+from mpigpu.multi import bound_index, paths
 from mpigpu.multi.group import fail_participant
 from mpigpu.runtime.context import Context
 
@@ -276,6 +278,94 @@ def test_one_device_per_rank_gives_the_plain_reduction() -> None:
     assert is_out and same(got, int_avg(lay, np.int32)), got
 
 
+# -- the record road: a repeated call is its key, its record, the meeting, the check, the launch -----------
+class Counted:
+    """Wraps ``function``, counting its calls per thread (the device threads run concurrently)."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+        self.calls: dict[int, int] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ident = threading.get_ident()
+        self.calls[ident] = self.calls.get(ident, 0) + 1
+        return self.function(*args, **kwargs)
+
+    def mine(self) -> int:
+        return self.calls.get(threading.get_ident(), 0)
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> tuple[Counted, Counted]:
+    """(the devices' validation, the path's choice), each counted."""
+    validate, choose = Counted(devices.reduction_arguments), Counted(paths.choose)
+    monkeypatch.setattr(devices, "reduction_arguments", validate)
+    monkeypatch.setattr(paths, "choose", choose)
+    return validate, choose
+
+
+@pytest.mark.parametrize("form", ["thread per device", "list"])
+def test_a_repeated_call_reuses_its_records(form: str, counted: tuple[Counted, Counted]) -> None:
+    """The first call validates each device's arguments and chooses the path; three more with the same
+    arguments (new arrays, new values) validate and choose nothing, and every result is exact."""
+    validate, choose = counted
+    with devices_comm(2) as lay:
+
+        def calls(k: int) -> list[Any]:
+            got = []
+            for salt in range(4):
+                x = rows(lay.participant(k), np.float32, salt=salt)
+                got.append((ok(mpigpu.allreduce(x, "sum", comm=lay.comm)).copy(), validate.mine(), choose.mine()))
+            return got
+
+        if form == "list":
+            got = [[] for _ in range(lay.n)]
+            for salt in range(4):
+                xs = [rows(lay.participant(k), np.float32, salt=salt) for k in range(lay.n)]
+                ok(mpigpu.allreduce(xs, "sum", comm=lay.comm))
+                for k in range(lay.n):
+                    got[k].append((xs[k], validate.mine(), choose.mine()))
+        else:
+            got = [ok(result) for result in on_each_device(lay, calls)]
+    for k in range(lay.n):
+        for salt, (value, _, _) in enumerate(got[k]):
+            assert same(value, exact_sum(lay, np.float32, salt=salt)), (k, salt, value)
+        counts = [(v, c) for _, v, c in got[k]]
+        assert counts[0][0] >= 1 and counts[1:] == [counts[0]] * 3, (k, counts)  # validated once, never again
+
+
+def test_a_changed_argument_makes_a_new_record(counted: tuple[Counted, Counted]) -> None:
+    """A call whose key differs (dtype, op, out) finds another record: it is validated (once), the
+    records of the earlier arguments stay, and each call's result is exact."""
+    validate, _ = counted
+    with devices_comm(2) as lay:
+        comm = lay.comm
+
+        def records(xs: list[np.ndarray], op: str, outs: Any = None) -> list[Any]:
+            return [entry.record for entry in devices.start_devices(xs, op, outs, comm, "auto", None)[1]]
+
+        def inputs(dtype: Any) -> list[np.ndarray]:
+            return [rows(lay.participant(k), dtype) for k in range(lay.n)]
+
+        first, again = records(inputs(np.float32), "sum"), records(inputs(np.float32), "sum")
+        before = validate.mine()
+        xs = inputs(np.float64)
+        wider = records(xs, "sum")
+        other_op = records(inputs(np.float32), "max")
+        outs = [poisoned(x) for x in inputs(np.float32)]
+        into_out = records(inputs(np.float32), "sum", outs)
+        counts = (before, validate.mine())
+        back = records(inputs(np.float32), "sum")
+    assert all(a is b for a, b in zip(first, again, strict=True)), "a repeated call must find its records"
+    assert first[0].op is Op.SUM and wider[0].x.dtype.name == "float64" and other_op[0].op is Op.MAX
+    for changed in (wider, other_op, into_out):
+        assert not any(r is f for r, f in zip(changed, first, strict=True)), "a changed argument: a new record"
+    assert counts[1] - counts[0] == 3 * lay.n, counts  # each device's three new keys validated once each
+    assert all(a is b for a, b in zip(first, back, strict=True)), "the earlier records stay"
+    assert all(same(x, exact_sum(lay, np.float64)) for x in xs), xs
+    assert all(same(out, exact_sum(lay, np.float32)) for out in outs), outs
+
+
 # -- the list call --------------------------------------------------------------------------------
 def test_list_call_from_one_thread() -> None:
     with devices_comm(2) as lay:
@@ -406,13 +496,18 @@ def test_local_devices_lists_host_device_numbers() -> None:
 # -- errors ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", ["op", "readonly"])
 @pytest.mark.parametrize("where", ["rank 0 device 1", "last rank device 0"])
-def test_one_device_with_a_bad_argument(bad: str, where: str) -> None:
+@pytest.mark.parametrize("records", ["first call", "after calls with records"])
+def test_one_device_with_a_bad_argument(bad: str, where: str, records: str) -> None:
     """That device's thread raises its own InvalidArgument; every other participant of the call, the
-    other device of its rank included, raises MismatchError; the next call pairs everywhere."""
+    other device of its rank included, raises MismatchError; the next call pairs everywhere. Also
+    once every device has records for the good call (the bad one's key finds none: it is validated)."""
     with devices_comm(2) as lay:
         bad_rank, bad_device = (0, 1) if where == "rank 0 device 1" else (lay.size - 1, 0)
 
         def body(k: int) -> tuple[Any, Any]:
+            if records != "first call":
+                for _ in range(2):
+                    ok(mpigpu.allreduce(rows(lay.participant(k), np.float32), "sum", comm=lay.comm))
             x = rows(lay.participant(k), np.float32)
             op = "sum"
             if (lay.rank, k) == (bad_rank, bad_device):
