@@ -205,32 +205,33 @@ def _list_call(
 ) -> tuple[Any, list[Entry]]:
     """One thread, one array per device (and one out and one stream per device, if given)."""
     n = group.count
-    outs = [None] * n if out is None else out
-    streams = [stream] * n if stream is None or type(stream) not in (list, tuple) else stream
+    streams = stream if type(stream) in (list, tuple) else [stream] * n
+    problem = _list_problem(xs, out, streams, n)
+    if problem is None:
+        outs = [None] * n if out is None else out
+        entries = [_entry(group, k, xs[k], op, outs[k], backend, streams[k]) for k in range(n)]
+    else:  # this thread raises it; the other ranks' participants raise MismatchError naming it
+        entries = [Entry(k) for k in range(n)]
+        entries[0].error = InvalidArgument(problem)
+    meeting = group.meet_all(entries, steps)
+    raise_for(meeting, next((e for e in entries if e.error is not None), entries[0]))
+    return [entry.result for entry in entries], entries
 
-    def item(values: Any, k: int) -> Any:
-        return values[k] if type(values) in (list, tuple) and k < len(values) else None
 
-    entries = [_entry(group, k, xs[k], op, item(outs, k), backend, item(streams, k)) if k < len(xs) else Entry(k)
-               for k in range(n)]  # fmt: skip
-    problem = None
+def _list_problem(xs: Any, out: Any, streams: Any, n: int) -> str | None:
+    """What makes a list call's lists wrong (for ``n`` devices), or None."""
     if not xs or any(isinstance(v, (bool, int, float, complex, str, bytes)) or v is None for v in xs):
-        problem = (
+        return (
             f"x must be an array (NumPy, CuPy, PyTorch, JAX, ...), not a {type(xs).__name__} of Python values: "
             f"wrap it with numpy.asarray(x). (A list of arrays, one per device of this process, is a list call.)"
         )
-    elif len(xs) != n:
-        problem = f"a list call takes one array per device of this process ({n}), not {len(xs)}"
-    elif type(outs) not in (list, tuple) or len(outs) != n:
-        problem = f"out must be None or a list with one array per device ({n})"
-    elif len(streams) != n:
-        problem = f"stream must be None, one stream, or a list with one per device ({n})"
-    if problem:
-        entries[0].error = InvalidArgument(problem)
-    meeting = group.meet_all(entries, steps)
-    own = next((e for e in entries if e.error is not None), entries[0])
-    raise_for(meeting, own)
-    return [entry.result for entry in entries], entries
+    if len(xs) != n:
+        return f"a list call takes one array per device of this process ({n}), not {len(xs)}"
+    if out is not None and (type(out) not in (list, tuple) or len(out) != n):
+        return f"out must be None or a list with one array per device ({n})"
+    if len(streams) != n:
+        return f"stream must be None, one stream, or a list with one per device ({n})"
+    return None
 
 
 def allreduce_devices(x: Any, op: Any, out: Any, comm: Any, backend: str, stream: Any) -> Any:
