@@ -65,7 +65,8 @@ class _OverDevices(Family):
                     f"x is on GPU {xv.device}, but this thread takes part as {group.describe(k)} (position {k}): "
                     f"allocate it there (on_device({k}) makes that GPU current)"
                 )
-        return _record(group, xv, outv, op_, backend), (xv, outv)
+        key = (_NAME, values_key(xv, None if outv is xv else outv, op_, backend))
+        return _record(group, key, xv, outv, op_, backend), (xv, outv)
 
     def execute(self, record: Record, args: Any, stream: StreamRef | None, ranks: Any, live: Any) -> None:
         """``args``: the entries of every device of this process (mpigpu.multi.call.Entry)."""
@@ -86,12 +87,11 @@ class _OverDevices(Family):
 DEVICES = _OverDevices()
 
 
-def _record(group: Group, xv: ArrayView, outv: ArrayView, op: Op, backend: str) -> Record:
-    """The record of a device's call with these validated views (local): shared by every call, of any
-    device, with their values (mpigpu.calls.pipeline.values_key)."""
+def _record(group: Group, key: tuple[Any, ...], xv: ArrayView, outv: ArrayView, op: Op, backend: str) -> Record:
+    """The record of a device's call with these validated views (local), remembered under ``key``: shared
+    by every call, of any device, with the values the key holds."""
     ctx = group.ctx
     in_place = outv is xv
-    key = (_NAME, values_key(xv, None if in_place else outv, op, backend))
     record = ctx.plan_cache.get(key)
     if record is None:
         choice = paths.choose(group, xv, op, backend)
@@ -120,7 +120,7 @@ def _entry(group: Group, k: int, x: Any, op: Any, out: Any, backend: str, stream
             entry.out_host = entry.x_host if out is None or out is x else host_of(record.out, out)
         if rx.device is not None:
             entry.stream = resolve_stream(stream, rx.framework, rx.device)
-        entry.record, entry.result = record, (x if out is None else out)
+        entry.record, entry.x, entry.out, entry.result = record, rx, record.out, (x if out is None else out)
     except Exception as exc:  # every failure here must reach the other participants
         entry.error = exc
     return entry
@@ -129,10 +129,12 @@ def _entry(group: Group, k: int, x: Any, op: Any, out: Any, backend: str, stream
 def views_entry(
     group: Group, k: int, xv: ArrayView, ov: ArrayView, op: Op, backend: str, stream: StreamRef | None
 ) -> Entry:
-    """Device ``k``'s entry for views its caller has already checked (mpigpu.jax's buffers), or the error
-    its record raised (the path refused, say)."""
+    """Device ``k``'s entry for views its caller has already checked (mpigpu.jax's buffers: C order, new
+    pointers any call), or the error its record raised (the path refused, say). The entry moves these
+    views; the record, found by what else the call depends on, holds the first call's."""
+    key = (_NAME, "views", xv.shape, xv.dtype, xv.device, op, backend)
     try:
-        return Entry(k, _record(group, xv, ov, op, backend), stream, xv.host, ov.host)
+        return Entry(k, _record(group, key, xv, ov, op, backend), xv, ov, stream, xv.host, ov.host)
     except Exception as exc:  # it meets the others, which raise with it
         return Entry(k, error=exc)
 

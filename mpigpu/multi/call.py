@@ -26,24 +26,18 @@ __all__ = ["Entry", "Steps", "bound_entry", "raise_for", "refuse_if_bound"]
 
 @dataclass(slots=True)
 class Entry:
-    """One device's part of a call: its record (mpigpu.calls.pipeline.Record: views without host data, the
-    path chosen, the signature, the bound launch) with this call's stream and host arrays, or its error."""
+    """One device's part of a call: its record (mpigpu.calls.pipeline.Record: the path chosen, the signature,
+    the bound launch) with this call's views, stream and host arrays, or the error its arguments raised."""
 
     index: int
     record: Any = None
+    x: ArrayView | None = None  # the record's views (no host data), or this call's (mpigpu.jax's buffers)
+    out: ArrayView | None = None
     stream: StreamRef | None = None
-    x_host: Any = None  # this call's host arrays (host devices; the record's views hold none)
+    x_host: Any = None  # this call's host arrays (host devices)
     out_host: Any = None
     result: Any = None  # what the call returns to this device
     error: BaseException | None = None
-
-    @property
-    def x(self) -> ArrayView:
-        return self.record.x
-
-    @property
-    def out(self) -> ArrayView:
-        return self.record.out
 
 
 class Steps:
