@@ -7,8 +7,9 @@ Two paths, float32 sum in place on NumPy arrays of --bytes (default 8): ``thread
 bound with mpigpu.on_device(k) for its life) and ``list`` (one thread, ``mpigpu.allreduce([x0, x1])``).
 A round gives each path one turn, the first path alternating from round to round; a turn is --warmup
 calls, then --iters calls back to back, timed from the first device's start to the last one's end (max
-over ranks). A path's figure is the median over rounds, in us per call. No GPU is used: the figures are
-the call's Python and MPI cost, the part a GPU call adds to the data's movement.
+over ranks), and by the process's CPU time over the turn, warm-up included (every thread's; max over ranks: on a loaded
+machine the steadier figure). A path's figures are the medians over rounds, in us per call. No GPU is
+used: the figures are the call's Python and MPI cost, the part a GPU call adds to the data's movement.
 """
 
 from __future__ import annotations
@@ -98,19 +99,24 @@ def main(argv: list[str] | None = None) -> int:
         "threads": lambda: threads.turn(args.warmup, args.iters),
         "list": lambda: _list_turn(mpigpu, arrays, args.warmup, args.iters),
     }
-    figures: dict[str, list[float]] = {name: [] for name in paths}
+    figures: dict[str, list[tuple[float, float]]] = {name: [] for name in paths}
     names = list(paths)
     for r in range(args.rounds):
         for name in names[r % 2 :] + names[: r % 2]:
             comm.Barrier()
-            seconds = comm.allreduce(paths[name](), op=MPI.MAX)
-            figures[name].append(seconds / args.iters * 1e6)
+            cpu = time.process_time()
+            wall = paths[name]()
+            wall, cpu = comm.allreduce(wall, op=MPI.MAX), comm.allreduce(time.process_time() - cpu, op=MPI.MAX)
+            figures[name].append((wall, cpu))
     threads.close()
     if comm.Get_rank() == 0:
         print(f"# {comm.Get_size()} process(es) x {args.devices} host devices, {args.bytes} B, us per call")
         print("# load average: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
+        print(f"{'path':8} {'wall':>9} {'cpu':>9}")
         for name, values in figures.items():
-            print(f"{name:8} {statistics.median(values):9.1f}")
+            wall = statistics.median(w for w, _ in values) / args.iters * 1e6
+            cpu = statistics.median(c for _, c in values) / (args.warmup + args.iters) * 1e6  # warm-up included
+            print(f"{name:8} {wall:9.1f} {cpu:9.1f}")
     return 0
 
 
