@@ -1,7 +1,8 @@
 """The calls users write, each a family of one road (``pipeline``): the reductions (``reduce``:
 allreduce, reduce_scatter), data movement (``move``: broadcast, allgather, alltoall), Python objects
 (``objects``), the async forms' machinery (``handles``), persistent requests (``persistent``) and
-the ipc backend's registered memory and graphs (``ipc``). Call keys are in ``keys``."""
+the ipc backend's registered memory and graphs (``ipc``). Call keys are in ``keys``. allreduce over
+several devices per process takes the same road in ``devices`` (its async forms: ``devices_async``)."""
 
 from mpigpu.calls.handles import Handle
 from mpigpu.calls.ipc import IpcGraph, ipc_buffer, ipc_graph
