@@ -293,6 +293,8 @@ class Group:
             meeting.claimed = True
             error = self._doom_error(meeting, refused)
             return lambda: steps.fail(meeting, error)
+        if not self._failed:  # the usual case: no device's thread has failed
+            return None
         came = {t for t in meeting.tokens if t is not None}
         for k in meeting.missing():
             failure = self._failed.get(k)
