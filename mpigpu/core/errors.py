@@ -52,7 +52,11 @@ class KernelCompileError(MpigpuError):
 class MismatchError(MpigpuError):
     """Ranks called the same collective with different arguments.
 
-    Raised on every rank with the same message, naming what differed and where."""
+    Raised on every rank with the same message, naming what differed and where. ``posted``: every
+    rank's checked values (mpigpu.job.check's fields, in rank order) when the cross-rank check raised
+    it, so a caller can tell what the other ranks asked for (hvd.join's stand-ins read it)."""
+
+    posted: tuple[tuple[int, ...], ...] = ()
 
 
 class CollectiveTimeout(MpigpuError):

@@ -49,7 +49,7 @@ class ProcessSet:
             self.ranks = sorted({int(r) for r in ranks_or_comm})
         self.process_set_id: int | None = None
         self.comm: Any = None  # this set's communicator (mpigpu works on its own duplicate); None outside
-        self.control: Any = None  # a duplicate of comm for hvd.join's exchange before each call
+        self.control: Any = None  # a duplicate of comm for hvd.join's last exchange (who joined last)
 
     def _check(self) -> None:
         if not _State.initialized:

@@ -35,6 +35,7 @@ from mpigpu.job.check_board import FIELDS, CheckBoard, board_for, pack
 
 __all__ = [
     "COLLECTIVES",
+    "FIELD",
     "Signature",
     "check_packed",
     "check_rows",
@@ -46,11 +47,12 @@ __all__ = [
 
 _FIELDS = ("failed", "count", "dtype", "op", "backend", "placement", "shape", "collective", "root")
 assert len(_FIELDS) == FIELDS, "the check board's slots hold one value per field"
+FIELD = {name: index for index, name in enumerate(_FIELDS)}  # a field's index in Signature.values()
 # A collective's code in the signature is its index here: one collective per call, and two ranks in
 # different collectives fail the check like any other difference.
 COLLECTIVES: tuple[str, ...] = (
     "allreduce", "broadcast", "allgather", "broadcast_object", "allgather_object", "reduce_scatter", "alltoall",
-    "allreduce over devices",
+    "allreduce over devices", "join",
 )  # fmt: skip
 _ZEROS = bytes(16 * len(_FIELDS))  # [v, -v] as int64 (array.array: cheaper per call than NumPy here)
 
@@ -232,7 +234,9 @@ def check_rows(comm: Any, sig: Signature, name: str = "allgather", backend_name:
 def _mismatch(comm: Any, sig: Signature, mine: list[int], name: str, failure: str, backend_name: str) -> NoReturn:
     """Every rank found a difference: gather the signatures and raise the same message everywhere (collective)."""
     gathered = comm.allgather((mine, sig.error, tuple(int(d) for d in sig.shape), backend_name))
-    raise mark_raised_everywhere(comm, MismatchError(_describe(name, gathered, failure)))
+    error = MismatchError(_describe(name, gathered, failure))
+    error.posted = tuple(tuple(vec) for vec, _, _, _ in gathered)
+    raise mark_raised_everywhere(comm, error)
 
 
 def mark_raised_everywhere(comm: Any, error: BaseException, *, same_text: bool = False) -> BaseException:

@@ -98,7 +98,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     process set too. Collective."""
     comm = comm_of(process_set)
     what = f"broadcast_object {name or ''}".strip()
-    with rejecting(process_set, what, exchange=False):  # objects skip join's exchange
+    with rejecting(process_set, what, posted=False):  # objects make no post of the layer's
         root = set_rank_of(process_set, root_rank)
     with translated(what):
         return mpigpu.broadcast_object(obj, root, comm=comm)

@@ -15,7 +15,7 @@ import torch
 import mpigpu
 from mpigpu.horovod._state import ProcessSet, comm_of, global_process_set, rank, set_rank_of
 from mpigpu.horovod.torch._handles import claim, queue, register, rejecting, synchronize
-from mpigpu.horovod.torch._join import OTHER, joined_check
+from mpigpu.horovod.torch._join import refused_after_join
 from mpigpu.horovod.torch._ops import Average, ReduceOp, Sum, grouped_allreduce_async, resolve_op
 
 __all__ = [
@@ -51,8 +51,8 @@ def _start_allgather(tensors: Sequence[Any], name: str | None, process_set: Proc
             raise ValueError(f"{what} needs at least one tensor")
 
     def call() -> list[Any]:
-        joined_check(process_set, OTHER)
-        return [mpigpu.allgather(t, comm=comm) for t in sent]
+        with refused_after_join(process_set, "allgather"):
+            return [mpigpu.allgather(t, comm=comm) for t in sent]
 
     inner = queue(comm, what, call, sent)
     return register(inner, finish, key, what, process_set)
@@ -124,8 +124,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
         buffer = tensor.data if tensor.is_contiguous() else tensor.data.contiguous()
 
     def call() -> Any:
-        joined_check(process_set, OTHER)
-        return mpigpu.broadcast(buffer, root, comm=comm)
+        with refused_after_join(process_set, "broadcast"):
+            return mpigpu.broadcast(buffer, root, comm=comm)
 
     inner = queue(comm, what, call, [buffer])
 

@@ -30,7 +30,8 @@ from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError, Mpig
 from mpigpu.core.typed import allreduce_int
 from mpigpu.horovod._errors import HorovodInternalError, translated
 from mpigpu.horovod._state import ProcessSet
-from mpigpu.horovod.torch._join import take_part_in_exchange
+from mpigpu.horovod.torch._join import post
+from mpigpu.job.check import Signature
 from mpigpu.runtime.context import Context, announce_rejection
 
 __all__ = ["Failed", "Group", "at_once", "barrier", "claim", "poll", "queue", "register", "rejecting", "synchronize"]
@@ -146,10 +147,11 @@ def synchronize(handle: int) -> Any:
 
 
 @contextlib.contextmanager
-def rejecting(process_set: ProcessSet, what: str, exchange: bool = True) -> Iterator[None]:
+def rejecting(process_set: ProcessSet, what: str, posted: bool = True) -> Iterator[None]:
     """Whatever this rank raises inside (before the call reaches mpigpu) takes the call's place in the
-    order: join's exchange (``exchange``: the calls that make one), then the call's cross-rank check
-    with this error, so the other ranks raise for this call instead of waiting; then it is raised here."""
+    order: the call's cross-rank check with this error (with the check off, the post the layer makes
+    for join where ``posted``: the calls that make one), so the other ranks raise for this call instead
+    of waiting; then it is raised here."""
     try:
         yield
     except Exception as exc:
@@ -158,8 +160,9 @@ def rejecting(process_set: ProcessSet, what: str, exchange: bool = True) -> Iter
         ctx = Context.get(process_set.comm)
 
         def take_part(error: Exception = exc) -> None:
-            if exchange:
-                take_part_in_exchange(process_set)
+            if posted:
+                with contextlib.suppress(MismatchError):  # the others raise for this call
+                    post(ctx, Signature(0, 0, 0, 0, 0, error=f"{type(error).__name__}: {error}"))
             announce_rejection(ctx, error)
 
         run_queued(take_part, comm=process_set.comm, what=what)

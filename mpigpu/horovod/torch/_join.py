@@ -1,60 +1,112 @@
 """``hvd.join``: a rank that has run out of data stands in with zeros for the allreduces the other
 ranks still make, so ranks with uneven numbers of batches finish together (Horovod's semantics).
 
-Before each collective of the layer (on the background thread, in the call's place in the order)
-every rank of the process set takes part in one small exchange on the set's control communicator:
-ranks that have joined say so, the others describe their call (kind, dtype, element count, op).
-Nobody joined: the call runs as usual. Someone joined: an allreduce runs with the joined ranks
-reducing zeros of the described dtype and size (hvd.Average still divides by the set's size, as in
-Horovod); any other collective raises HorovodInternalError on the ranks that made it. A joined rank
-leaves ``join`` when every rank of the set has joined; all return the rank that joined last."""
+No exchange of its own before each call: a joined rank takes part in each call's own cross-rank check
+(mpigpu.job.check) with a signature that says "join" and nothing else. The ranks still calling see a
+difference, and every rank, joined or not, reads every rank's post from the same MismatchError
+(``posted``). When the ranks still calling all asked for the same allreduce, every rank runs it again,
+the joined ranks with zeros of its dtype and element count (hvd.Average still divides by the set's
+size, as in Horovod); another collective raises HorovodInternalError on the ranks that made it; any
+other difference is the MismatchError it was. While nobody has joined, a call costs what mpigpu's
+call costs. With the check off (MPIGPU_CHECK=0) the layer posts each call's signature itself (``post``),
+since nothing else would. A joined rank leaves ``join`` when every rank of the set has joined (the
+check then agrees); all return the rank that joined last."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 
-import numpy as np
 import torch
 
 import mpigpu
-from mpigpu.core._mpi import MPI
+from mpigpu.core.dtypes import DTYPES
+from mpigpu.core.errors import MismatchError
+from mpigpu.core.ops import Op
+from mpigpu.core.typed import allreduce_int
 from mpigpu.horovod._errors import HorovodInternalError
 from mpigpu.horovod._state import ProcessSet, comm_of, global_process_set
+from mpigpu.job.check import COLLECTIVES, FIELD, Signature, check_signature
 from mpigpu.runtime.context import Context
 
-__all__ = ["ALLREDUCE", "OTHER", "join", "joined_check", "take_part_in_exchange"]
+__all__ = ["allreduce_standing_in", "join", "post", "refused_after_join"]
 
-ALLREDUCE, OTHER = 1, 2
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-           torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]  # fmt: skip
-_OPS = ["avg", "sum", "min", "max", "prod"]
-# the exchange: [joined, -joined, rank + 1 of a rank joining now, kind, dtype, count, op], MPI_MAX over the set
-_FIELDS = 7
+_JOIN, _ALLREDUCE = COLLECTIVES.index("join"), COLLECTIVES.index("allreduce")
+_FAILED, _COUNT, _DTYPE, _OP, _KIND = (FIELD[f] for f in ("failed", "count", "dtype", "op", "collective"))
+_BY_CODE = {d.code: d.name for d in DTYPES.values()}
+_OPS = {o.code: o.value for o in Op}
 
 
-def _exchange(process_set: ProcessSet, mine: list[int]) -> np.ndarray:
-    result = np.empty(_FIELDS, np.int64)
-    process_set.control.Allreduce([np.array(mine, np.int64), MPI().INT64_T], [result, MPI().INT64_T], op=MPI().MAX)
-    return result
+def post(ctx: Context, sig: Signature) -> None:
+    """With the check off (MPIGPU_CHECK=0, more than one rank): post ``sig`` in a cross-rank check of
+    the layer's own, the point where a joined rank is found (MismatchError on every rank if any
+    differs); with the check on, the call's own check does it."""
+    if ctx.size > 1 and not ctx.settings.check:
+        check_signature(ctx.comm, sig, COLLECTIVES[sig.collective])
 
 
-def joined_check(process_set: ProcessSet, kind: int, flat: torch.Tensor | None = None, op: str = "sum") -> bool:
-    """This rank's side of the exchange before a call (on the background thread); True if a rank has
-    joined. An allreduce goes on (joined ranks add zeros of ``flat``'s size: reduce ``flat`` then);
-    another collective raises HorovodInternalError if a rank has joined."""
-    described = [0, 0, 0] if flat is None else [_DTYPES.index(flat.dtype) + 1, flat.numel(), _OPS.index(op) + 1]
-    result = _exchange(process_set, [0, 0, 0, kind, *described])
-    if result[0] and kind != ALLREDUCE:
-        raise HorovodInternalError(
-            "a rank of the process set has called hvd.join(): only allreduces continue until every rank has "
-            "joined (Horovod's rule); make this call before join, on every rank"
-        )
-    return bool(result[0])
+def _asked(posted: Sequence[Sequence[int]]) -> Sequence[int] | None:
+    """The allreduce every rank still calling asked for, when some rank has joined; else None."""
+    calling = [v for v in posted if v[_KIND] != _JOIN]
+    if calling and len(calling) < len(posted) and calling[0][_KIND] == _ALLREDUCE and calling[0][_FAILED] == 0:
+        return calling[0] if all(v == calling[0] for v in calling) else None
+    return None
 
 
-def take_part_in_exchange(process_set: ProcessSet) -> None:
-    """This rank's side of the exchange for a call it rejects (its error follows in the call's check)."""
-    _exchange(process_set, [0, 0, 0, OTHER, 0, 0, 0])
+def _allreduce_sig(count: int, dtype: int, op: int) -> Signature:
+    return Signature(count, dtype, op, 0, 0, collective=_ALLREDUCE)
+
+
+def allreduce_standing_in(comm: object, buffer: torch.Tensor, op: str) -> None:
+    """``mpigpu.allreduce(buffer, op)`` on ``comm`` (a process set's); where ranks of the set have joined,
+    again on ``buffer`` flat, with their zeros (raises MismatchError as the call does otherwise)."""
+    ctx = Context.get(comm)
+    x = buffer
+    while True:
+        try:
+            if ctx.size > 1 and not ctx.settings.check:
+                d = DTYPES.get(str(x.dtype).removeprefix("torch."))
+                post(ctx, _allreduce_sig(x.numel(), -1 if d is None else d.code, Op(op).code))
+            mpigpu.allreduce(x, op, comm=comm)
+            return
+        except MismatchError as exc:
+            if _asked(exc.posted) is None:
+                raise
+            x = buffer.view(-1)  # the joined ranks' zeros are flat
+
+
+def _stand_in(ctx: Context, comm: object, asked: Sequence[int], place: torch.device) -> int:
+    """A joined rank's side of the allreduce ``asked`` (zeros), again while more ranks join; the checks
+    it posted."""
+    posts = 0
+    while True:
+        posts += 1
+        zeros = torch.zeros(int(asked[_COUNT]), dtype=getattr(torch, _BY_CODE[int(asked[_DTYPE])]), device=place)
+        try:
+            post(ctx, _allreduce_sig(*(int(asked[f]) for f in (_COUNT, _DTYPE, _OP))))
+            mpigpu.allreduce(zeros, _OPS[int(asked[_OP])], comm=comm)
+            return posts
+        except MismatchError as exc:  # the ranks still calling raise it, or more ranks joined
+            again = _asked(exc.posted)
+            if again is None:
+                return posts
+            asked = again
+
+
+@contextlib.contextmanager
+def refused_after_join(process_set: ProcessSet, collective: str) -> Iterator[None]:
+    """Around one non-allreduce call of the layer (mpigpu's ``collective``): HorovodInternalError on
+    the ranks that make it when a rank of the set has joined (its own check finds the joined rank)."""
+    try:
+        post(Context.get(process_set.comm), Signature(0, 0, 0, 0, 0, collective=COLLECTIVES.index(collective)))
+        yield
+    except MismatchError as exc:
+        if any(v[_KIND] == _JOIN for v in exc.posted):
+            raise HorovodInternalError(
+                "a rank of the process set has called hvd.join(): only allreduces continue until every rank has "
+                "joined (Horovod's rule); make this call before join, on every rank"
+            ) from None
+        raise
 
 
 def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
@@ -62,17 +114,21 @@ def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
     rank has called join; return the rank (of the job) that joined last. ``device``: the GPU for the
     zeros (-1: the CPU), as in Horovod."""
     comm = comm_of(process_set)
-    Context.get(comm).wait_async()  # this rank's own calls first
+    ctx = Context.get(comm)
+    ctx.wait_async()  # this rank's own calls first
     place = torch.device("cpu") if device < 0 else torch.device("cuda", device)
     world = global_process_set.ranks or []
     me = world.index(process_set.ranks[comm.Get_rank()]) if process_set.ranks else comm.Get_rank()
-    joining = me + 1
+    posts = 0  # checks posted since joining: the rank that joined last posted the fewest
     while True:
-        result = _exchange(process_set, [1, -1, joining, 0, 0, 0, 0])
-        joining = 0
-        if -result[1] == 1:  # the least "joined" is 1: every rank has joined
-            return int(result[2]) - 1
-        if result[3] == ALLREDUCE:
-            zeros = torch.zeros(int(result[5]), dtype=_DTYPES[int(result[4]) - 1], device=place)
-            with contextlib.suppress(mpigpu.MismatchError):  # the ranks still reducing disagreed: they raise it
-                mpigpu.allreduce(zeros, _OPS[int(result[6]) - 1], comm=comm)
+        posts += 1
+        try:
+            check_signature(ctx.comm, Signature(0, 0, 0, 0, 0, collective=_JOIN), "join")
+            break  # every rank posted "join"
+        except MismatchError as exc:
+            asked = _asked(exc.posted)
+            if asked is not None:
+                posts += _stand_in(ctx, comm, asked, place)
+    size = max(len(world), comm.Get_size())
+    last = allreduce_int(process_set.control, me - posts * size, "max")  # fewest posts, then the highest rank
+    return last % size

@@ -9,15 +9,15 @@ from __future__ import annotations
 import enum
 import warnings
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
-import mpigpu
 from mpigpu.horovod._errors import unsupported
 from mpigpu.horovod._state import ProcessSet, comm_of, global_process_set
 from mpigpu.horovod.torch._handles import at_once, claim, queue, register, rejecting, synchronize
-from mpigpu.horovod.torch._join import ALLREDUCE, joined_check
+from mpigpu.horovod.torch._join import allreduce_standing_in
 
 __all__ = [
     "Adasum",
@@ -135,13 +135,8 @@ def scale(t: torch.Tensor, factor: float) -> None:
 def _start(buffer: torch.Tensor, op: ReduceOp, prescale: float, process_set: ProcessSet, what: str) -> Any:
     """Queue the allreduce of ``buffer`` (contiguous) in place; ranks that joined add zeros."""
     scale(buffer, prescale)
-    comm, flat, name = process_set.comm, buffer.view(-1), _MPIGPU_OPS[op]
-
-    def call() -> Any:  # the tensor's shape is checked across ranks, unless a rank stands in with zeros
-        someone_joined = joined_check(process_set, ALLREDUCE, flat, name)
-        return mpigpu.allreduce(flat if someone_joined else buffer, name, comm=comm)
-
-    return queue(comm, what, call, [flat])
+    comm = process_set.comm
+    return queue(comm, what, partial(allreduce_standing_in, comm, buffer, _MPIGPU_OPS[op]), [buffer])
 
 
 # -- allreduce -------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from mpigpu.horovod._collectives import collective
 from mpigpu.horovod._state import ProcessSet, comm_of, global_process_set
 from mpigpu.horovod.torch._gather import grouped_allgather
 from mpigpu.horovod.torch._handles import claim, queue, register, rejecting, synchronize
-from mpigpu.horovod.torch._join import OTHER, joined_check
+from mpigpu.horovod.torch._join import refused_after_join
 from mpigpu.horovod.torch._ops import Average, Compression, Compressor, ReduceOp, Sum, resolve_op, scale
 
 __all__ = [
@@ -74,8 +74,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     alltoall_ = collective("alltoall")  # the same mpigpu on every rank: each raises here alike, nothing sent
 
     def call() -> Any:
-        joined_check(process_set, OTHER)
-        return alltoall_(sent, counts, comm=comm, return_splits=True)
+        with refused_after_join(process_set, "alltoall"):
+            return alltoall_(sent, counts, comm=comm, return_splits=True)
 
     inner = queue(comm, what, call, [sent])
 
@@ -137,8 +137,8 @@ def _start_reducescatter(tensors: Sequence[Any], name: str | None, op: Any, proc
     reduce_scatter = collective("reduce_scatter")  # the same mpigpu on every rank: each raises here alike
 
     def call() -> list[Any]:
-        joined_check(process_set, OTHER)
-        return [reduce_scatter(b, _MPIGPU_OPS[op_], comm=comm) for b in buffers]
+        with refused_after_join(process_set, "reduce_scatter"):
+            return [reduce_scatter(b, _MPIGPU_OPS[op_], comm=comm) for b in buffers]
 
     inner = queue(comm, what, call, buffers)
 
