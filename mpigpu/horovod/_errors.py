@@ -6,8 +6,7 @@ devices across ranks), so scripts catch ``RuntimeError``; mpigpu's errors are tr
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from types import TracebackType
 
 from mpigpu.core.errors import MpigpuError
 
@@ -37,10 +36,17 @@ def unsupported(what: str, instead: str) -> NotImplementedError:
     return NotImplementedError(f"{what} is not supported by mpigpu.horovod: {instead} (see docs/horovod.md)")
 
 
-@contextlib.contextmanager
-def translated(what: str) -> Iterator[None]:
+class translated:  # a context manager as a class (lower-case, as contextlib names them): cheaper per call
     """Raise mpigpu's errors met inside as HorovodInternalError (a RuntimeError), message kept."""
-    try:
-        yield
-    except MpigpuError as exc:
-        raise HorovodInternalError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if isinstance(exc, MpigpuError):
+            raise HorovodInternalError(f"{self.what}: {type(exc).__name__}: {exc}") from exc

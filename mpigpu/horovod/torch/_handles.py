@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from mpigpu.horovod.torch._join import post
 from mpigpu.job.check import Signature
 from mpigpu.runtime.context import Context, announce_rejection
 
-__all__ = ["Failed", "Group", "at_once", "barrier", "claim", "poll", "queue", "register", "rejecting", "synchronize"]
+__all__ = ["Failed", "Group", "barrier", "claim", "poll", "queue", "register", "rejecting", "synchronize"]
 
 
 @dataclass
@@ -146,18 +146,25 @@ def synchronize(handle: int) -> Any:
         return entry.finish(result)
 
 
-@contextlib.contextmanager
-def rejecting(process_set: ProcessSet, what: str, posted: bool = True) -> Iterator[None]:
+class rejecting:  # a context manager as a class (lower-case, as contextlib names them): cheaper per call
     """Whatever this rank raises inside (before the call reaches mpigpu) takes the call's place in the
     order: the call's cross-rank check with this error (with the check off, the post the layer makes
     for join where ``posted``: the calls that make one), so the other ranks raise for this call instead
     of waiting; then it is raised here."""
-    try:
-        yield
-    except Exception as exc:
-        if isinstance(exc, MpigpuError):  # raised by mpigpu itself, which has told the other ranks
-            raise
-        ctx = Context.get(process_set.comm)
+
+    __slots__ = ("posted", "process_set", "what")
+
+    def __init__(self, process_set: ProcessSet, what: str, posted: bool = True) -> None:
+        self.process_set, self.what, self.posted = process_set, what, posted
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        # raised by mpigpu itself (which has told the other ranks), or not an Exception: nothing to tell
+        if not isinstance(exc, Exception) or isinstance(exc, MpigpuError):
+            return
+        ctx, posted = Context.get(self.process_set.comm), self.posted
 
         def take_part(error: Exception = exc) -> None:
             if posted:
@@ -165,41 +172,27 @@ def rejecting(process_set: ProcessSet, what: str, posted: bool = True) -> Iterat
                     post(ctx, Signature(0, 0, 0, 0, 0, error=f"{type(error).__name__}: {error}"))
             announce_rejection(ctx, error)
 
-        run_queued(take_part, comm=process_set.comm, what=what)
-        raise
+        run_queued(take_part, comm=self.process_set.comm, what=self.what)  # then the error goes on up
 
 
-_now = threading.local()  # .on: the call being made is waited for at once (``at_once``)
-
-
-@contextlib.contextmanager
-def at_once() -> Iterator[None]:
-    """The synchronous forms (``hvd.allreduce``, ``allreduce_``): their call is waited for as soon as it
-    is made, so where nothing is queued on its communicator it runs on this thread now, in the
-    program's order, instead of being handed to the background thread and waited for there."""
-    _now.on = True
+def _run(task: Callable[[], Any]) -> Any:
+    """``task()``, or Failed for the errors raised on every rank alike (the next call pairs)."""
     try:
-        yield
-    finally:
-        _now.on = False
+        return task()
+    except (MismatchError, InvalidArgument, DeviceError, HorovodInternalError) as exc:  # on every rank
+        return Failed(exc)
 
 
-def queue(comm: Any, what: str, call: Callable[[], Any], tensors: Sequence[torch.Tensor]) -> Handle:
+def queue(comm: Any, what: str, call: Callable[[], Any], tensors: Sequence[torch.Tensor], now: bool = False) -> Handle:
     """Run ``call()`` (mpigpu collectives on ``comm``) on the communicator's background thread, after the
     calls queued before it. CUDA tensors are read as they stand on the caller's stream now, and the
-    result is complete on the GPU when the handle is done. Inside ``at_once`` with nothing queued, it
-    runs here and now (on the caller's stream: complete in its order)."""
-
-    def run(task: Callable[[], Any]) -> Any:
-        try:
-            return task()
-        except (MismatchError, InvalidArgument, DeviceError, HorovodInternalError) as exc:  # on every rank
-            return Failed(exc)
-
-    if getattr(_now, "on", False):
+    result is complete on the GPU when the handle is done. ``now``: the call is waited for at once (the
+    synchronous forms), so with nothing queued on ``comm`` it runs on this thread, here and now (in the
+    program's order, on the caller's stream), instead of a hand-off to the background thread."""
+    if now:
         worker = Context.get(comm).async_worker
         if worker is None or worker.idle:
-            return Handle("queued", result=run(call))
+            return Handle("queued", result=_run(call))
     device = next((t.device for t in tensors if t.is_cuda), None)
     ready = None
     if device is not None:
@@ -214,4 +207,4 @@ def queue(comm: Any, what: str, call: Callable[[], Any], tensors: Sequence[torch
             stream.synchronize()
             return result
 
-    return run_queued(partial(run, call if device is None else on_stream), comm=comm, what=what)
+    return run_queued(partial(_run, call if device is None else on_stream), comm=comm, what=what)

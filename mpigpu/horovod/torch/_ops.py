@@ -16,7 +16,7 @@ import torch
 
 from mpigpu.horovod._errors import unsupported
 from mpigpu.horovod._state import ProcessSet, comm_of, global_process_set
-from mpigpu.horovod.torch._handles import at_once, claim, queue, register, rejecting, synchronize
+from mpigpu.horovod.torch._handles import claim, queue, register, rejecting, synchronize
 from mpigpu.horovod.torch._join import allreduce_standing_in
 
 __all__ = [
@@ -132,14 +132,38 @@ def scale(t: torch.Tensor, factor: float) -> None:
         t.copy_(t.float() * torch.tensor(factor, dtype=torch.float32))
 
 
-def _start(buffer: torch.Tensor, op: ReduceOp, prescale: float, process_set: ProcessSet, what: str) -> Any:
-    """Queue the allreduce of ``buffer`` (contiguous) in place; ranks that joined add zeros."""
+def _start(buffer: torch.Tensor, op: ReduceOp, prescale: float, process_set: ProcessSet, what: str,
+           now: bool = False) -> Any:  # fmt: skip
+    """Queue the allreduce of ``buffer`` (contiguous) in place (``now``: waited for at once, see
+    ``queue``); ranks that joined add zeros."""
     scale(buffer, prescale)
     comm = process_set.comm
-    return queue(comm, what, partial(allreduce_standing_in, comm, buffer, _MPIGPU_OPS[op]), [buffer])
+    return queue(comm, what, partial(allreduce_standing_in, comm, buffer, _MPIGPU_OPS[op]), [buffer], now)
 
 
 # -- allreduce -------------------------------------------------------------------------------------
+def _allreduce_into(tensor: torch.Tensor, average: bool | None, name: str | None, op: Any, prescale_factor: float,
+                    postscale_factor: float, process_set: ProcessSet, now: bool) -> int:  # fmt: skip
+    """``allreduce_async_``; ``now``: the synchronous forms, which wait for the handle at once."""
+    comm_of(process_set)  # not initialized, or outside the set: ValueError on this rank alone
+    key = claim(name, process_set)
+    what = f"allreduce {name or ''}".strip()
+    with rejecting(process_set, what):
+        op_ = resolve_op(op, average)
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"allreduce needs a torch.Tensor, not {type(tensor).__name__}")
+        buffer = tensor.data if tensor.is_contiguous() else tensor.data.contiguous()
+    inner = _start(buffer, op_, prescale_factor, process_set, what, now)
+
+    def finish(_: Any) -> torch.Tensor:
+        scale(buffer, postscale_factor)
+        if buffer.data_ptr() != tensor.data_ptr():
+            tensor.data.copy_(buffer)
+        return tensor
+
+    return register(inner, finish, key, what, process_set)
+
+
 def allreduce_async_(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -151,40 +175,32 @@ def allreduce_async_(
 ) -> int:
     """Start reducing ``tensor`` in place across the process set; returns a handle. The result is
     ``postscale_factor * op(prescale_factor * tensor)``."""
-    comm_of(process_set)  # not initialized, or outside the set: ValueError on this rank alone
-    key = claim(name, process_set)
-    what = f"allreduce {name or ''}".strip()
-    with rejecting(process_set, what):
-        op_ = resolve_op(op, average)
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"allreduce needs a torch.Tensor, not {type(tensor).__name__}")
-        buffer = tensor.data if tensor.is_contiguous() else tensor.data.contiguous()
-    inner = _start(buffer, op_, prescale_factor, process_set, what)
-
-    def finish(_: Any) -> torch.Tensor:
-        scale(buffer, postscale_factor)
-        if buffer.data_ptr() != tensor.data_ptr():
-            tensor.data.copy_(buffer)
-        return tensor
-
-    return register(inner, finish, key, what, process_set)
+    return _allreduce_into(tensor, average, name, op, prescale_factor, postscale_factor, process_set, False)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
     """Reduce ``tensor`` in place and return it (not differentiable, as in Horovod)."""
-    with at_once():  # waited for at once: nothing queued, it runs here
-        handle = allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
-    return synchronize(handle)
+    return synchronize(_allreduce_into(tensor, average, name, op, prescale_factor, postscale_factor, process_set, True))
+
+
+def _copy(tensor: Any) -> Any:
+    """A contiguous copy of a tensor (anything else as it is: the call rejects it)."""
+    return tensor.detach().clone(memory_format=torch.contiguous_format) if isinstance(tensor, torch.Tensor) else tensor
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
     """Start reducing a copy of ``tensor``; ``synchronize(handle)`` returns the new tensor."""
-    copy = tensor.detach().clone(memory_format=torch.contiguous_format) if isinstance(tensor, torch.Tensor) else tensor
-    return allreduce_async_(copy, average, name, op, prescale_factor, postscale_factor, process_set)
+    return _allreduce_into(_copy(tensor), average, name, op, prescale_factor, postscale_factor, process_set, False)
+
+
+def _reduced_copy(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, process_set: ProcessSet,
+                  name: str | None) -> torch.Tensor:  # fmt: skip
+    """A new tensor: ``tensor`` reduced, waited for at once (``hvd.allreduce``'s forward)."""
+    return synchronize(_allreduce_into(_copy(tensor), None, name, op, pre, post, process_set, True))
 
 
 class _Allreduce(torch.autograd.Function):
@@ -194,9 +210,7 @@ class _Allreduce(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, process_set: ProcessSet,
                 name: str | None) -> torch.Tensor:  # fmt: skip
         ctx.args = (op, pre, post, process_set, name)
-        with at_once():  # waited for at once: nothing queued, it runs here
-            handle = allreduce_async(tensor, None, name, op, pre, post, process_set)
-        return synchronize(handle)
+        return _reduced_copy(tensor, op, pre, post, process_set, name)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -223,7 +237,10 @@ def allreduce(
     with rejecting(process_set, "allreduce"):
         op_ = resolve_op(op, average)
         sent, state = compression.compress(tensor)
-    result = _Allreduce.apply(sent, op_, prescale_factor, postscale_factor, process_set, name)
+    if isinstance(sent, torch.Tensor) and sent.requires_grad and torch.is_grad_enabled():
+        result = _Allreduce.apply(sent, op_, prescale_factor, postscale_factor, process_set, name)
+    else:  # no gradient asked for: the same call without autograd's bookkeeping (its ~5-15 us a call)
+        result = _reduced_copy(sent, op_, prescale_factor, postscale_factor, process_set, name)
     return compression.decompress(result, state)
 
 
