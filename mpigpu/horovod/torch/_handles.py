@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,11 +34,10 @@ from mpigpu.horovod.torch._join import post
 from mpigpu.job.check import Signature
 from mpigpu.runtime.context import Context, announce_rejection
 
-__all__ = ["Failed", "Group", "barrier", "claim", "poll", "queue", "register", "rejecting", "synchronize"]
+__all__ = ["Failed", "Group", "barrier", "claim", "poll", "queue", "register", "rejecting", "settle", "synchronize"]
 
 
-@dataclass
-class _Entry:
+class _Entry(NamedTuple):  # made on every call: a NamedTuple is cheaper than a dataclass
     inner: Handle | Group | None  # None: complete when registered
     finish: Callable[[Any], Any]  # the inner handle's result -> what synchronize returns
     key: tuple[int | None, str] | None  # (process set id, name) while in flight
@@ -97,10 +96,25 @@ def register(inner: Handle | Group | None, finish: Callable[[Any], Any], key: tu
     if key is not None:
         _named[key] = number
     if inner is not None and process_set is not None:
-        issued = _issued.setdefault(process_set.process_set_id, [0, []])
-        issued[0] += 1
-        issued[1] = [(seq, h) for seq, h in issued[1] if not h.done()] + [(issued[0], inner)]
+        _issue(inner, process_set)
     return number
+
+
+def settle(inner: Handle, finish: Callable[[Any], Any], what: str, process_set: ProcessSet) -> Any:
+    """``synchronize(register(inner, finish, None, what, process_set))`` without a handle: the synchronous
+    forms, which wait for their call at once."""
+    _issue(inner, process_set)
+    return _outcome(inner, finish, what)
+
+
+def _issue(inner: Handle | Group, process_set: ProcessSet) -> None:
+    """Count a call issued on ``process_set``, and keep it while in flight (``barrier``)."""
+    issued = _issued.get(process_set.process_set_id) or _issued.setdefault(process_set.process_set_id, [0, []])
+    issued[0] += 1
+    if issued[1]:
+        issued[1] = [(seq, h) for seq, h in issued[1] if not h.done()]
+    if not inner.done():  # a call complete already (run here and now) is nothing for a barrier to wait for
+        issued[1].append((issued[0], inner))
 
 
 _issued: dict[int | None, list[Any]] = {}  # process set id -> [calls issued, [(call number, inner) in flight]]
@@ -139,11 +153,16 @@ def synchronize(handle: int) -> Any:
     del _pending[handle]
     if entry.key is not None and _named.get(entry.key) == handle:
         del _named[entry.key]
-    with translated(entry.what):
-        result = entry.inner.wait() if entry.inner is not None else None
+    return _outcome(entry.inner, entry.finish, entry.what)
+
+
+def _outcome(inner: Handle | Group | None, finish: Callable[[Any], Any], what: str) -> Any:
+    """``finish`` of the call's result once complete; its error (as Horovod's) if it failed."""
+    with translated(what):
+        result = inner.wait() if inner is not None else None
         if isinstance(result, Failed):
             raise result.error
-        return entry.finish(result)
+        return finish(result)
 
 
 class rejecting:  # a context manager as a class (lower-case, as contextlib names them): cheaper per call

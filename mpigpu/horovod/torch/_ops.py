@@ -16,7 +16,7 @@ import torch
 
 from mpigpu.horovod._errors import unsupported
 from mpigpu.horovod._state import ProcessSet, comm_of, global_process_set
-from mpigpu.horovod.torch._handles import claim, queue, register, rejecting, synchronize
+from mpigpu.horovod.torch._handles import claim, queue, register, rejecting, settle, synchronize
 from mpigpu.horovod.torch._join import allreduce_standing_in
 
 __all__ = [
@@ -143,8 +143,8 @@ def _start(buffer: torch.Tensor, op: ReduceOp, prescale: float, process_set: Pro
 
 # -- allreduce -------------------------------------------------------------------------------------
 def _allreduce_into(tensor: torch.Tensor, average: bool | None, name: str | None, op: Any, prescale_factor: float,
-                    postscale_factor: float, process_set: ProcessSet, now: bool) -> int:  # fmt: skip
-    """``allreduce_async_``; ``now``: the synchronous forms, which wait for the handle at once."""
+                    postscale_factor: float, process_set: ProcessSet, now: bool) -> Any:  # fmt: skip
+    """``allreduce_async_``'s handle; ``now`` (the synchronous forms, which wait at once): the tensor."""
     comm_of(process_set)  # not initialized, or outside the set: ValueError on this rank alone
     key = claim(name, process_set)
     what = f"allreduce {name or ''}".strip()
@@ -152,7 +152,8 @@ def _allreduce_into(tensor: torch.Tensor, average: bool | None, name: str | None
         op_ = resolve_op(op, average)
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"allreduce needs a torch.Tensor, not {type(tensor).__name__}")
-        buffer = tensor.data if tensor.is_contiguous() else tensor.data.contiguous()
+        # the tensor itself where it can be (``.data`` makes a new tensor object on every call)
+        buffer = tensor if tensor.is_contiguous() and not tensor.requires_grad else tensor.data.contiguous()
     inner = _start(buffer, op_, prescale_factor, process_set, what, now)
 
     def finish(_: Any) -> torch.Tensor:
@@ -161,7 +162,7 @@ def _allreduce_into(tensor: torch.Tensor, average: bool | None, name: str | None
             tensor.data.copy_(buffer)
         return tensor
 
-    return register(inner, finish, key, what, process_set)
+    return settle(inner, finish, what, process_set) if now else register(inner, finish, key, what, process_set)
 
 
 def allreduce_async_(
@@ -182,7 +183,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
     """Reduce ``tensor`` in place and return it (not differentiable, as in Horovod)."""
-    return synchronize(_allreduce_into(tensor, average, name, op, prescale_factor, postscale_factor, process_set, True))
+    return _allreduce_into(tensor, average, name, op, prescale_factor, postscale_factor, process_set, True)
 
 
 def _copy(tensor: Any) -> Any:
@@ -200,7 +201,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
 def _reduced_copy(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, process_set: ProcessSet,
                   name: str | None) -> torch.Tensor:  # fmt: skip
     """A new tensor: ``tensor`` reduced, waited for at once (``hvd.allreduce``'s forward)."""
-    return synchronize(_allreduce_into(_copy(tensor), None, name, op, pre, post, process_set, True))
+    return _allreduce_into(_copy(tensor), None, name, op, pre, post, process_set, True)
 
 
 class _Allreduce(torch.autograd.Function):
