@@ -38,3 +38,18 @@ def test_an_allreduce_mismatch_speaks_of_no_root(comm) -> None:
     y = np.ones(4 + comm.Get_rank(), np.float32)
     with pytest.raises(MismatchError, match="same shape, dtype, root, placement and backend"):
         mpigpu.broadcast(y)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_mismatch_carries_every_ranks_posted_values(comm) -> None:
+    """MismatchError.posted: what each rank asked for, in rank order, the same on every rank (hvd.join
+    reads the other ranks' call from it)."""
+    from mpigpu.job.check import FIELD
+
+    r, n = comm.Get_rank(), comm.Get_size()
+    x = np.ones(4 + r, np.float32)
+    with pytest.raises(MismatchError) as info:
+        mpigpu.allreduce(x, "sum")
+    posted = info.value.posted
+    assert [v[FIELD["count"]] for v in posted] == [4 + k for k in range(n)]
+    assert comm.allgather(posted) == [posted] * n

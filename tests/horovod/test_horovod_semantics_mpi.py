@@ -250,3 +250,80 @@ def test_a_name_is_held_until_synchronized_or_a_barrier_finds_its_call_complete(
     hvd.barrier()
     again = hvd.broadcast_async(x.clone(), root_rank=0, name="held")  # free on every rank after the barrier
     assert torch.equal(hvd.synchronize(again), torch.arange(6, dtype=torch.float32))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_join_stands_in_for_every_allreduce_form() -> None:
+    """Rank 0 joins at once; the others' in-place, async and grouped allreduces get its zeros (the join is
+    found by each call's own cross-rank check), then rank 0 leaves join with them."""
+    r, n = hvd.rank(), hvd.size()
+    if r == 0:
+        assert hvd.join() == n - 1
+        return
+    others = sum(k + 1 for k in range(1, n))  # rank k adds k + 1; rank 0 its zeros
+    x = torch.full((3, 2), float(r + 1))
+    assert torch.equal(hvd.allreduce_(x, op=hvd.Sum), torch.full((3, 2), float(others)))
+    y = torch.full((5,), float(r + 1), dtype=torch.float64)
+    handle = hvd.allreduce_async_(y, op=hvd.Average)
+    assert torch.equal(hvd.synchronize(handle), torch.full((5,), others / n, dtype=torch.float64))
+    z = torch.full((2,), float(r + 1))
+    assert torch.equal(hvd.synchronize(hvd.allreduce_async(z, op=hvd.Sum)), torch.full((2,), float(others)))
+    assert torch.equal(z, torch.full((2,), float(r + 1)))  # out of place: z untouched
+    group = [torch.full((2,), float(r + 1)), torch.full((1, 3), float(r + 1))]
+    summed = hvd.grouped_allreduce(group, op=hvd.Sum)
+    assert [t.tolist() for t in summed] == [[float(others)] * 2, [[float(others)] * 3]]
+    assert hvd.join() == n - 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_after_join_other_collectives_raise_on_every_rank_still_calling() -> None:
+    """Rank 0 joins; every other collective the other ranks make raises HorovodInternalError on each of
+    them (rank 0 stays in join), and the allreduce after pairs as usual."""
+    r, n = hvd.rank(), hvd.size()
+    if r == 0:
+        assert hvd.join() == n - 1
+        return
+    calls = {
+        "allgather": lambda: hvd.allgather(torch.ones(1)),
+        "broadcast": lambda: hvd.broadcast(torch.ones(2), root_rank=1),
+        "alltoall": lambda: hvd.alltoall(torch.ones(n)),
+        "reducescatter": lambda: hvd.reducescatter(torch.ones(n, 2)),
+    }
+    for name, call in calls.items():
+        with pytest.raises(hvd.HorovodInternalError, match="join"):
+            call()
+        got = hvd.allreduce(torch.ones(2), op=hvd.Sum)  # the next call pairs, rank 0 adds zeros
+        assert torch.equal(got, torch.full((2,), float(n - 1))), name
+    assert hvd.join() == n - 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_after_join_a_rejected_call_raises_and_the_next_pairs() -> None:
+    """Rank 0 joins; rank 1 rejects its own call (Adasum) and raises its error, the other ranks still
+    calling raise HorovodInternalError for that call, and the next allreduce pairs."""
+    r, n = hvd.rank(), hvd.size()
+    if r == 0:
+        assert hvd.join() == n - 1
+        return
+    if r == 1:
+        with pytest.raises(NotImplementedError, match="Adasum"):
+            hvd.allreduce_(torch.ones(2), op=hvd.Adasum)
+    else:
+        with pytest.raises(hvd.HorovodInternalError, match="did not run"):
+            hvd.allreduce_(torch.ones(2), op=hvd.Sum)
+    assert torch.equal(hvd.allreduce_(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n - 1)))
+    assert hvd.join() == n - 1
+
+
+@pytest.mark.mpi(min_size=3)
+def test_after_join_a_mismatch_still_raises_on_every_rank_still_calling() -> None:
+    """Rank 0 joins; the other ranks pass different shapes: MismatchError's message (as Horovod's error) on
+    each of them, rank 0 stays in join, and the next allreduce pairs."""
+    r, n = hvd.rank(), hvd.size()
+    if r == 0:
+        assert hvd.join() == n - 1
+        return
+    with pytest.raises(hvd.HorovodInternalError, match="shape"):
+        hvd.allreduce(torch.ones(r + 1))
+    assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n - 1)))
+    assert hvd.join() == n - 1
