@@ -152,8 +152,10 @@ def _allreduce_into(tensor: torch.Tensor, average: bool | None, name: str | None
         op_ = resolve_op(op, average)
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"allreduce needs a torch.Tensor, not {type(tensor).__name__}")
-        # the tensor itself where it can be (``.data`` makes a new tensor object on every call)
-        buffer = tensor if tensor.is_contiguous() and not tensor.requires_grad else tensor.data.contiguous()
+        # the tensor itself where nothing scales it through torch (``.data`` makes a new tensor object on every
+        # call, and its in-place scaling leaves the tensor's autograd version counter as Horovod leaves it)
+        plain = prescale_factor == 1.0 and postscale_factor == 1.0 and not tensor.requires_grad
+        buffer = tensor if plain and tensor.is_contiguous() else tensor.data.contiguous()
     inner = _start(buffer, op_, prescale_factor, process_set, what, now)
 
     def finish(_: Any) -> torch.Tensor:
