@@ -54,6 +54,25 @@ def test_allreduce_sum_average(device, dtype, count) -> None:
     assert torch.equal(hvd.allreduce(x).double(), expect / n)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("join_device", [-1, "bound"])
+def test_join_stands_in_with_zeros_for_cuda_tensors(device, join_device) -> None:
+    """Rank 0 joins at once; the others' allreduces of CUDA tensors get its zeros, whether join was
+    given the GPU or left at -1 (its zeros then go to the bound GPU, where the call's tensors are)."""
+    r, n = hvd.rank(), hvd.size()
+    steps = 3
+    if r == 0:
+        last = hvd.join(device.index if join_device == "bound" else -1)
+    else:
+        for step in range(steps):
+            x = torch.full((1000,), float(step + 2 * r), device=device)
+            got = hvd.allreduce(x, op=hvd.Sum)
+            expect = sum(float(step + 2 * k) for k in range(1, n))
+            assert got.device == device and torch.equal(got, torch.full_like(x, expect)), (step, got[:4])
+        last = hvd.join()
+    assert last == (n - 1 if n > 1 else 0)
+
+
 @pytest.mark.parametrize(("op", "reduce"), [(hvd.Min, lambda a: a.min(0).values), (hvd.Max, lambda a: a.max(0).values),
                                             (hvd.Product, lambda a: a.prod(0))])  # fmt: skip
 def test_allreduce_ops(device, op, reduce) -> None:

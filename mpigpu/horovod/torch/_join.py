@@ -32,7 +32,9 @@ from mpigpu.runtime.context import Context
 __all__ = ["allreduce_standing_in", "join", "post", "refused_after_join"]
 
 _JOIN, _ALLREDUCE = COLLECTIVES.index("join"), COLLECTIVES.index("allreduce")
-_FAILED, _COUNT, _DTYPE, _OP, _KIND = (FIELD[f] for f in ("failed", "count", "dtype", "op", "collective"))
+_FAILED, _COUNT, _DTYPE, _OP, _KIND, _PLACEMENT = (
+    FIELD[f] for f in ("failed", "count", "dtype", "op", "collective", "placement")
+)
 _BY_CODE = {d.code: d.name for d in DTYPES.values()}
 _OPS = {o.code: o.value for o in Op}
 
@@ -81,7 +83,10 @@ def _stand_in(ctx: Context, comm: object, asked: Sequence[int], place: torch.dev
     posts = 0
     while True:
         posts += 1
-        zeros = torch.zeros(int(asked[_COUNT]), dtype=getattr(torch, _BY_CODE[int(asked[_DTYPE])]), device=place)
+        where = place
+        if asked[_PLACEMENT] == 1 and place.type == "cpu" and ctx.gpu is not None:  # CUDA tensors: this rank's GPU
+            where = torch.device("cuda", ctx.gpu.index)
+        zeros = torch.zeros(int(asked[_COUNT]), dtype=getattr(torch, _BY_CODE[int(asked[_DTYPE])]), device=where)
         try:
             post(ctx, _allreduce_sig(*(int(asked[f]) for f in (_COUNT, _DTYPE, _OP))))
             mpigpu.allreduce(zeros, _OPS[int(asked[_OP])], comm=comm)
@@ -112,7 +117,8 @@ def refused_after_join(process_set: ProcessSet, collective: str) -> Iterator[Non
 def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
     """Stand in with zeros for the allreduces the other ranks of the process set still make, until every
     rank has called join; return the rank (of the job) that joined last. ``device``: the GPU for the
-    zeros (-1: the CPU), as in Horovod."""
+    zeros, as in Horovod; -1 (the default): the CPU for CPU tensors, this rank's bound GPU where the
+    ranks still calling reduce CUDA tensors (mpigpu reduces tensors of one placement)."""
     comm = comm_of(process_set)
     ctx = Context.get(comm)
     ctx.wait_async()  # this rank's own calls first
