@@ -42,7 +42,9 @@ INT_AVG_BLOCK = 1 << 18
 _AVG_BLOCK = 1 << 16
 _SMALL = 16  # up to this many elements, the NaN search is a Python sum (a ufunc's call costs more)
 
-Reduce = Callable[[np.ndarray, np.ndarray], None]  # (source, destination): one allreduce, all else fixed
+# (stream, source, destination): one allreduce, all else fixed; the shape of a bound launch, so that a
+# call record's launch is the reduction itself (the stream is unused: host memory)
+Reduce = Callable[[Any, np.ndarray, np.ndarray], None]
 
 
 def has_nan(values: np.ndarray) -> bool:
@@ -111,19 +113,22 @@ class CpuBackend(Backend):
 
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
         assert x.host is not None and out.host is not None
-        self._reducer(x.dtype, op, x.same_memory(out))(x.host, out.host)
+        self._reducer(x.dtype, op, x.same_memory(out))(stream, x.host, out.host)
 
     def bind_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[..., None]:
         """The reduction for x's dtype, the op and in-place-or-not chosen once: a call is MPI_Allreduce
-        (and, for floats, the NaN search) on the arrays it is lent, or on the views' own."""
-        dtype, in_place = x.dtype, x.same_memory(out)
-        reduce = self._reducer(dtype, op, in_place)
+        (and, for floats, the NaN search) on the arrays it is lent, or on the views' own. A call
+        record's views hold no array (every call lends its own): its launch is the reduction itself."""
+        reduce = self._reducer(x.dtype, op, x.same_memory(out))
+        own_x, own_out = x.host, out.host
+        if own_x is None:
+            return reduce
 
         def call(stream: StreamRef | None, x_host: Any = None, out_host: Any = None) -> None:
             if x_host is None:
-                reduce(x.host, out.host)  # type: ignore[arg-type]
+                reduce(stream, own_x, own_out)
             else:
-                reduce(x_host, out_host)
+                reduce(stream, x_host, out_host)
 
         return call
 
@@ -142,7 +147,7 @@ class CpuBackend(Backend):
         if dtype.is_float and op in (Op.MIN, Op.MAX):  # keys: MPI's integer MIN/MAX is order-independent
             keys_type, mpi_op = dtype.unsigned.mpi, op.mpi
 
-            def by_keys(src: np.ndarray, dst: np.ndarray) -> None:
+            def by_keys(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
                 keys = to_keys(src.reshape(-1), op)
                 comm.Allreduce(mpi.IN_PLACE, [keys, keys_type], mpi_op)
                 from_keys(keys, dst.reshape(-1))
@@ -150,7 +155,7 @@ class CpuBackend(Backend):
             return by_keys
         if op is Op.AVG and not dtype.is_float:  # exact: 64-bit parts cannot overflow
 
-            def by_parts(src: np.ndarray, dst: np.ndarray) -> None:
+            def by_parts(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
                 src, dst = src.reshape(-1), dst.reshape(-1)
                 for b0 in range(0, src.size, INT_AVG_BLOCK):  # every rank the same blocks: they pair
                     b1 = min(src.size, b0 + INT_AVG_BLOCK)
@@ -162,7 +167,7 @@ class CpuBackend(Backend):
         if dtype.is_half:  # reduce in float32, round once
             mpi_op = op.mpi
 
-            def in_float32(src: np.ndarray, dst: np.ndarray) -> None:
+            def in_float32(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
                 src, dst = src.reshape(-1), dst.reshape(-1)
                 acc = self._accumulator(src.size)
                 acc[...] = src
@@ -180,22 +185,43 @@ class CpuBackend(Backend):
 
     @staticmethod
     def _plain(comm: Any, dtype: DType, op: Op, in_place: bool) -> Reduce:
-        """MPI_Allreduce as it is; for floats the NaN search (fused with avg's division)."""
-        kind, mpi_op, in_place_buffer, nranks = dtype.mpi, op.mpi, MPI().IN_PLACE, comm.Get_size()
-        is_float, avg = dtype.is_float, op is Op.AVG
+        """MPI_Allreduce as it is; for floats the NaN search (fused with avg's division). One closure
+        per case, so that a call tests nothing it could know beforehand."""
+        allreduce, kind, mpi_op, nranks = comm.Allreduce, dtype.mpi, op.mpi, comm.Get_size()
+        in_place_buffer = MPI().IN_PLACE
 
-        def plain(src: np.ndarray, dst: np.ndarray) -> None:
+        if not dtype.is_float:  # integers: MPI's result as it is (integer averages go by parts)
             if in_place:
-                comm.Allreduce(in_place_buffer, [dst, kind], mpi_op)
-            else:
-                comm.Allreduce([src, kind], [dst, kind], mpi_op)
-            if avg:  # a float: integer averages go by parts
+                return lambda stream, src, dst: allreduce(in_place_buffer, [dst, kind], mpi_op)
+            return lambda stream, src, dst: allreduce([src, kind], [dst, kind], mpi_op)
+
+        if op is Op.AVG:
+
+            def average(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
+                if in_place:
+                    allreduce(in_place_buffer, [dst, kind], mpi_op)
+                else:
+                    allreduce([src, kind], [dst, kind], mpi_op)
                 if _divide_has_nan(dst, nranks):
                     canonicalize_nan(dst)
-            elif is_float and has_nan(dst):
+
+            return average
+
+        if in_place:
+
+            def in_place_float(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
+                allreduce(in_place_buffer, [dst, kind], mpi_op)
+                if has_nan(dst):
+                    canonicalize_nan(dst)
+
+            return in_place_float
+
+        def into_out(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
+            allreduce([src, kind], [dst, kind], mpi_op)
+            if has_nan(dst):
                 canonicalize_nan(dst)
 
-        return plain
+        return into_out
 
     def broadcast(self, x: ArrayView, root: int, stream: StreamRef | None) -> None:
         """MPI_Bcast of x's bytes from ``root``, in place."""

@@ -88,7 +88,12 @@ def call_key(x: Any, op: Any, out: Any, backend: Any) -> tuple[Any, ...] | None:
     """The key of ``allreduce(x, op, out=out, backend=backend)``'s record, or None where it has none
     (an array type without a cheap key, or two NumPy arrays that may share memory). It may hold an
     unhashable ``op`` or ``backend``: the lookup's TypeError sends the call down the full path."""
-    xk = (x.shape, x.dtype, x.flags.num & _NUMPY_FLAGS) if type(x) is np.ndarray else _read(x)  # NumPy: inline
+    if type(x) is np.ndarray:
+        if out is None:  # NumPy in place, the usual call: one flat tuple (no other key starts with a shape)
+            return (x.shape, x.dtype, x.flags.num & _NUMPY_FLAGS, op, backend)
+        xk: tuple[Any, ...] | None = _numpy(x)
+    else:
+        xk = _read(x)
     if xk is None:
         return None
     if out is None:

@@ -269,7 +269,7 @@ def call(family: Family, comm: Any, stream: Any, args: tuple[Any, ...]) -> Any:
         if worker is not None:
             worker.drain()  # calls queued by the *_async forms on this communicator reach MPI first
         record, live = find(ctx, family, args)
-        return go(ctx, record, args, stream_of(ctx, record, stream), live)
+        return go(ctx, record, args, None if record.x.device is None else stream_of(ctx, record, stream), live)
     finally:
         ctx.leave()
 

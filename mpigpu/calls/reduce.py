@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import numpy as np
+
 from mpigpu.calls.handles import Handle
 from mpigpu.calls.keys import call_key, family_key
 from mpigpu.calls.pipeline import (
@@ -104,17 +106,18 @@ class _Allreduce(Family):
 
     def execute(self, record: Record, args: tuple[Any, ...], stream: StreamRef | None, ranks: Any, live: Any) -> Any:
         rx = record.x
-        if rx.device is not None:
-            record.ctx.activate_gpu()
         if live is None:  # a remembered call: this call's own host arrays (the key holds their layout)
             x, _, out, _ = args
             if rx.device is None:
-                x_host = host_of(rx, x)
+                x_host = x if type(x) is np.ndarray and rx.order == "C" else host_of(rx, x)  # the usual, inline
                 out_host = x_host if out is None or out is x else host_of(record.out, out)
             else:
+                record.ctx.activate_gpu()
                 x_host = out_host = None
             (record.launch or bound(record))(stream, x_host, out_host)
             return x if out is None else out
+        if rx.device is not None:
+            record.ctx.activate_gpu()
         xv, outv, result, finish = live
         if record.keep:
             (record.launch or bound(record))(stream, xv.host, outv.host)

@@ -60,6 +60,7 @@ class Context:
     # id(communicator object) -> (that object, its ctx): the lookup on every call, cheaper than
     # Get_attr; the entries of a context go when it closes
     _known: ClassVar[dict[int, tuple[Any, Context]]] = {}
+    _world: ClassVar[Context | None] = None  # the world's context: ``get()`` with no communicator, the usual call
     _made: ClassVar[int] = 0  # contexts made so far in this process
 
     def __init__(self, comm: Any) -> None:
@@ -144,7 +145,12 @@ class Context:
     @classmethod
     def get(cls, comm: Any = None) -> Context:
         """The context of ``comm`` (default: the world), created collectively on first use."""
-        comm = world() if comm is None else comm
+        if comm is None:
+            ctx = cls._world
+            if ctx is not None and not ctx._closed:
+                return ctx
+            cls._world = ctx = cls.get(world())
+            return ctx
         known = cls._known.get(id(comm))
         if known is not None and known[0] is comm and not known[1]._closed:
             return known[1]  # a communicator object seen before (held there, so its id is not reused)
@@ -225,7 +231,8 @@ class Context:
 
     def leave(self) -> None:
         """End a call started with ``enter``."""
-        if not self._on_worker():
+        worker = self.async_worker  # ``_on_worker``, inlined: every call comes here
+        if worker is None or not worker.runs_here():
             self._calls.release()
 
     def _on_worker(self) -> bool:
