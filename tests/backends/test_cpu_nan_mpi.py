@@ -82,3 +82,27 @@ def test_has_nan_finds_one_nan_in_any_layout() -> None:
             values[where] = np.nan
             assert has_nan(values) and has_nan(values.reshape(1, size)) and has_nan(values.reshape(size, 1).T)
     assert not has_nan(np.array([np.inf, 1.0] * 20, np.float32)), "infinities alone are no NaN"
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("size", [2, _SMALL + 1, 1000, _AVG_BLOCK + 3])
+def test_a_repeated_call_keeps_the_nan_rule(comm, op: str, size: int) -> None:
+    """The call a user repeats (backend auto, in place and into ``out``): from the second call on it
+    runs its record's bound launch, which must still make a NaN whose payload differs per rank the
+    canonical one, the same bits on every rank."""
+    rank, n = comm.Get_rank(), comm.Get_size()
+    x, out = np.zeros(size, np.float32), np.empty(size, np.float32)
+    for turn in range(3):
+        where = (7 * turn) % size
+        x[:] = 0.0
+        x.view("u4")[where] = _nan_bits(x.dtype, rank)
+        y = x.copy()
+        out[:] = 7.0  # poison: every element is written
+        mpigpu.allreduce(y, op, out=out)
+        mpigpu.allreduce(x, op)
+        for got in (x, out):
+            assert np.flatnonzero(np.isnan(got)).tolist() == [where]
+            assert np.count_nonzero(got) == 1, "every other element is the exact 0.0"
+            if n > 1:
+                assert got.view("u4")[where] == canonical_nan(DTYPES["float32"])
+        assert len(set(comm.allgather(x.tobytes() + out.tobytes()))) == 1, "ranks hold different bits"
