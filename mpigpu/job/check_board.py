@@ -76,13 +76,14 @@ class CheckBoard:
         # slot offsets (in int64) of parity 0 and 1: this rank's, and every rank's in rank order
         self._mine = (2 * _SLOT * self.rank, 2 * _SLOT * self.rank + _SLOT)
         self._all = tuple(tuple(2 * _SLOT * r + p * _SLOT for r in range(self.size)) for p in (0, 1))
-        # per parity: the byte range of this rank's values, and (k's index, the values' byte range) of
-        # every other rank's slot
-        self._my_values = tuple((8 * m + 8, 8 * m + 8 + _VALUES) for m in self._mine)
+        # per parity: this rank's values (a view of their bytes), and (k's index, a view of the values'
+        # bytes) of every other rank's slot; views made once, as slicing costs more than comparing
+        self._my_values = tuple(self._bytes[8 * m + 8 : 8 * m + 8 + _VALUES] for m in self._mine)
         self._others = tuple(
-            tuple((slot, 8 * slot + 8, 8 * slot + 8 + _VALUES) for r, slot in enumerate(slots) if r != self.rank)
+            tuple((slot, self._bytes[8 * slot + 8 : 8 * slot + 8 + _VALUES]) for r, slot in enumerate(slots)
+                  if r != self.rank)
             for slots in self._all
-        )
+        )  # fmt: skip
         self.k = 0  # checks made on this board
 
     def agree(self, values: list[int]) -> bool:
@@ -96,21 +97,20 @@ class CheckBoard:
         k = self.k + 1
         self.k = k
         parity = k & 1
-        lo, hi = self._my_values[parity]
-        raw, mv = self._bytes, self._mv
-        raw[lo:hi] = packed
+        mv = self._mv
+        self._my_values[parity][:] = packed
         fence = self._fence
         if fence is not None:
             fence()  # the values are visible before k is
         mv[self._mine[parity]] = k
         others = self._others[parity]
-        for slot, _, _ in others:
+        for slot, _ in others:
             if mv[slot] != k:  # a slot of this parity holds k - 2 until its rank posts k, never more than k
                 wait_at_least(mv, slot, k)
         if fence is not None:
             fence()  # k was seen: the values written before it are read after it
-        for _, start, end in others:  # noqa: SIM110 - the hot path: no generator
-            if raw[start:end] != packed:
+        for _, values in others:  # noqa: SIM110 - the hot path: no generator
+            if values != packed:
                 return False
         return True
 
@@ -132,6 +132,8 @@ class CheckBoard:
             del _BOARDS[id(self.comm)]
         if self._segment is not None:
             with contextlib.suppress(BufferError):  # a view still exported: freed with the segment anyway
+                for view in (*self._my_values, *(values for slots in self._others for _, values in slots)):
+                    view.release()
                 self._mv.release()
                 self._bytes.release()
             segment, self._segment = self._segment, None
