@@ -35,7 +35,15 @@ import numpy as np
 from mpigpu.backends.base import Availability, Backend, CommContext
 from mpigpu.backends.host_engine import DeviceEngine, Engine, GpuStaging, HostEngine
 from mpigpu.backends.host_layout import ALIGN, PAGE, ChunkPlan, SegmentLayout, round_up, split_even
-from mpigpu.backends.host_reduce import CPU_BLOCK, INT_AVG_NODES, finish, internode, reduce_stacked
+from mpigpu.backends.host_reduce import (
+    CPU_BLOCK,
+    INT_AVG_NODES,
+    Stacked,
+    finish,
+    internode,
+    reduce_stacked,
+    stacked_reducer,
+)
 from mpigpu.backends.mpi_moves import allgather_bytes, alltoall_bytes, broadcast_bytes, byte_counts, row_bytes
 from mpigpu.core.config import size_label
 from mpigpu.core.errors import BackendUnavailable, ConfigError, InvalidArgument, MpigpuError
@@ -162,6 +170,27 @@ class HostBackend(Backend):
 
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
         self._reduce(x, out, op, stream, (0, x.size))
+
+    def bind_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[..., None]:
+        """NumPy arrays on one node that take the latency route: the route run on the arrays each call
+        lends, what ``_reduce`` works out per call (support, size, route) worked out here once and no
+        view made per call. Every other call as the base class binds it."""
+        if x.on_device or self._nodes > 1 or not 0 < x.nbytes <= self._small_limit:
+            return super().bind_allreduce(x, out, op)
+        if self.supports_on(self.ctx, x.dtype, op):  # raised by every call, as ``_reduce`` raises it
+            return super().bind_allreduce(x, out, op)
+        dtype, count, own_x, own_out = x.dtype, x.size, x.host, out.host
+        reduce = stacked_reducer(op, dtype, self.ctx.size, self._block)
+
+        def call(stream: StreamRef | None, x_host: Any = None, out_host: Any = None) -> None:
+            if x_host is None:
+                x_host, out_host = own_x, own_out
+            self._refuse_closed()
+            self._phases = dict.fromkeys(self._phase_names, 0.0)  # the same keys on every rank
+            self._ensure_segment(0, False)
+            self._latency_numpy(x_host.reshape(-1), out_host.reshape(-1), dtype, count, reduce)
+
+        return call
 
     def reduce_scatter(self, x: ArrayView, out: ArrayView, op: Op, rows: list[int], stream: StreamRef | None) -> None:
         """The node-shared reduction of allreduce (the same bits), each rank copying back only its
@@ -497,6 +526,11 @@ class HostBackend(Backend):
         The whole message, not only the window: NumPy's vector loop and its scalar tail may pick a
         different NaN of NaN + NaN, so only the same call gives allreduce's bits. Every step here
         costs microseconds that the 8-byte time is made of: keep it lean."""
+        if x.host is not None and self._nodes == 1 and window == (0, x.size):  # the usual NumPy call
+            assert out.host is not None
+            reduce = stacked_reducer(op, x.dtype, self.ctx.size, self._block)
+            self._latency_numpy(x.host.reshape(-1), out.host.reshape(-1), x.dtype, x.size, reduce)
+            return
         parity = self._parity
         self._parity ^= 1
         gpu, phases, segment = self._gpu, self._phases, self._segment
@@ -545,6 +579,25 @@ class HostBackend(Backend):
             assert out.host is not None
             np.copyto(out.host.reshape(-1), result[lo:hi])
         phases["copy_in"] += time.perf_counter() - t3
+
+    def _latency_numpy(self, src: np.ndarray, dst: np.ndarray, dtype: DType, count: int, reduce: Stacked) -> None:
+        """``_latency`` for NumPy arrays on one node, the whole result into ``dst`` (flat): copy in, one
+        barrier, this rank's reduction of every rank's slot (``reduce``: ``stacked_reducer``'s)."""
+        parity = self._parity
+        self._parity ^= 1
+        segment, phases = self._segment, self._phases
+        assert segment is not None
+        views = self._small_views(parity, dtype, count)
+        clock = time.perf_counter
+        t0 = clock()
+        np.copyto(views.mine, src)
+        t1 = clock()
+        segment.barrier()
+        t2 = clock()
+        reduce(views.rows, dst)
+        phases["copy_out"] += t1 - t0
+        phases["barrier"] += t2 - t1
+        phases["reduce"] += clock() - t2
 
     def _latency_internode(self, rows: np.ndarray, op: Op, dtype: DType, dst: np.ndarray, t0: float) -> None:
         """dst = the node's partial over ``rows``, reduced across nodes, finished."""

@@ -4,7 +4,8 @@ exact integer avg: mpigpu.core.ops), and the exchange of node partials across no
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -15,7 +16,17 @@ from mpigpu.core.ops import Op, finish_avg, from_keys, int_avg_rows, minmax_rows
 if TYPE_CHECKING:
     from mpigpu.core.dtypes import DType
 
-__all__ = ["CPU_BLOCK", "GATHER_MAX", "INT_AVG_NODES", "finish", "internode", "reduce_rows", "reduce_stacked"]
+__all__ = [
+    "CPU_BLOCK",
+    "GATHER_MAX",
+    "INT_AVG_NODES",
+    "Stacked",
+    "finish",
+    "internode",
+    "reduce_rows",
+    "reduce_stacked",
+    "stacked_reducer",
+]  # fmt: skip
 
 CPU_BLOCK = 1 << 20  # NumPy reduction block, bytes per row (larger blocks measured faster: fewer calls)
 GATHER_MAX = 1 << 20  # across nodes, gather whole partials up to this many bytes in all
@@ -91,6 +102,39 @@ def reduce_stacked(
         op.ufunc.reduce(stacked, axis=0, dtype=acc_np, out=acc, **_start(op, acc_np))
         if final and (op is Op.AVG or acc is not dst):
             _finish(acc, op, dtype, nranks, dst)
+
+
+Stacked = Callable[[np.ndarray, np.ndarray], None]  # (ranks x count rows, destination): one reduction, all else fixed
+
+
+def stacked_reducer(op: Op, dtype: DType, nranks: int, scratch: np.ndarray) -> Stacked:
+    """``reduce_stacked(stacked, op, dtype, nranks, dst, final=True, scratch=scratch)`` with all but the
+    arrays fixed: what it decides per call (semantics, accumulator, warnings, avg's division) decided
+    once, for a bound call (the latency route on NumPy arrays)."""
+    if dtype.is_half or (dtype.is_float and op in (Op.MIN, Op.MAX)) or (op is Op.AVG and not dtype.is_float):
+        return partial(_final_stacked, op=op, dtype=dtype, nranks=nranks, scratch=scratch)
+    reduce, kind, start = op.ufunc.reduce, dtype.np, _start(op, dtype.np)
+    if not dtype.is_float:  # integers wrap around in NumPy's loops without a floating-point flag: no errstate
+
+        def exact(stacked: np.ndarray, dst: np.ndarray) -> None:
+            reduce(stacked, axis=0, dtype=kind, out=dst, **start)
+
+        return exact
+    divisor = kind.type(nranks) if op is Op.AVG else None
+
+    def in_float(stacked: np.ndarray, dst: np.ndarray) -> None:
+        with np.errstate(all="ignore"):  # overflow to inf and NaN are IEEE results, not errors
+            reduce(stacked, axis=0, dtype=kind, out=dst, **start)
+            if divisor is not None:
+                np.divide(dst, divisor, out=dst)
+
+    return in_float
+
+
+def _final_stacked(
+    stacked: np.ndarray, dst: np.ndarray, *, op: Op, dtype: DType, nranks: int, scratch: np.ndarray
+) -> None:
+    reduce_stacked(stacked, op, dtype, nranks, dst, final=True, scratch=scratch)
 
 
 # -- semantics NumPy's ufuncs lack (mpigpu.core.ops): float min/max, exact integer avg ----------------
