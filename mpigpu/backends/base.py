@@ -118,9 +118,10 @@ class Backend(abc.ABC):
         return cls.supports(dtype, op)
 
     @classmethod
-    def auto_declines(cls, on_device: bool, nbytes: int) -> str | None:
-        """Why ``auto``'s built-in rules pass over this backend for a message of ``nbytes`` that it
-        could take (a measured crossover), or None. A tuning table or an explicit request overrides it."""
+    def auto_declines(cls, on_device: bool, nbytes: int, collective: str = "allreduce") -> str | None:
+        """Why ``auto``'s built-in rules pass over this backend for a message of ``nbytes`` of
+        ``collective`` that it could take (a measured crossover), or None. A tuning table or an explicit
+        request overrides it."""
         return None
 
     @abc.abstractmethod

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from mpigpu.core.dtypes import DType
     from mpigpu.job.shm import SharedSegment
 
-__all__ = ["AUTO_HOST_MIN_BYTES", "HostBackend"]
+__all__ = ["AUTO_HOST_MIN_BYTES", "AUTO_HOST_WINDOWS", "HostBackend"]
 
 GPU_CHUNK = 4 << 20  # default pipeline chunk for GPU arrays
 GPU_MIN_CHUNK = 1 << 20  # mid-size GPU messages split into chunks no smaller than this ...
@@ -78,10 +78,14 @@ class _SmallViews:
 
 
 # -- the backend ----------------------------------------------------------------------------------
-# auto's limit for host arrays: the measured crossover with the cpu backend (MPICH's MPI_Allreduce) on the
-# 2-core machine with no GPU, user calls, interleaved on a quiet machine (docs/host.md,
-# bench/results/cpu-crossover-2026-11-26.txt; the loaded 2026-11-25 runs had set 256 KiB)
+# auto's rules for host arrays: the measured crossovers with the cpu backend (MPICH's MPI_Allreduce plus
+# its NaN read) on the 2-core machine with no GPU, user calls interleaved (docs/host.md;
+# bench/results/cpu-crossover-2026-11-27.txt). host from 32 MiB (bench/results/cpu-crossover-2026-11-26.txt),
+# and in two windows: its latency route from 32 KiB to that route's default limit (64 KiB; MPIGPU_HOST_SMALL),
+# and one pipeline chunk of 2 to 3 MiB. At 64 KiB and 2 MiB host beat cpu in both quiet runs and in most
+# loaded ones; the windows' other sizes were measured loaded only; at 8 B and 256 KiB to 1 MiB cpu wins
 AUTO_HOST_MIN_BYTES = 32 << 20
+AUTO_HOST_WINDOWS: tuple[tuple[int, int], ...] = ((32 << 10, 64 << 10), (2 << 20, 3 << 20))
 
 
 class HostBackend(Backend):
@@ -96,10 +100,18 @@ class HostBackend(Backend):
     )
 
     @classmethod
-    def auto_declines(cls, on_device: bool, nbytes: int) -> str | None:
-        if not on_device and nbytes < AUTO_HOST_MIN_BYTES:
-            return f"message below {size_label(AUTO_HOST_MIN_BYTES)} (MPI_Allreduce is faster there)"
-        return None
+    def auto_declines(cls, on_device: bool, nbytes: int, collective: str = "allreduce") -> str | None:
+        """The windows are the reductions' only: the data-movement collectives move host arrays through
+        the same MPI calls on either backend, and allgather's sizes differ between ranks, which a
+        window could split."""
+        if on_device or nbytes >= AUTO_HOST_MIN_BYTES:
+            return None
+        if collective not in ("allreduce", "reduce_scatter"):
+            return f"message below {size_label(AUTO_HOST_MIN_BYTES)} (MPI is as fast there)"
+        if any(lo <= nbytes <= hi for lo, hi in AUTO_HOST_WINDOWS):
+            return None
+        windows = ", ".join(f"{size_label(lo)}-{size_label(hi)}" for lo, hi in AUTO_HOST_WINDOWS)
+        return f"message below {size_label(AUTO_HOST_MIN_BYTES)} and outside {windows} (MPI_Allreduce is faster there)"
 
     def __init__(self, ctx: CommContext) -> None:
         super().__init__(ctx)

@@ -124,7 +124,7 @@ class IpcBackend(Backend):
     collectives: ClassVar[frozenset[str]] = frozenset({"allreduce", "reduce_scatter"})
 
     @classmethod
-    def auto_declines(cls, on_device: bool, nbytes: int) -> str | None:
+    def auto_declines(cls, on_device: bool, nbytes: int, collective: str = "allreduce") -> str | None:
         return f"message above {AUTO_MAX_BYTES >> 20} MiB" if nbytes > AUTO_MAX_BYTES else None
 
     # -- availability -------------------------------------------------------------------------------

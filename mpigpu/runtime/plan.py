@@ -3,8 +3,9 @@ that ``python -m mpigpu.bench --tune`` measured on a matching machine, or these 
 
 GPU arrays:  ipc (one node, peer access) up to 4 MiB -> nccl -> cuda-aware MPI -> host staging
              (reduce_scatter: nccl first, as ipc makes it out of an allreduce).
-Host arrays: cpu (MPI_Allreduce) below 32 MiB -> host (shared-memory reduce) from there on, where
-             the host backend is available; cpu otherwise.
+Host arrays: host (shared-memory reduce) from 32 MiB, and for allreduce and reduce_scatter also from
+             32 KiB to 64 KiB and from 2 to 3 MiB, where the host backend is available; cpu
+             (MPI_Allreduce) otherwise.
 
 The order is the registry's (``mpigpu.backends._REGISTRY``), the size limits are each backend's
 ``auto_declines``, and a backend is tried only for the collectives it lists (reduce_scatter tries
@@ -136,7 +137,7 @@ def choose(ctx: Context, view: ArrayView, op: Op, requested: str, collective: st
     for name in order:
         problem = _usable(ctx, name, view, op, collective)
         if problem is None:
-            problem = backend_class(name).auto_declines(view.on_device, view.nbytes)
+            problem = backend_class(name).auto_declines(view.on_device, view.nbytes, collective)
         if problem is None:
             why = "; ".join(skipped)
             return Choice(name, f"rule: first usable of {', '.join(order)}" + (f" (skipped {why})" if why else ""))

@@ -529,3 +529,22 @@ def test_average_command_with_virtual_nodes(tmp_path, node_size: str) -> None:
     document = json.loads(path.read_text())
     assert document["ok"] and document["nodes"] == 2 and document["backend"] == "host"
     assert "internode" in document["results"][0]["phases_us"]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_auto_takes_host_in_its_measured_windows_with_the_same_bits_on_every_rank(comm) -> None:
+    """auto's rule for NumPy arrays (mpigpu.backends.host.AUTO_HOST_WINDOWS): cpu at 8 B and 256 KiB,
+    host at 64 KiB (its latency route) and 2 MiB (one pipeline chunk); through either, a NaN whose
+    payload differs per rank and an IEEE NaN (+inf + -inf) end as the same bits on every rank."""
+    rank = comm.Get_rank()
+    for nbytes, want in ((8, "cpu"), (64 << 10, "host"), (256 << 10, "cpu"), (2 << 20, "host")):
+        x = np.full(nbytes // 4, -0.0, np.float32)
+        assert mpigpu.explain(x, "sum", comm=comm).backend == want, nbytes
+        x.view("u4")[0] = 0x7F800001 + rank | (rank % 2) << 31  # a signalling NaN of this rank's own
+        x[-1] = np.inf if rank % 2 == 0 else -np.inf
+        for _ in range(2):  # the first call binds the record's launch, the second runs it
+            y = x.copy()
+            mpigpu.allreduce(y, "sum", comm=comm)
+            assert np.flatnonzero(np.isnan(y)).tolist() == [0, y.size - 1], nbytes
+            assert np.array_equal(y[1:-1].view("u4"), x[1:-1].view("u4")), "-0.0 + -0.0 stays -0.0"
+            assert len(set(comm.allgather(y.tobytes()))) == 1, f"{nbytes} B: ranks hold different bits"
