@@ -268,7 +268,13 @@ def call(family: Family, comm: Any, stream: Any, args: tuple[Any, ...]) -> Any:
         worker = ctx.async_worker
         if worker is not None:
             worker.drain()  # calls queued by the *_async forms on this communicator reach MPI first
-        record, live = find(ctx, family, args)
+        try:  # ``find``'s lookup, inline: a repeated call stops here
+            record = ctx.plan_cache.get(family.key(*args))
+        except Exception:  # an unhashable argument, say: find validates it (and refuses it on every rank)
+            record = None
+        live = None
+        if record is None:
+            record, live = find(ctx, family, args)
         return go(ctx, record, args, None if record.x.device is None else stream_of(ctx, record, stream), live)
     finally:
         ctx.leave()

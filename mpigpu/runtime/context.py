@@ -47,6 +47,8 @@ from mpigpu.runtime.tuning import load_tuning
 
 __all__ = ["ANY_THREAD", "Context", "announce_rejection", "finalize"]
 
+_get_ident = threading.get_ident  # bound once: every call's ``enter`` asks
+
 ANY_THREAD = -1  # Context.owner of a communicator whose single user orders its calls itself (Averager)
 
 
@@ -205,7 +207,7 @@ class Context:
         the wrong calls of the other ranks. Each refusal joins the cross-rank check with its error
         (between two calls of the owner, after the queued ones), so the other ranks raise
         MismatchError instead of waiting or pairing their data with another call."""
-        if threading.get_ident() == self.owner and self._violation is None:  # the owner's call: the usual one
+        if _get_ident() == self.owner and self._violation is None:  # the owner's call: the usual one
             self.calls += 1
             self._calls.acquire()
             return
