@@ -254,9 +254,10 @@ def test_unhashable_and_unknown_arguments_are_refused_on_every_rank(comm) -> Non
 
 
 def test_torch_cpu_tensors_have_keys_and_share_one_record(comm) -> None:
-    """A torch CPU tensor's call is keyed (pointer, shape, dtype, device -1, contiguity) and its
-    record's launch is lent the tensor's NumPy view: exact results, bfloat16 included, one record
-    for every tensor of these values."""
+    """A torch CPU tensor's call is keyed as a NumPy array's (shape, dtype, device -1, contiguity, no
+    pointer) and its record's launch is lent the tensor's NumPy view: a new tensor each call finds the
+    record before it is made; exact results, bfloat16 included, one record for every tensor of these
+    values. With out=, the two addresses join the key: an out that overlaps x otherwise is validated."""
     torch = pytest.importorskip("torch")
     n, rank = comm.Get_size(), comm.Get_rank()
     with fresh_context(comm) as ctx:
@@ -264,12 +265,22 @@ def test_torch_cpu_tensors_have_keys_and_share_one_record(comm) -> None:
         for step in range(3):
             t = torch.full((2, 2), float(rank + step), dtype=torch.float32)  # a new CPU tensor each call
             assert call_key(t, "sum", None, "auto") is not None
+            assert (_record(ctx, t) is not None) == (step > 0), "a new tensor finds the record by its values"
             assert mpigpu.allreduce(t, "sum", comm=ctx.comm) is t
             assert bool((t == n * step + n * (n - 1) / 2).all())
             kept.fill_(rank + step)  # the same tensor, new contents: its record, lent its view
             assert mpigpu.allreduce(kept, "sum", comm=ctx.comm) is kept
             assert bool((kept == n * step + n * (n - 1) / 2).all())
         assert len({id(r) for r in _records(ctx)}) == 1, "found by its values: one record"
+        buf = torch.zeros(8)
+        x = buf[0:4]
+        x.fill_(rank + 1)
+        for _ in range(2):
+            mpigpu.allreduce(x, "sum", out=buf[4:8], comm=ctx.comm)
+        assert bool((buf[4:8] == n * (n + 1) / 2).all()) and _record(ctx, x, out=buf[4:8]) is not None
+        with pytest.raises(InvalidArgument, match="overlaps x only partly"):
+            mpigpu.allreduce(x, "sum", out=buf[2:6], comm=ctx.comm)  # same shapes, another overlap
+        assert bool((buf[:4] == rank + 1).all()), "refused before anything was written"
         b = torch.full((3,), float(rank + 1), dtype=torch.bfloat16)
         for _ in range(2):
             b.fill_(rank + 1)

@@ -9,9 +9,13 @@ What the key reads, per array type (other types, and JAX arrays, take the full p
 
 - NumPy: shape, dtype and flags (layout, writability). No pointer: a host call's record depends on
   none, and its launch is lent this call's arrays.
-- PyTorch tensors (CPU and CUDA) and CuPy arrays: pointer, shape, dtype, device and contiguity: a new
-  array at the same address with the same signature is the same call, anything else is a new one.
-- ``out``: the same, plus, for two NumPy arrays, that they share no memory (else the full path).
+- PyTorch CPU tensors: shape, dtype, device (-1) and contiguity, no pointer, as NumPy arrays (the
+  launch is lent this call's NumPy view): a new tensor each call (``hvd.allreduce``'s copy, a loss
+  made each step) is the same call.
+- PyTorch CUDA tensors and CuPy arrays: pointer, shape, dtype, device and contiguity: a new array at
+  the same address with the same signature is the same call, anything else is a new one.
+- ``out``: the same, plus, for two NumPy arrays, that they share no memory (else the full path), and
+  for a CPU tensor the two pointers (how x and out overlap was validated for those).
 
 A record holds no reference to the caller's arrays: its views carry no array object, host arrays
 are passed to the launch for the one call, device arrays are named by the pointer in the key.
@@ -23,12 +27,9 @@ so whatever forgets the remembered choices (a new tuning table, a new ``ipc_buff
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["Launch", "array_key", "call_key", "family_key"]
 
@@ -47,8 +48,27 @@ def _numpy(x: np.ndarray) -> tuple[Any, ...]:
 
 
 def _torch(x: Any) -> tuple[Any, ...] | None:
-    # device -1 on the CPU: the record's launch is lent this call's NumPy view (pipeline.host_of)
-    return (x.data_ptr(), x.shape, x.dtype, x.get_device(), x.is_contiguous())
+    device = x.get_device()
+    if device < 0:  # the CPU: the record's launch is lent this call's NumPy view (pipeline.host_of)
+        return (x.shape, x.dtype, device, x.is_contiguous())
+    return (x.data_ptr(), x.shape, x.dtype, device, x.is_contiguous())
+
+
+def _pair(x: Any, out: Any, ok: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    """``out``'s key ``ok`` as it joins x's, or None where the pair has none (two NumPy arrays that may
+    share memory). Otherwise both addresses join it: a key without a pointer (NumPy, a CPU tensor) says
+    nothing of how x and out overlap, which the record's validation found at these addresses."""
+    if ok is None:
+        return None
+    if type(x) is np.ndarray and type(out) is np.ndarray:
+        return None if np.may_share_memory(x, out) else ok
+    return (*ok, _address(x), _address(out))
+
+
+def _address(a: Any) -> int:
+    if type(a) is np.ndarray:
+        return a.ctypes.data
+    return a.data_ptr() if hasattr(a, "data_ptr") else a.data.ptr
 
 
 def _cupy(x: Any) -> tuple[Any, ...]:
@@ -100,10 +120,8 @@ def call_key(x: Any, op: Any, out: Any, backend: Any) -> tuple[Any, ...] | None:
         return (type(x), xk, op, backend)
     if out is x:
         return (type(x), xk, op, backend, "x")
-    ok = _read(out)
-    if ok is None or (type(x) is np.ndarray and type(out) is np.ndarray and np.may_share_memory(x, out)):
-        return None
-    return (type(x), xk, op, backend, type(out), ok)
+    ok = _pair(x, out, _read(out))
+    return None if ok is None else (type(x), xk, op, backend, type(out), ok)
 
 
 def array_key(x: Any) -> tuple[Any, ...] | None:
@@ -120,7 +138,5 @@ def family_key(name: str, x: Any, out: Any, *rest: Any) -> tuple[Any, ...] | Non
         return None
     if out is None:
         return (name, type(x), xk, *rest)
-    ok = _read(out)
-    if ok is None or (type(x) is np.ndarray and type(out) is np.ndarray and np.may_share_memory(x, out)):
-        return None
-    return (name, type(x), xk, type(out), ok, *rest)
+    ok = _pair(x, out, _read(out))
+    return None if ok is None else (name, type(x), xk, type(out), ok, *rest)
