@@ -150,14 +150,15 @@ def _in_step(comm, calls: int = 10) -> None:
             assert np.array_equal(got[:, 0], np.repeat(np.arange(size, dtype=np.int32), i + 1))
 
 
-def _raises_everywhere(comm, bad_rank: int, call, message: str) -> None:
+def _raises_everywhere(comm, bad_rank: int, call, message: str, how: str = "rejected the arguments") -> None:
     """Rank ``bad_rank`` raises its own InvalidArgument, whose text holds ``message``; every other rank
-    raises MismatchError naming that rank and quoting its message; then the next calls pair."""
+    raises MismatchError naming that rank (``how`` it failed) and quoting its message; then the next
+    calls pair."""
     if comm.Get_rank() == bad_rank:
         with pytest.raises(InvalidArgument, match=re.escape(message)):
             call()
     else:
-        with pytest.raises(MismatchError, match=f"did not run: rank {bad_rank} rejected the arguments") as info:
+        with pytest.raises(MismatchError, match=f"did not run: rank {bad_rank} {how}") as info:
             call()
         assert f"rank {bad_rank}: InvalidArgument: " in str(info.value) and message in str(info.value), info.value
     _in_step(comm)
@@ -438,3 +439,151 @@ def test_async_a_rank_rejecting_its_arguments(comm) -> None:
         with pytest.raises(MismatchError, match=f"rank {size - 1}: InvalidArgument: splits has {size + 1} entries"):
             mpigpu.alltoall_async(x, comm=comm).wait()
     _in_step(comm)
+
+
+# -- out=: allgather and alltoall into an output made once -------------------------------------------
+def _gather_rows(rank: int) -> int:
+    return (rank * 3 + 2) % 5  # 2, 0, 3, 1 on ranks 0..3: uneven, zero rows on rank 1
+
+
+def _gather_input(rank: int, dtype: str) -> np.ndarray:
+    n = _gather_rows(rank) * TRAILING[0]
+    return ((np.arange(n) + 7 * rank) % 100 + 1).astype(np.float64).astype(DTYPES[dtype].np).reshape(-1, *TRAILING)
+
+
+def _records(comm) -> list:
+    from mpigpu.calls.pipeline import Record
+    from mpigpu.runtime.context import Context
+
+    return [v for v in Context.get(comm).plan_cache.values() if isinstance(v, Record)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int8", "bfloat16"])
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_allgather_into_out_made_once(comm, backend: str, dtype: str) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = _gather_input(rank, dtype)
+    want = np.concatenate([_gather_input(r, dtype) for r in range(size)])
+    out = _poisoned(want.shape, dtype)
+    before = x.tobytes()
+    for call in range(3):  # the first call makes the record, the next find it with its out
+        assert mpigpu.allgather(x, out=out, comm=comm, backend=backend) is out
+        assert out.tobytes() == want.tobytes() and x.tobytes() == before
+        out.reshape(-1).view(np.uint8)[...] = POISON
+        if call == 0:
+            records = len(_records(comm))
+    assert len(_records(comm)) == records
+    assert any(r.family.name == "allgather" and r.out is not None for r in _records(comm))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int64", "float16"])
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_alltoall_into_out_made_once(comm, backend: str, dtype: str) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    trailing = (2, 3)
+    x = _send_buffer(rank, size, trailing, dtype)
+    want = np.concatenate([_rows_from(j, rank, trailing, dtype) for j in range(size)])
+    out = _poisoned(want.shape, dtype)
+    for _ in range(3):
+        got, received = mpigpu.alltoall(x, _splits(rank, size), out=out, comm=comm, backend=backend,
+                                        return_splits=True)  # fmt: skip
+        assert got is out and out.tobytes() == want.tobytes()
+        assert received == [_splits(j, size)[rank] for j in range(size)]
+        out.reshape(-1).view(np.uint8)[...] = POISON
+    even = np.arange(2 * size * 3, dtype=DTYPES[dtype].np).reshape(2 * size, 3) + 50 * rank
+    out = _poisoned(even.shape, dtype)
+    assert mpigpu.alltoall(even, out=out, comm=comm, backend=backend) is out
+    assert np.array_equal(
+        out, np.concatenate([even[2 * rank : 2 * rank + 2] - 50 * rank + 50 * j for j in range(size)])
+    )
+
+
+def test_out_torch_cpu_and_async(comm) -> None:
+    torch = pytest.importorskip("torch")
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = torch.full((_gather_rows(rank), 2), rank + 1, dtype=torch.bfloat16)
+    out = torch.full((sum(_gather_rows(r) for r in range(size)), 2), -3, dtype=torch.bfloat16)
+    assert mpigpu.allgather(x, out=out, comm=comm) is out
+    assert torch.equal(
+        out, torch.cat([torch.full((_gather_rows(r), 2), r + 1, dtype=torch.bfloat16) for r in range(size)])
+    )
+    y = torch.arange(2 * size, dtype=torch.int32) + 100 * rank
+    into = torch.full((2 * size,), -1, dtype=torch.int32)
+    handle = mpigpu.alltoall_async(y, out=into, comm=comm)
+    assert handle.wait() is into
+    assert into.tolist() == [v for j in range(size) for v in (2 * rank + 100 * j, 2 * rank + 1 + 100 * j)]
+
+
+@pytest.mark.parametrize("name", ["allgather", "alltoall"])
+@pytest.mark.parametrize("problem", ["dtype", "trailing", "framework", "read_only", "overlaps", "fortran", "ndim"])
+def test_out_a_rank_rejects(comm, name: str, problem: str) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    bad = rank == size - 1
+    x = np.ones((2 * size, 2), np.float32)
+    rows = 2 * size * size if name == "allgather" else 2 * size
+    out = _poisoned((rows, 2), "float32")
+    arg = out
+    if bad:
+        if problem == "dtype":
+            arg = out.view(np.int32)
+        elif problem == "trailing":
+            arg = out.reshape(rows * 2, 1)
+        elif problem == "framework":
+            arg = pytest.importorskip("torch").from_numpy(out)
+        elif problem == "read_only":
+            arg = out.view()
+            arg.flags.writeable = False
+        elif problem == "overlaps":
+            big = _poisoned((rows + 2 * size, 2), "float32")
+            x, arg = big[: 2 * size], big[2 * size - 1 : 2 * size - 1 + rows]
+        elif problem == "fortran":
+            arg = np.asfortranarray(_poisoned((rows, 2), "float32"))
+        else:
+            arg = out.reshape(-1)
+    message = {
+        "dtype": "out has dtype int32, but x has float32",
+        "trailing": "out has shape",
+        "framework": "out is a torch array but x a numpy one",
+        "read_only": "out is read-only",
+        "overlaps": "out overlaps x",
+        "fortran": "out is in Fortran (column-major) order",
+        "ndim": "out has shape",
+    }[problem]
+    before = np.asarray(arg).tobytes()
+    call = getattr(mpigpu, name)
+    _raises_everywhere(comm, size - 1, lambda: call(x, out=arg, comm=comm), message)
+    assert np.asarray(arg).tobytes() == before
+
+
+def test_out_rows_checked_across_ranks(comm) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = np.ones((2, 2), np.float32)
+    if size > 1:  # one rank's out of other rows: MismatchError on every rank, nothing written
+        out = _poisoned((2 * size + (rank == 0), 2), "float32")
+        _mismatch(comm, lambda: mpigpu.allgather(x, out=out, comm=comm), [out])
+        even = np.ones((size, 2), np.float32)
+        out = _poisoned((size + (rank == 0), 2), "float32")
+        _mismatch(comm, lambda: mpigpu.alltoall(even, out=out, comm=comm), [out])
+        # one rank with out, the others without: MismatchError too
+        given = None if rank else _poisoned((2 * size, 2), "float32")
+        _mismatch(comm, lambda: mpigpu.allgather(x, out=given, comm=comm), [] if given is None else [given])
+    # every rank's out of the same wrong rows: InvalidArgument on every rank, nothing written
+    out = _poisoned((2 * size + 1, 2), "float32")
+    with pytest.raises(InvalidArgument, match=r"out has \d+ rows, but allgather gives every rank"):
+        mpigpu.allgather(x, out=out, comm=comm)
+    assert (out.reshape(-1).view(np.uint8) == POISON).all()
+    _in_step(comm)
+
+
+def test_alltoall_splits_out_rows_checked_in_the_exchange(comm) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        return
+    x = _send_buffer(rank, size, (2,), "float32")
+    wants = [sum(_splits(j, size)[r] for j in range(size)) for r in range(size)]
+    out = _poisoned((wants[rank] + (rank == size - 1), 2), "float32")
+    message = f"out has {wants[-1] + 1} rows, but the ranks' splits send this rank {wants[-1]}"
+    _raises_everywhere(
+        comm, size - 1, lambda: mpigpu.alltoall(x, _splits(rank, size), out=out, comm=comm), message, "failed"
+    )
+    assert (out.reshape(-1).view(np.uint8) == POISON).all()

@@ -34,12 +34,13 @@ from mpigpu.calls.pipeline import (
     new_array,
     signature,
 )
-from mpigpu.calls.reduce import lent, rows_view
+from mpigpu.calls.reduce import check_rows_out, lent, lent_pair, rows_view
 from mpigpu.core._cuda import StreamRef
 from mpigpu.core.arguments import check_backend_name
 from mpigpu.core.arrays import ArrayView, as_view, require_c_order, scalar_fix
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op
+from mpigpu.job.check import fail_together, mark_raised_everywhere
 from mpigpu.runtime.context import Context
 from mpigpu.runtime.plan import choose_cached
 
@@ -126,14 +127,42 @@ def _gather_rows(ctx: Context, mine: int) -> list[int]:
     return [int(r) for r in everyone]
 
 
+def _out_view(out: Any, xv: ArrayView, name: str) -> ArrayView | None:
+    """``out``'s view, refused here (on this rank) unless it can take ``name``'s rows of x's kind."""
+    if out is None:
+        return None
+    outv = as_view(out, name="out")
+    check_rows_out(outv, xv, None, name)
+    return outv
+
+
+def _checked_shape(xv: ArrayView, outv: ArrayView | None, out_rows: int) -> tuple[int, ...]:
+    """The signature's shape: x's trailing dimensions, led by ``out_rows`` when the call has an out,
+    so every rank agrees on whether it passed one and how many rows it holds."""
+    return xv.shape[1:] if outv is None else (out_rows, *xv.shape[1:])
+
+
+def _output(ctx: Context, x: Any, xv: ArrayView, out: Any, outv: ArrayView | None, rows: int,
+            name: str) -> tuple[Any, ArrayView, Any]:  # fmt: skip
+    """(result, its view, finish): the caller's ``out``, refused on every rank unless it holds ``rows``
+    rows (every rank found the same rows in the check), else a new array."""
+    if outv is None:
+        return new_array(xv, (rows, *xv.shape[1:]), x)
+    if outv.shape[0] != rows:
+        raise mark_raised_everywhere(ctx.comm, InvalidArgument(
+            f"out has {outv.shape[0]} rows, but {name} gives every rank {rows}: pass an out of shape "
+            f"{(rows, *xv.shape[1:])}"), same_text=True)  # fmt: skip
+    return out, outv, None
+
+
 class _Allgather(Family):
     name = "allgather"
     per_rank = True  # the first dimension, in the signature's root field
 
-    def key(self, x: Any, backend: Any) -> tuple[Any, ...] | None:
-        return family_key("allgather", x, None, backend)
+    def key(self, x: Any, out: Any, backend: Any) -> tuple[Any, ...] | None:
+        return family_key("allgather", x, out, backend)
 
-    def validate(self, ctx: Context, x: Any, backend: Any) -> tuple[Record, Any]:
+    def validate(self, ctx: Context, x: Any, out: Any, backend: Any) -> tuple[Record, Any]:
         check_backend_name(backend)
         xv = as_view(x, name="x")
         ctx.require_own_gpu(xv)
@@ -142,22 +171,26 @@ class _Allgather(Family):
             raise InvalidArgument(
                 "allgather concatenates along the first dimension, but x has none (a 0-d array): pass x.reshape(1)"
             )
+        outv = _out_view(out, xv, "allgather")
         choice = choose_cached(ctx, xv, Op.SUM, backend, "allgather")
-        sig = signature("allgather", xv, None, choice.backend, shape=xv.shape[1:], root=xv.shape[0],
+        shape = _checked_shape(xv, outv, 0 if outv is None else outv.shape[0])
+        sig = signature("allgather", xv, None, choice.backend, shape=shape, root=xv.shape[0],
                         placement=int(xv.on_device))  # fmt: skip
-        return Record(ctx, self, detach(xv), None, Op.SUM, choice, sig, sig.packed()), xv
+        record = Record(ctx, self, detach(xv), None if outv is None else detach(outv), Op.SUM, choice, sig,
+                        sig.packed())  # fmt: skip
+        return record, (xv, outv)
 
     def execute(self, record: Record, args: tuple[Any, ...], stream: StreamRef | None, ranks: Any, live: Any) -> Any:
-        ctx, x = record.ctx, args[0]
-        xv = lent(record.x, x) if live is None else live
+        ctx, x, out = record.ctx, args[0], args[1]
+        xv, outv = lent_pair(record, x, out) if live is None else live
         rows = ranks if ranks is not None else _rows_of(ctx, xv.shape[0])
-        result, out, finish = new_array(xv, (sum(rows), *xv.shape[1:]), x)
+        result, outv, finish = _output(ctx, x, xv, out, outv, sum(rows), "allgather")
         if xv.device is not None:
             ctx.activate_gpu()
         if ctx.size == 1:
-            copy_bytes(out, xv, stream)
-        elif out.nbytes:
-            _launch(record, "allgather")(xv, out, rows, stream)
+            copy_bytes(outv, xv, stream)
+        elif outv.nbytes:
+            _launch(record, "allgather")(xv, outv, rows, stream)
         return finished(ctx, result, finish, stream)
 
     def label(self, record: Record, phase: str) -> str:
@@ -170,15 +203,18 @@ class _Allgather(Family):
 ALLGATHER = _Allgather()
 
 
-def allgather(x: Any, *, comm: Any = None, backend: str = "auto", stream: Any = None) -> Any:
-    """Concatenate every rank's ``x`` along the first dimension, in rank order, into a new array of
-    ``x``'s framework, dtype and placement (NumPy, CuPy, PyTorch; JAX gets a JAX array).
+def allgather(x: Any, *, out: Any = None, comm: Any = None, backend: str = "auto", stream: Any = None) -> Any:
+    """Concatenate every rank's ``x`` along the first dimension, in rank order, into ``out`` (returned)
+    or a new array of ``x``'s framework, dtype and placement (NumPy, CuPy, PyTorch; JAX gets a JAX array).
 
     The first dimension may differ between ranks (zero rows too); the other dimensions, the dtype,
-    the placement and the backend must match: else MismatchError on every rank. backend and stream
-    as for ``allreduce`` (ipc does not allgather). The result is ready in the stream's order.
+    the placement and the backend must match: else MismatchError on every rank. out: an array of x's
+    kind, dtype and place, C order, of shape ``(total rows, *x.shape[1:])``, made once and passed to
+    every call (as torch's ``all_gather_into_tensor``); every rank passes one or none does. One that
+    cannot take the rows raises on every rank before anything is written. backend and stream as for
+    ``allreduce`` (ipc does not allgather). The result is ready in the stream's order.
     """
-    return call(ALLGATHER, comm, stream, (x, backend))
+    return call(ALLGATHER, comm, stream, (x, out, backend))
 
 
 # -- alltoall -----------------------------------------------------------------------------------------------------
@@ -225,36 +261,41 @@ class _Alltoall(Family):
     name = "alltoall"
     per_rank = True  # an even split's rows, in the signature's root field
 
-    def key(self, x: Any, splits: Any, backend: Any, return_splits: Any) -> tuple[Any, ...] | None:
-        return family_key("alltoall", x, None, _splits_key(splits), backend, bool(return_splits))
+    def key(self, x: Any, splits: Any, out: Any, backend: Any, return_splits: Any) -> tuple[Any, ...] | None:
+        return family_key("alltoall", x, out, _splits_key(splits), backend, bool(return_splits))
 
-    def validate(self, ctx: Context, x: Any, splits: Any, backend: Any, return_splits: Any) -> tuple[Record, Any]:
+    def validate(self, ctx: Context, x: Any, splits: Any, out: Any, backend: Any,
+                 return_splits: Any) -> tuple[Record, Any]:  # fmt: skip
         xv = rows_view(x, backend, "alltoall")
         ctx.require_own_gpu(xv)
         splits_ = _check_splits(splits, xv.shape[0], ctx.size)
+        outv = _out_view(out, xv, "alltoall")
         trailing = xv.shape[1:]
         # The first dimension differs between ranks: the backend is chosen without it, so that every
         # rank chooses the same one (auto's size rules would otherwise split the ranks).
         row = ArrayView(None, 0, (0, *trailing), xv.dtype, xv.device, False, xv.framework)
         choice = choose_cached(ctx, row, Op.SUM, backend, "alltoall")
         root = xv.shape[0] if splits is None else _EXPLICIT
-        sig = signature("alltoall", xv, None, choice.backend, shape=trailing, root=root, placement=int(xv.on_device))
-        record = Record(ctx, self, detach(xv), None, Op.SUM, choice, sig, sig.packed(),
-                        extra=(splits_, bool(return_splits)))  # fmt: skip
-        return record, xv
+        # An even split's out holds as many rows on every rank; explicit splits' outs are checked in
+        # the exchange of the splits (_exchange_splits).
+        shape = _checked_shape(xv, outv, _EXPLICIT if outv is None or splits is not None else outv.shape[0])
+        sig = signature("alltoall", xv, None, choice.backend, shape=shape, root=root, placement=int(xv.on_device))
+        record = Record(ctx, self, detach(xv), None if outv is None else detach(outv), Op.SUM, choice, sig,
+                        sig.packed(), extra=(splits_, bool(return_splits)))  # fmt: skip
+        return record, (xv, outv)
 
     def execute(self, record: Record, args: tuple[Any, ...], stream: StreamRef | None, ranks: Any, live: Any) -> Any:
-        ctx, x = record.ctx, args[0]
-        xv = lent(record.x, x) if live is None else live
+        ctx, x, out = record.ctx, args[0], args[2]
+        xv, outv = lent_pair(record, x, out) if live is None else live
         splits, return_splits = record.extra
-        received = _received(ctx, record, splits, ranks)
-        result, out, finish = new_array(xv, (sum(received), *xv.shape[1:]), x)
+        received = _received(ctx, splits, ranks, None if outv is None else outv.shape[0])
+        result, outv, finish = _output(ctx, x, xv, out, outv, sum(received), "alltoall")
         if xv.device is not None:
             ctx.activate_gpu()
         if ctx.size == 1:
-            copy_bytes(out, xv, stream)
+            copy_bytes(outv, xv, stream)
         else:
-            _launch(record, "alltoall")(xv, out, splits, received, stream)
+            _launch(record, "alltoall")(xv, outv, splits, received, stream)
         result = finished(ctx, result, finish, stream)
         return (result, received) if return_splits else result
 
@@ -265,16 +306,18 @@ class _Alltoall(Family):
         return f"alltoall({record.choice.backend}, {x.dtype.name}, splits {record.extra[0]})"
 
 
-def _received(ctx: Context, record: Record, splits: list[int], ranks: list[int] | None) -> list[int]:
+def _received(ctx: Context, splits: list[int], ranks: list[int] | None, out_rows: int | None) -> list[int]:
     """The rows every rank sends this one, in rank order: from the check when every rank split evenly
-    (each sends a ``size``-th of its rows), else (a rank passed splits, or the check was off) one
-    MPI_Alltoall of the splits on every rank (collective)."""
+    (each sends a ``size``-th of its rows), else (a rank passed splits, or the check was off) from
+    one exchange of the splits on every rank (collective; ``out_rows``: this rank's out's, or None)."""
     size = ctx.size
     if size == 1:
         return list(splits)
     if ranks is not None and _EXPLICIT not in ranks:  # every rank read the same posts: all decide alike
         return [v // size for v in ranks]
-    return _exchange_splits(ctx, splits)
+    if out_rows is None:
+        return _exchange_splits(ctx, splits)
+    return _exchange_splits_and_outs(ctx, splits, out_rows)
 
 
 def _exchange_splits(ctx: Context, splits: list[int]) -> list[int]:
@@ -286,6 +329,28 @@ def _exchange_splits(ctx: Context, splits: list[int]) -> list[int]:
     return [int(r) for r in theirs]
 
 
+def _exchange_splits_and_outs(ctx: Context, splits: list[int], out_rows: int) -> list[int]:
+    """``_exchange_splits`` where every rank passed an out (the check agreed on that): one
+    MPI_Allgather of every rank's splits and out rows, so every rank learns which outs cannot take
+    their rows and all raise for the same call (collective), before anything is written."""
+    from mpigpu.core._mpi import MPI
+
+    size, rank = ctx.size, ctx.rank
+    table = np.empty((size, size + 1), np.int64)
+    ctx.comm.Allgather([np.array([*splits, out_rows], np.int64), MPI().INT64_T], [table, MPI().INT64_T])
+    wants = table[:, :size].sum(axis=0)  # the rows each rank receives
+    bad = [r for r in range(size) if table[r, size] != wants[r]]
+    if bad:
+        error = None
+        if rank in bad:
+            error = InvalidArgument(
+                f"out has {out_rows} rows, but the ranks' splits send this rank {int(wants[rank])}: pass an out "
+                "of that many rows"
+            )
+        fail_together(ctx.comm, error, "alltoall")
+    return [int(r) for r in table[:, rank]]
+
+
 ALLTOALL = _Alltoall()
 
 
@@ -295,6 +360,7 @@ def alltoall(
     *,
     comm: Any = None,
     backend: str = "auto",
+    out: Any = None,
     stream: Any = None,
     return_splits: bool = False,
 ) -> Any:
@@ -306,9 +372,13 @@ def alltoall(
     of ranks). The first dimension may differ between ranks; the
     other dimensions, the dtype, the placement and the backend must match (else MismatchError on
     every rank). return_splits=True returns ``(array, received)``, ``received[j]`` the rows that came
-    from rank j. backend and stream as for ``allreduce`` (ipc does not alltoall).
+    from rank j. out: an array of x's kind, dtype and place, C order, of shape ``(sum(received),
+    *x.shape[1:])``, made once and passed to every call (as torch's ``all_to_all_single``) and
+    returned; every rank passes one or none does (and, with one, every rank passes splits or none
+    does). One that cannot take the rows raises on every rank before anything is written. backend
+    and stream as for ``allreduce`` (ipc does not alltoall).
     """
-    return call(ALLTOALL, comm, stream, (x, splits, backend, return_splits))
+    return call(ALLTOALL, comm, stream, (x, splits, out, backend, return_splits))
 
 
 def alltoall_async(
@@ -317,9 +387,10 @@ def alltoall_async(
     *,
     comm: Any = None,
     backend: str = "auto",
+    out: Any = None,
     stream: Any = None,
     return_splits: bool = False,
 ) -> Handle:
     """Start ``alltoall(x, splits, ...)`` and return its Handle; ``wait()`` returns what ``alltoall``
     returns. Runs as ``allreduce_async`` runs (see mpigpu.calls.handles): do not modify ``x`` until then."""
-    return call_async(ALLTOALL, comm, stream, (x, splits, backend, return_splits))
+    return call_async(ALLTOALL, comm, stream, (x, splits, out, backend, return_splits))

@@ -38,7 +38,7 @@ from mpigpu.calls.pipeline import (
 )
 from mpigpu.core._cuda import StreamRef
 from mpigpu.core.arguments import check_backend_name, op_of, reduction_arguments
-from mpigpu.core.arrays import ArrayView, as_view, check_out, copy_single
+from mpigpu.core.arrays import ArrayView, as_view, check_out, copy_single, require_c_order
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.core.ops import Op, parse_op
 from mpigpu.job.device import GpuInfo
@@ -52,7 +52,9 @@ __all__ = [
     "allreduce_async",
     "bind",
     "bound",
+    "check_rows_out",
     "explain",
+    "lent_pair",
     "prepare",
     "reduce_scatter",
     "reduce_scatter_async",
@@ -319,18 +321,25 @@ def scatter_rows(rows: int, size: int) -> list[int]:
     return [base + (r < extra) for r in range(size)]
 
 
-def _check_scatter_out(out: ArrayView, x: ArrayView, shape: tuple[int, ...]) -> None:
-    if out.shape != shape:
+def check_rows_out(out: ArrayView, x: ArrayView, rows: int | None, name: str) -> None:
+    """Refuse an ``out`` that cannot receive ``name``'s result of ``rows`` rows (None: any number,
+    which the cross-rank check settles) of x's other dimensions: its shape, dtype, place, framework,
+    layout, writability, or memory shared with x (local: InvalidArgument on this rank)."""
+    if len(out.shape) != len(x.shape) or out.shape[1:] != x.shape[1:] or rows not in (None, out.shape[0]):
+        want = ("rows" if rows is None else str(rows), *map(str, x.shape[1:]))
         raise InvalidArgument(
-            f"out has shape {out.shape}, but this rank's rows of the result have shape {shape}: pass an array of "
-            "that shape (mpigpu.calls.reduce.scatter_rows gives every rank's rows), or leave out out"
+            f"out has shape {out.shape}, but {name}'s result on this rank has shape ({', '.join(want)}"
+            f"{',' if len(want) == 1 else ''}): pass an array of that shape, or leave out out"
         )
     if out.dtype != x.dtype:
         raise InvalidArgument(f"out has dtype {out.dtype.name}, but x has {x.dtype.name}: they must match")
     if out.device != x.device:
         raise InvalidArgument(f"out is on {out.where} but x is on {x.where}: put both in the same place")
+    if out.framework != x.framework:
+        raise InvalidArgument(f"out is a {out.framework} array but x a {x.framework} one: pass an out of x's kind")
     if out.readonly:
         raise InvalidArgument("out is read-only; pass a writable array")
+    require_c_order(out, name, "out")
     if out.overlaps(x):
         raise InvalidArgument("out overlaps x; pass an array that does not share memory with x")
 
@@ -354,6 +363,11 @@ def lent(view: ArrayView, array: Any) -> ArrayView:
     return view.with_host(host_of(view, array))
 
 
+def lent_pair(record: Record, x: Any, out: Any) -> tuple[ArrayView, ArrayView | None]:
+    """A remembered record's views of x and ``out`` (None: the call makes its output) over this call's arrays."""
+    return lent(record.x, x), None if out is None else lent(record.out, out)  # type: ignore[arg-type]
+
+
 class _ReduceScatter(Family):
     """reduce_scatter(x, op, out, backend): this rank's rows of x's reduction, into ``out`` or a new array."""
 
@@ -370,7 +384,7 @@ class _ReduceScatter(Family):
         outv = None
         if out is not None:
             outv = as_view(out, name="out")
-            _check_scatter_out(outv, xv, (rows[ctx.rank], *xv.shape[1:]))
+            check_rows_out(outv, xv, rows[ctx.rank], "reduce_scatter")
         choice = _scatter_choice(ctx, xv, op_, backend)
         sig = signature("reduce_scatter", xv, op_, choice.backend, placement=int(xv.on_device))
         record = Record(ctx, self, detach(xv), None if outv is None else detach(outv), op_, choice, sig, sig.packed(),
@@ -380,11 +394,7 @@ class _ReduceScatter(Family):
     def execute(self, record: Record, args: tuple[Any, ...], stream: StreamRef | None, ranks: Any, live: Any) -> Any:
         ctx, rows = record.ctx, record.extra
         x, _, out, _ = args
-        if live is None:
-            xv = lent(record.x, x)
-            outv = None if out is None else lent(record.out, out)  # type: ignore[arg-type]
-        else:
-            xv, outv = live
+        xv, outv = lent_pair(record, x, out) if live is None else live
         finish = None
         if out is None:
             out, outv, finish = new_array(xv, (rows[ctx.rank], *xv.shape[1:]), x)
