@@ -15,10 +15,11 @@ Columns, float32, per collective (``--collective``: a comma-separated list or ``
     backend="cpu"        ``mpigpu.allreduce(x, op, backend="cpu")``
     backend="host"       ``mpigpu.allreduce(x, op, backend="host")`` (where auto's crossover between the two lies)
   reduce_scatter  ``comm.Reduce_scatter(x, o, shares, MPI.SUM)`` beside ``mpigpu.reduce_scatter(x, "sum", out=o)``
-  alltoall        ``comm.Alltoallv`` into an output made once beside ``mpigpu.alltoall(x)`` (splits given where
-                  the rows do not divide evenly)
+  alltoall        ``comm.Alltoallv`` into an output made once beside ``mpigpu.alltoall(x, out=o)`` into the
+                  same output (splits given where the rows do not divide evenly; ``alltoall(x)``, a new array
+                  each call, under an mpigpu whose alltoall takes no out=)
   broadcast       ``comm.Bcast(x, root=0)`` beside ``mpigpu.broadcast(x, root=0)``
-  allgather       ``comm.Allgatherv`` into an output made once beside ``mpigpu.allgather(x)``
+  allgather       ``comm.Allgatherv`` into an output made once beside ``mpigpu.allgather(x, out=o)`` (likewise)
   (each of the four also with backend="cpu" and backend="host")
 
 Each rank's rows are split as ``mpigpu.calls.reduce.scatter_rows(count, n)``. Before the rounds every
@@ -47,6 +48,7 @@ from typing import Any
 import numpy as np
 
 import mpigpu
+from mpigpu.bench.collectives import takes_out
 from mpigpu.bench.rounds import rotation
 from mpigpu.calls.reduce import scatter_rows
 from mpigpu.core._mpi import MPI, library_info, world
@@ -63,9 +65,9 @@ MPI_COLUMN = {
 USER_COLUMN = {
     "allreduce": "allreduce(x)",
     "reduce_scatter": 'reduce_scatter(x, "sum", out=o)',
-    "alltoall": "alltoall(x)",
+    "alltoall": "alltoall(x, out=o)" if takes_out("alltoall") else "alltoall(x)",
     "broadcast": "broadcast(x, root=0)",
-    "allgather": "allgather(x)",
+    "allgather": "allgather(x, out=o)" if takes_out("allgather") else "allgather(x)",
 }
 
 
@@ -138,9 +140,13 @@ class Case:
             return lambda **kw: mpigpu.reduce_scatter(x, "sum", out=o, **kw)
         if self.collective == "alltoall":
             splits = None if len(set(self.rows)) == 1 else self.rows  # even rows: none given, as a user calls it
+            if takes_out("alltoall"):  # into the output made once, as torch's all_to_all_single
+                return lambda **kw: mpigpu.alltoall(x, splits, out=o, **kw)
             return lambda **kw: mpigpu.alltoall(x, splits, **kw)
         if self.collective == "broadcast":
             return lambda **kw: mpigpu.broadcast(x, root=0, **kw)
+        if takes_out("allgather"):  # as torch's all_gather_into_tensor
+            return lambda **kw: mpigpu.allgather(x, out=o, **kw)
         return lambda **kw: mpigpu.allgather(x, **kw)
 
     # -- the check ------------------------------------------------------------------------------------

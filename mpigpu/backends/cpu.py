@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from mpigpu.backends.base import Availability, Backend, CommContext
-from mpigpu.backends.mpi_moves import allgather_bytes, alltoall_bytes, broadcast_bytes, byte_counts, row_bytes
+from mpigpu.backends.mpi_moves import allgather_bytes, alltoall_bytes, broadcast_bytes, row_bytes
 from mpigpu.core._mpi import MPI
 from mpigpu.core.arrays import ArrayView
 from mpigpu.core.dtypes import DType
@@ -260,15 +260,25 @@ class CpuBackend(Backend):
         for small host messages, is latency; in return every rule of allreduce (keys for float
         min/max, exact integer avg, float32 for the half types, canonical NaN) holds as it is and
         the result is allreduce's, bit for bit, on every rank."""
-        assert out.host is not None
-        if self._full.nbytes < x.nbytes:
-            self._full = np.empty(x.nbytes, np.uint8)
-        full = self._full[: x.nbytes].view(x.dtype.np)
-        self.allreduce(x, ArrayView(full, full.ctypes.data, (x.size,), x.dtype, None, False, "numpy", host=full),
-                       op, stream)  # fmt: skip
-        counts, displs = byte_counts(rows, row_bytes(x.shape, x.dtype.itemsize))
-        mine = self.ctx.rank
-        out.host.reshape(-1).view(np.uint8)[...] = full.view(np.uint8)[displs[mine] : displs[mine] + counts[mine]]
+        self.bind_reduce_scatter(x, op, rows)(x, out, stream)
+
+    def bind_reduce_scatter(self, x: ArrayView, op: Op, rows: list[int]) -> Callable[..., None]:
+        """``reduce_scatter`` with the reduction and this rank's elements chosen once: a call is the
+        allreduce into the private buffer and one copy of this rank's slice."""
+        reduce, nbytes, kind = self._reducer(x.dtype, op, False), x.nbytes, x.dtype.np
+        per_row = row_bytes(x.shape, x.dtype.itemsize) // x.dtype.itemsize
+        start = sum(rows[: self.ctx.rank]) * per_row
+        stop = start + rows[self.ctx.rank] * per_row
+
+        def launch(xv: ArrayView, outv: ArrayView, stream: StreamRef | None) -> None:
+            full = self._full
+            if full.nbytes < nbytes:
+                full = self._full = np.empty(nbytes, np.uint8)
+            whole = full[:nbytes].view(kind)
+            reduce(xv.host, whole)  # type: ignore[arg-type]
+            outv.host.reshape(-1)[...] = whole[start:stop]  # type: ignore[union-attr]
+
+        return launch
 
     def alltoall(
         self, x: ArrayView, out: ArrayView, send_rows: list[int], recv_rows: list[int], stream: StreamRef | None

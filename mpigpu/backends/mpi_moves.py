@@ -12,10 +12,20 @@ from mpigpu.core._mpi import MPI
 __all__ = ["allgather_bytes", "alltoall_bytes", "broadcast_bytes", "byte_counts", "row_bytes"]
 
 
+_COUNTS: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}
+
+
 def byte_counts(rows: list[int], row_bytes: int) -> tuple[list[int], list[int]]:
-    """Per-rank byte counts and displacements of an allgather of ``rows[r]`` rows of ``row_bytes``."""
-    counts = [r * row_bytes for r in rows]
-    return counts, [0, *accumulate(counts)][:-1]
+    """Per-rank byte counts and displacements of an allgather of ``rows[r]`` rows of ``row_bytes``
+    (remembered: a training loop repeats a few; treat as read-only)."""
+    key = (row_bytes, *rows)
+    found = _COUNTS.get(key)
+    if found is None:
+        if len(_COUNTS) >= 4096:
+            _COUNTS.clear()
+        counts = [r * row_bytes for r in rows]
+        found = _COUNTS[key] = (counts, [0, *accumulate(counts)][:-1])
+    return found
 
 
 def row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
