@@ -240,16 +240,15 @@ class CpuBackend(Backend):
         return into_out
 
     def broadcast(self, x: ArrayView, root: int, stream: StreamRef | None) -> None:
-        """MPI_Bcast of x's bytes from ``root``, in place."""
+        """MPI_Bcast of x's bytes from ``root``, in place. The moves hand MPI the C-ordered host arrays
+        themselves (MPI_BYTE counts: any dtype; no reshaped view per call)."""
         assert x.host is not None
-        broadcast_bytes(self.ctx.comm, x.host.reshape(-1).view(np.uint8), x.nbytes, root)
+        broadcast_bytes(self.ctx.comm, x.host, x.nbytes, root)
 
     def allgather(self, x: ArrayView, out: ArrayView, rows: list[int], stream: StreamRef | None) -> None:
         """MPI_Allgatherv of every rank's rows into ``out``."""
         assert x.host is not None and out.host is not None
-        row_bytes = out.nbytes // sum(rows)
-        send, recv = x.host.reshape(-1).view(np.uint8), out.host.reshape(-1).view(np.uint8)
-        allgather_bytes(self.ctx.comm, send, recv, rows, row_bytes)
+        allgather_bytes(self.ctx.comm, x.host, out.host, rows, out.nbytes // sum(rows))
 
     def reduce_scatter(self, x: ArrayView, out: ArrayView, op: Op, rows: list[int], stream: StreamRef | None) -> None:
         """This backend's allreduce into a private buffer, then this rank's rows into ``out``.
@@ -285,8 +284,7 @@ class CpuBackend(Backend):
     ) -> None:
         """MPI_Alltoallv of x's rows."""
         assert x.host is not None and out.host is not None
-        send, recv = x.host.reshape(-1).view(np.uint8), out.host.reshape(-1).view(np.uint8)
-        alltoall_bytes(self.ctx.comm, send, recv, send_rows, recv_rows, row_bytes(x.shape, x.dtype.itemsize))
+        alltoall_bytes(self.ctx.comm, x.host, out.host, send_rows, recv_rows, row_bytes(x.shape, x.dtype.itemsize))
 
     def describe(self) -> dict[str, Any]:
         return {"transport": "MPI_Allreduce, MPI_Bcast, MPI_Allgatherv, MPI_Alltoallv"}
