@@ -37,6 +37,7 @@ versions of mpigpu against the same MPI.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -48,7 +49,6 @@ from typing import Any
 import numpy as np
 
 import mpigpu
-from mpigpu.bench.collectives import takes_out
 from mpigpu.bench.rounds import rotation
 from mpigpu.calls.reduce import scatter_rows
 from mpigpu.core._mpi import MPI, library_info, world
@@ -62,6 +62,13 @@ MPI_COLUMN = {
     "broadcast": "comm.Bcast",
     "allgather": "comm.Allgatherv",
 }
+
+
+def takes_out(name: str) -> bool:
+    """Whether this mpigpu's ``name`` takes out= (an older checkout's allgather and alltoall do not)."""
+    return "out" in inspect.signature(getattr(mpigpu, name)).parameters
+
+
 USER_COLUMN = {
     "allreduce": "allreduce(x)",
     "reduce_scatter": 'reduce_scatter(x, "sum", out=o)',

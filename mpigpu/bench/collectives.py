@@ -56,7 +56,7 @@ __all__ = [
 COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
 MOVES = ("broadcast", "allgather", "reduce_scatter", "alltoall")  # the collectives this module times
 _NEW_OUTPUT = ("allgather", "reduce_scatter", "alltoall")  # the user's call returns a new array
-_OUT_CALLS = ("allgather", "alltoall")  # --calls out: the call into an output made once, where mpigpu takes out=
+_OUT_CALLS = ("allgather", "alltoall")  # --calls out: the call into an output made once (out=)
 ROOT = 0
 POISON = 0xFF  # never a pattern byte (patterns are < 251)
 _checks = itertools.count(1)  # the salt g of each check, the same sequence on every rank
@@ -103,16 +103,6 @@ class CollectiveResult(Result):
         return data
 
 
-def takes_out(collective: str) -> bool:
-    """Whether ``mpigpu.<collective>`` takes ``out=`` (allgather and alltoall return a new array; the
-    ``out`` call times them into an output made once where this mpigpu can)."""
-    import inspect
-
-    import mpigpu
-
-    return "out" in inspect.signature(getattr(mpigpu, collective)).parameters
-
-
 def refuse_options(args: Any) -> list[str]:
     """For --collective other than allreduce: raise InvalidArgument for options that have no meaning
     there (ops other than sum, persistent or prepared calls, --tune, the mode the collective has
@@ -128,8 +118,6 @@ def refuse_options(args: Any) -> list[str]:
             f"--collective {name} times the user's call only (mpigpu.{name} has no persistent or prepared form): "
             f"use --calls {','.join(allowed)} or leave --calls out"
         )
-    if args.calls is not None and "out" in args.calls and not takes_out(name):
-        raise InvalidArgument(f"mpigpu.{name} takes no out= in this mpigpu: leave 'out' out of --calls")
     if args.tune:
         raise InvalidArgument("--tune measures allreduce's crossover table: run it without --collective")
     inplace = name == "broadcast"  # broadcast writes x in place; the others return a new array
@@ -139,7 +127,7 @@ def refuse_options(args: Any) -> list[str]:
             f"{flag} does not apply to --collective {name}: {name} is "
             + ("in place only" if inplace else "out of place only (it returns a new array)")
         )
-    args.calls = args.calls or ["user", *(["out"] if name in _OUT_CALLS and takes_out(name) else [])]
+    args.calls = args.calls or allowed
     args.modes = [inplace]
     setting = {
         "broadcast": f"root rank {ROOT}, in place",

@@ -151,7 +151,7 @@ def build_parser() -> Parser:
         "--calls", type=comma_list(choice_arg(CALLS, "call"), "calls", ALLREDUCE_CALLS), default=None,
         metavar="LIST",
         help="how each mpigpu backend and auto is called, comma-separated or 'all' (default user,persistent; "
-        "user for the other collectives, and out for allgather and alltoall where mpigpu takes out=): "
+        "user for the other collectives, and out for allgather and alltoall: into an output made once): "
         "user = mpigpu.allreduce(x) checked every call; persistent = req() of a request from allreduce_init; "
         "prepared = mpigpu.calls.reduce.run of a call prepared once (diagnostic; --tune adds it)",
     )  # fmt: skip

@@ -43,7 +43,8 @@ def test_one_run_times_every_collective_verified_and_writes_a_file_each(tmp_path
         # the GPU columns cannot run here: said, with the reason, not silently left out
         assert any(s.startswith("nccl-raw: needs a GPU on every rank") for s in doc["skipped"]), doc["skipped"]
         assert any(s.startswith("torch-nccl: ") for s in doc["skipped"]), doc["skipped"]
-        columns = {"auto", "cpu", "mpi-host", *(["auto:req", "cpu:req"] if name == "allreduce" else [])}
+        columns = {"auto", "cpu", "mpi-host", *(["auto:req", "cpu:req"] if name == "allreduce" else []),
+                   *(["auto:out", "cpu:out"] if name in ("allgather", "alltoall") else [])}  # fmt: skip
         assert {(r["column"], r["bytes"]) for r in doc["results"]} == {(c, b) for c in columns for b in (8, 4096)}
         assert all(r["wrong"] == 0 and r["placement"] == "host" for r in doc["results"])
         assert {r["inplace"] for r in doc["results"]} == {name in ("allreduce", "broadcast")}
