@@ -74,9 +74,14 @@ class _Frame:
 
     def poisoned(self, shape: tuple[int, ...], dtype: str):
         arr = self.cp.empty(shape, dtype)
-        with cupy_stream(self._handle()):
-            arr.reshape(-1).view(np.uint8).fill(POISON)
+        self.poison(arr)
         return self.torch.from_dlpack(arr) if self.framework == "torch" else arr
+
+    def poison(self, arr) -> None:
+        """Fill ``arr`` (CuPy or torch) with the poison byte, in the stream's order."""
+        cp = self.cp
+        with cupy_stream(self._handle()):
+            (cp.from_dlpack(arr) if self.framework == "torch" else arr).reshape(-1).view(np.uint8).fill(POISON)
 
     def host(self, arr) -> np.ndarray:
         """``arr``'s bytes after the stream's work (no earlier)."""
@@ -297,3 +302,49 @@ def test_reduce_scatter_and_alltoall_placement_mismatch(ctx, comm, cp) -> None:
 def test_ipc_does_not_alltoall(ctx, comm, cp) -> None:
     with pytest.raises((InvalidArgument, mpigpu.BackendUnavailable), match=r"alltoall|not available"):
         mpigpu.alltoall(cp.zeros((comm.Get_size(), 2), np.float32), [1] * comm.Get_size(), backend="ipc")
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_allgather_and_alltoall_into_out_made_once(ctx, comm, cp, backend: str, framework: str) -> None:
+    _need(ctx, backend)
+    frame = _Frame(framework, cp)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    failures = []
+    for dtype in ("float32", "int8", "float16"):
+        trailing = (257, 33)
+        x = frame.produce(_pattern(rank, (_rows(rank), *trailing), dtype))
+        want = np.concatenate([_pattern(r, (_rows(r), *trailing), dtype) for r in range(size)])
+        out = frame.poisoned(want.shape, dtype)
+        splits = [(rank + 2 * j) % 4 for j in range(size)]
+        y = frame.produce(np.concatenate([_a2a_rows(rank, j, trailing, dtype) for j in range(size)]))
+        a2a_want = np.concatenate([_a2a_rows(j, rank, trailing, dtype) for j in range(size)])
+        into = frame.poisoned(a2a_want.shape, dtype)
+        for call in range(3):  # the first call makes each record, the next find them with their outs
+            if mpigpu.allgather(x, out=out, backend=backend, stream=frame.stream) is not out:
+                failures.append(f"{dtype} allgather: out not returned")
+            if frame.host(out).tobytes() != want.tobytes():
+                failures.append(f"{dtype} allgather call {call}")
+            if mpigpu.alltoall(y, splits, out=into, backend=backend, stream=frame.stream) is not into:
+                failures.append(f"{dtype} alltoall: out not returned")
+            if frame.host(into).tobytes() != a2a_want.tobytes():
+                failures.append(f"{dtype} alltoall call {call}")
+            if call == 0:  # the same outs again: the records are found, and must write them again
+                frame.poison(out)
+                frame.poison(into)
+            else:  # new outs (new records where they land at new addresses)
+                out, into = frame.poisoned(want.shape, dtype), frame.poisoned(a2a_want.shape, dtype)
+    failures = [f for rank_failures in comm.allgather(failures) for f in rank_failures]
+    assert not failures, f"{backend}/{framework}: wrong on " + "; ".join(failures)
+
+
+def test_an_out_on_the_host_raises_everywhere(ctx, comm, cp) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = cp.ones((2, 3), np.float32)
+    out = cp.full((2 * size, 3), -1, np.float32)
+    bad = np.full((2 * size, 3), -1, np.float32) if rank == size - 1 else out
+    expected = InvalidArgument if rank == size - 1 or size == 1 else MismatchError
+    with pytest.raises(expected):
+        mpigpu.allgather(x, out=bad)
+    assert (cp.asnumpy(out) == -1).all() and (cp.asnumpy(cp.asarray(bad)) == -1).all()  # nothing written
+    assert cp.asnumpy(mpigpu.allgather(x, out=out)).tolist() == [[1.0] * 3] * (2 * size)  # in step
