@@ -587,3 +587,28 @@ def test_alltoall_splits_out_rows_checked_in_the_exchange(comm) -> None:
         comm, size - 1, lambda: mpigpu.alltoall(x, _splits(rank, size), out=out, comm=comm), message, "failed"
     )
     assert (out.reshape(-1).view(np.uint8) == POISON).all()
+
+
+def test_async_out_of_the_wrong_rows_raises_on_every_rank(comm) -> None:
+    size = comm.Get_size()
+    x = np.ones((2 * size, 2), np.float32)
+    out = _poisoned((2 * size + 1, 2), "float32")  # every rank's: the same wrong count
+    with pytest.raises(InvalidArgument, match="out has"):  # raised at the start or by wait(), on every rank
+        mpigpu.alltoall_async(x, out=out, comm=comm).wait()
+    assert (out.reshape(-1).view(np.uint8) == POISON).all()
+    _in_step(comm)
+    good = _poisoned((2 * size, 2), "float32")
+    assert mpigpu.alltoall_async(x, out=good, comm=comm).wait() is good and (good == 1).all()
+
+
+def test_async_alltoall_splits_out_one_rank_wrong(comm) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        return
+    x = _send_buffer(rank, size, (2,), "float32")
+    wants = [sum(_splits(j, size)[r] for j in range(size)) for r in range(size)]
+    out = _poisoned((wants[rank] + (rank == 0), 2), "float32")
+    message = f"out has {wants[0] + 1} rows, but the ranks' splits send this rank {wants[0]}"
+    handle = mpigpu.alltoall_async(x, _splits(rank, size), out=out, comm=comm)
+    _raises_everywhere(comm, 0, handle.wait, message, "failed")  # the queue goes on: _in_step pairs after it
+    assert (out.reshape(-1).view(np.uint8) == POISON).all()

@@ -37,7 +37,7 @@ from typing import Any
 
 from mpigpu.backends import backend_class
 from mpigpu.core._cuda import StreamRef, core_stream
-from mpigpu.core.errors import MismatchError, MpigpuError
+from mpigpu.core.errors import MpigpuError, left_in_step
 from mpigpu.job.failsafe import report_background_failure
 from mpigpu.runtime.context import Context, announce_rejection
 
@@ -81,7 +81,7 @@ class Worker:
                 future.set_result(task())
             except BaseException as exc:
                 future.set_exception(exc)
-                if self._failure is None and not isinstance(exc, MismatchError):
+                if self._failure is None and not left_in_step(exc):
                     self._failure = exc
                     if self._on_failure is not None:
                         self._on_failure(exc)

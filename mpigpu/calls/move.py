@@ -38,7 +38,7 @@ from mpigpu.calls.reduce import check_rows_out, lent, lent_pair, rows_view
 from mpigpu.core._cuda import StreamRef
 from mpigpu.core.arguments import check_backend_name
 from mpigpu.core.arrays import ArrayView, as_view, require_c_order, scalar_fix
-from mpigpu.core.errors import InvalidArgument
+from mpigpu.core.errors import InvalidArgument, in_step
 from mpigpu.core.ops import Op
 from mpigpu.job.check import fail_together, mark_raised_everywhere
 from mpigpu.runtime.context import Context
@@ -149,9 +149,9 @@ def _output(ctx: Context, x: Any, xv: ArrayView, out: Any, outv: ArrayView | Non
     if outv is None:
         return new_array(xv, (rows, *xv.shape[1:]), x)
     if outv.shape[0] != rows:
-        raise mark_raised_everywhere(ctx.comm, InvalidArgument(
+        raise mark_raised_everywhere(ctx.comm, in_step(InvalidArgument(
             f"out has {outv.shape[0]} rows, but {name} gives every rank {rows}: pass an out of shape "
-            f"{(rows, *xv.shape[1:])}"), same_text=True)  # fmt: skip
+            f"{(rows, *xv.shape[1:])}")), same_text=True)  # fmt: skip
     return out, outv, None
 
 
@@ -343,10 +343,10 @@ def _exchange_splits_and_outs(ctx: Context, splits: list[int], out_rows: int) ->
     if bad:
         error = None
         if rank in bad:
-            error = InvalidArgument(
+            error = in_step(InvalidArgument(
                 f"out has {out_rows} rows, but the ranks' splits send this rank {int(wants[rank])}: pass an out "
                 "of that many rows"
-            )
+            ))  # fmt: skip
         fail_together(ctx.comm, error, "alltoall")
     return [int(r) for r in table[:, rank]]
 
@@ -392,5 +392,7 @@ def alltoall_async(
     return_splits: bool = False,
 ) -> Handle:
     """Start ``alltoall(x, splits, ...)`` and return its Handle; ``wait()`` returns what ``alltoall``
-    returns. Runs as ``allreduce_async`` runs (see mpigpu.calls.handles): do not modify ``x`` until then."""
+    returns. Runs as ``allreduce_async`` runs (see mpigpu.calls.handles): do not modify ``x`` (or read
+    ``out``) until then. An out whose rows the other ranks' calls contradict raises from ``wait()``,
+    on every rank, as a cross-rank mismatch does; the queue goes on."""
     return call_async(ALLTOALL, comm, stream, (x, splits, out, backend, return_splits))

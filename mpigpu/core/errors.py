@@ -12,6 +12,8 @@ __all__ = [
     "MismatchError",
     "MissingDependency",
     "MpigpuError",
+    "in_step",
+    "left_in_step",
 ]
 
 
@@ -64,3 +66,16 @@ class CollectiveTimeout(MpigpuError):
 
     Raised where the timeout is found on a thread that can raise (the ipc kernel's barrier timed
     out); the watchdog, which finds it on its own thread, ends the job with a message of this name."""
+
+
+def in_step(error: BaseException) -> BaseException:
+    """Mark ``error`` as raised by every rank for the same call at the same point, before any data
+    moved: the ranks' calls still pair, so a queue of async calls goes on (mpigpu.calls.handles)."""
+    error.mpigpu_in_step = True  # type: ignore[attr-defined]
+    return error
+
+
+def left_in_step(error: BaseException) -> bool:
+    """Whether every rank raised for this call and the next call still pairs (a cross-rank mismatch,
+    or an error marked by ``in_step``)."""
+    return isinstance(error, MismatchError) or getattr(error, "mpigpu_in_step", False)
