@@ -20,7 +20,7 @@ ROUNDS = 3
 ARGS = ["--sizes", "8,4K", "--iters", "2", "--warmup", "1", "--rounds", str(ROUNDS), "--quiet", "--placement", "host"]
 PATHS = {  # the paths of each run below, in the order of the header's '# paths' line
     "allreduce": ["mpi-host", "cpu", "cpu:req"],
-    "allgather": ["mpi-host", "cpu"],
+    "allgather": ["mpi-host", "cpu", "cpu:out"],
 }
 
 
@@ -118,7 +118,8 @@ def test_every_collective_of_one_run_takes_its_turns_in_rotated_rounds(
     assert set(comm.allgather(status)) == {0}
     assert all(theirs == sizes for theirs in comm.allgather(sizes)), "every rank played the same turns"
     order = ["allreduce", "reduce_scatter", "alltoall", "broadcast", "allgather"]
-    listed = {name: ["mpi-host", "cpu", *(["cpu:req"] if name == "allreduce" else [])] for name in order}
+    extra = {"allreduce": ["cpu:req"], "alltoall": ["cpu:out"], "allgather": ["cpu:out"]}
+    listed = {name: ["mpi-host", "cpu", *extra.get(name, [])] for name in order}
     assert [columns for columns, _ in sizes] == [listed[name] for name in order for _ in (8, 4096)]
     for columns, played in sizes:
         k = len(columns)
