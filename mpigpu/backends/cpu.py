@@ -264,7 +264,7 @@ class CpuBackend(Backend):
     def bind_reduce_scatter(self, x: ArrayView, op: Op, rows: list[int]) -> Callable[..., None]:
         """``reduce_scatter`` with the reduction and this rank's elements chosen once: a call is the
         allreduce into the private buffer and one copy of this rank's slice."""
-        reduce, nbytes, kind = self._reducer(x.dtype, op, False), x.nbytes, x.dtype.np
+        reduce, nbytes, kind = self._reducer(x.dtype, op, False, False), x.nbytes, x.dtype.np
         per_row = row_bytes(x.shape, x.dtype.itemsize) // x.dtype.itemsize
         start = sum(rows[: self.ctx.rank]) * per_row
         stop = start + rows[self.ctx.rank] * per_row
@@ -274,7 +274,7 @@ class CpuBackend(Backend):
             if full.nbytes < nbytes:
                 full = self._full = np.empty(nbytes, np.uint8)
             whole = full[:nbytes].view(kind)
-            reduce(xv.host, whole)  # type: ignore[arg-type]
+            reduce(stream, xv.host, whole)  # type: ignore[arg-type]
             outv.host.reshape(-1)[...] = whole[start:stop]  # type: ignore[union-attr]
 
         return launch
