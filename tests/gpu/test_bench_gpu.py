@@ -137,6 +137,7 @@ def test_broadcast_and_allgather_rows_beside_raw_nccl(comm, collective: str, fra
     rows = doc["results"]
     columns = {r["column"] for r in rows}
     expected = {"auto", *backends}
+    expected |= {f"{b}:out" for b in ("auto", *backends)} if collective == "allgather" else set()  # out=o, made once
     expected |= {"nccl-raw"} if ctx.nccl.available else set()
     expected |= {"torch-nccl"} if torch_ok and ctx.nccl.available else set()
     expected |= {"mpi-device"} if ctx.cuda_aware.aware else set()
@@ -205,6 +206,7 @@ def test_every_collective_in_one_run_beside_torch_and_raw_nccl(comm) -> None:
         assert doc["ok"], (name, doc["failures"])
         columns = {r["column"] for r in doc["results"]}
         calls = {"auto", *backends, *([f"{b}:req" for b in ("auto", *backends)] if name == "allreduce" else [])}
+        calls |= {f"{b}:out" for b in ("auto", *backends)} if name in ("allgather", "alltoall") else set()
         brought = {"seed-staging"} if name == "allreduce" and "host" in backends else set()  # host's anchor
         assert columns == calls | set(anchors) | brought, (name, doc["skipped"], doc["not_timed"])
         assert all(r["placement"] == "device" and r["wrong"] == 0 for r in doc["results"])
