@@ -94,6 +94,21 @@ def test_merge_writes_a_chrome_trace_with_every_rank(three_ranks: Path, capsys: 
     assert {e["name"] for e in nested} == {"allreduce", "check", "launch"}
 
 
+def test_check_takes_a_reduction_done_before_its_start_returned(tmp_path: Path) -> None:
+    """done may precede launched (the GPU finished while the host's start call had not returned), not
+    launch; the host's own marks must be in order."""
+    from mpigpu.timeline.check import _bucket_problems
+
+    def bucket(**marks: int) -> dict[str, Any]:
+        return {"step": 0, "bucket": 0, "marks": {"ready": 1, "launch": 2, "launched": 10, "done": 12, **marks}}
+
+    assert _bucket_problems(0, bucket()) == []
+    assert _bucket_problems(0, bucket(done=9)) == [], "done before launched: a slow start call"
+    assert "out of order" in _bucket_problems(0, bucket(done=1))[0], "done before its launch began"
+    assert "out of order" in _bucket_problems(0, bucket(launch=11))[0], "launch after launched"
+    assert "out of order" in _bucket_problems(0, bucket(ready=3))[0], "ready after launch"
+
+
 def test_a_missing_rank_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _write(tmp_path / "tl", 0, 3, [_call(0, 1)])
     _write(tmp_path / "tl", 2, 3, [_call(0, 1)])
