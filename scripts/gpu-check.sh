@@ -41,6 +41,7 @@
 #   train      scripts/training-figures.sh: bench_training for the MLP (+ fusion), ResNet-50, GPT-2 beside DDP,
 #              rows interleaved, GPT-2 checked bitwise with deterministic kernels; then the timeline of ResNet-50
 #              with BackwardAverager (scripts/timeline_step.py), and GPT-2's: checked complete, merged, one step as a PNG
+#   timeline   (not in the default list; part of train) the two timelines alone
 #   hvd        Horovod's own test/parallel/test_torch.py as one pytest session on every GPU under Open MPI,
 #              from .hvd-suite (scripts/hvd-suite.sh HOROVOD_CHECKOUT prepares it; carry it along)
 #   hvd_synth  issue 37 (not in the default list: name it): Horovod's pytorch_synthetic_benchmark.py, unchanged, on
@@ -284,6 +285,10 @@ stage_soak() {
 
 stage_train() {
   step train-ompi 240 0 "OUT=$OUT/training TRAIN_DEADLINE=225 scripts/training-figures.sh"
+  stage_timeline
+}
+
+stage_timeline() {  # part of train; alone: the two timelines again
   # issue 37: the timelines of ResNet-50 and GPT-2 with BackwardAverager on every GPU: complete (every rank,
   # every bucket's marks, a backward span per step), merged with its report (who waited, how much of the
   # reduction backward hid), and one step drawn
