@@ -271,7 +271,7 @@ stage_collectives() {  # issues 16 and 36: the five collectives in ONE job (one 
   # auto follows the table the bench stage measured, else this machine's committed one (as in usercall)
   if [ -f "$OUT/tune.json" ]; then cp "$OUT/tune.json" "$tune"
   elif [ -f "bench/results/tune-$tag-ompi.json" ]; then cp "bench/results/tune-$tag-ompi.json" "$tune"; fi
-  step "collectives-ompi" "${COLLECTIVES_LIMIT:-300}" 0 "MPIGPU_TUNE_FILE=$tune $OMPI -n $NGPU $PY -m mpigpu.bench --collective all --placement gpu --inplace --dtypes float32 --sizes $small,4K,64K,1M,16M,256M --backends auto,nccl,host,cuda-aware,ipc,nccl-raw,torch-nccl --calls user,persistent --framework torch --rounds 7 --time-limit ${COLL_TIME:-4} --tag $tag --json-dir $dir --plot $dir/$tag-collectives-$date.png"
+  step "collectives-ompi" "${COLLECTIVES_LIMIT:-300}" 0 "MPIGPU_TUNE_FILE=$tune $OMPI -n $NGPU $PY -m mpigpu.bench --collective all --placement gpu --inplace --dtypes float32 --sizes $small,4K,64K,1M,16M,256M --backends auto,nccl,host,cuda-aware,ipc,nccl-raw,torch-nccl --calls user,persistent,out --framework torch --rounds 7 --time-limit ${COLL_TIME:-4} --tag $tag --json-dir $dir --plot $dir/$tag-collectives-$date.png"
   # the table of all five comes back beside the summary (everything else is packed in results.tgz)
   cp "$dir/$tag-collectives-$date.md" "$OUT/" 2>/dev/null || true
   # the Horovod layer's per-call row on CUDA tensors beside mpigpu.allreduce(t) and allreduce_async(t).wait()

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from mpigpu.calls.reduce import scatter_rows
+from mpigpu.calls.reduce import scatter_choice, scatter_rows
 from mpigpu.core.arrays import ArrayView, as_view
 from mpigpu.core.dtypes import DType
 from mpigpu.core.errors import InvalidArgument
@@ -46,6 +46,7 @@ from mpigpu.core.timing import Result
 __all__ = [
     "COLLECTIVES",
     "MOVES",
+    "OUT_CALLS",
     "CollectiveResult",
     "CollectiveWorkload",
     "bind_collective",
@@ -56,7 +57,7 @@ __all__ = [
 COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
 MOVES = ("broadcast", "allgather", "reduce_scatter", "alltoall")  # the collectives this module times
 _NEW_OUTPUT = ("allgather", "reduce_scatter", "alltoall")  # the user's call returns a new array
-_OUT_CALLS = ("allgather", "alltoall")  # --calls out: the call into an output made once (out=)
+OUT_CALLS = ("allgather", "alltoall")  # --calls out: the call into an output made once (out=)
 ROOT = 0
 POISON = 0xFF  # never a pattern byte (patterns are < 251)
 _checks = itertools.count(1)  # the salt g of each check, the same sequence on every rank
@@ -112,7 +113,7 @@ def refuse_options(args: Any) -> list[str]:
         if name == "reduce_scatter":
             raise InvalidArgument("--collective reduce_scatter is timed and verified with op sum: leave out --ops")
         raise InvalidArgument(f"--collective {name} reduces nothing: leave out --ops (only allreduce takes ops)")
-    allowed = ["user", *(["out"] if name in _OUT_CALLS else [])]
+    allowed = ["user", *(["out"] if name in OUT_CALLS else [])]
     if args.calls is not None and not set(args.calls) <= set(allowed):
         raise InvalidArgument(
             f"--collective {name} times the user's call only (mpigpu.{name} has no persistent or prepared form): "
@@ -361,7 +362,10 @@ def bind_collective(
         view = as_view(x)
         if work.collective == "alltoall":  # chosen as the call chooses: without the first dimension
             view = ArrayView(None, 0, (0,), view.dtype, view.device, False, view.framework)
-        choice = choose_cached(ctx, view, Op.SUM, path.name, work.collective)
+        if work.collective == "reduce_scatter":  # as the call chooses (mpigpu.calls.reduce)
+            choice = scatter_choice(ctx, view, Op.SUM, path.name)
+        else:
+            choice = choose_cached(ctx, view, Op.SUM, path.name, work.collective)
     except MpigpuError as exc:
         problem = str(exc)
     problem = _agreed_problem(ctx, problem)

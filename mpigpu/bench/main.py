@@ -32,7 +32,7 @@ from mpigpu.backends import BACKEND_NAMES
 from mpigpu.bench.anchors import ANCHORS
 from mpigpu.bench.calls import FRAMEWORKS, TIMINGS
 from mpigpu.bench.collected import ORDER, gpu_tag, merged_table, plot_collectives, result_name
-from mpigpu.bench.collectives import COLLECTIVES, refuse_options
+from mpigpu.bench.collectives import COLLECTIVES, OUT_CALLS, refuse_options
 from mpigpu.bench.report import (
     ALLREDUCE_CALLS,
     CALLS,
@@ -438,7 +438,8 @@ def _part(ctx: Any, args: argparse.Namespace, collective: str, several: bool) ->
     part.modes = [False, True] if both else [args.inplace]
     if collective != "allreduce":
         if several:
-            part.calls = [c for c in args.calls or [] if c in ("user", "out")] or None
+            takes = ("user", "out") if collective in OUT_CALLS else ("user",)
+            part.calls = [c for c in args.calls or [] if c in takes] or None
             part.inplace = part.out_of_place = False
         part.collective_lines = refuse_options(part)  # sets calls and modes
     else:

@@ -5,9 +5,12 @@ reduce_scatter: x's reduction (``op`` exactly as allreduce reduces it, the same 
 of the first dimension as Horovod splits it: the first ``N % size`` ranks get ``N // size + 1``
 rows, the others ``N // size``. Backends: cpu (allreduce, then this rank's rows), host (allreduce's
 node-shared reduction, each rank copying back only its own rows), nccl (ncclReduceScatter, padded to
-equal counts), cuda-aware and ipc (their allreduce, then the rows). ``auto``: reduce_scatter runs on
-the backend allreduce's ``auto`` picks for x, so its rows are the bits of ``allreduce(x, op)`` under
-``auto`` as under a named backend (backends round float16 sums, averages and products differently).
+equal counts), cuda-aware and ipc (their allreduce, then the rows). ``auto`` (``scatter_choice``): on
+host arrays the backend allreduce's ``auto`` picks for x, so its rows are the bits of
+``allreduce(x, op)`` there too; on GPUs the reduce_scatter rules, nccl's reduceScatter first (ipc's,
+an allreduce and a copy, cost 46-50 us from 8 B to 1 MiB on 2 x H100 where nccl's cost 33-39), so
+the rows need not be auto's allreduce's bits (backends round float16 sums, averages and products
+differently).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_async",
     "run",
+    "scatter_choice",
     "scatter_rows",
     "select_device",
 ]
@@ -385,7 +389,7 @@ class _ReduceScatter(Family):
         if out is not None:
             outv = as_view(out, name="out")
             check_rows_out(outv, xv, rows[ctx.rank], "reduce_scatter")
-        choice = _scatter_choice(ctx, xv, op_, backend)
+        choice = scatter_choice(ctx, xv, op_, backend)
         sig = signature("reduce_scatter", xv, op_, choice.backend, placement=int(xv.on_device))
         record = Record(ctx, self, detach(xv), None if outv is None else detach(outv), op_, choice, sig, sig.packed(),
                         extra=rows)  # fmt: skip
@@ -421,9 +425,10 @@ def _bind_scatter(record: Record) -> Any:
     return lambda xv, outv, stream: method(xv, outv, op, rows, stream)
 
 
-def _scatter_choice(ctx: Context, xv: ArrayView, op: Op, backend: str) -> Choice:
-    """The named backend, or under ``auto`` the one allreduce's auto picks for x (module docstring)."""
-    if backend != "auto":
+def scatter_choice(ctx: Context, xv: ArrayView, op: Op, backend: str) -> Choice:
+    """The named backend; under ``auto`` the reduce_scatter rules on GPUs, on host arrays the backend
+    allreduce's auto picks for x (module docstring)."""
+    if backend != "auto" or xv.on_device:
         return choose_cached(ctx, xv, op, backend, "reduce_scatter")
     picked = choose_cached(ctx, xv, op, "auto", "allreduce")
     return Choice(picked.backend, f"allreduce's choice, so the rows are allreduce's bits: {picked.reason}")

@@ -58,6 +58,21 @@ def test_one_run_times_every_collective_verified_and_writes_a_file_each(tmp_path
 
 
 @serial
+def test_named_calls_go_to_the_collectives_that_take_them(tmp_path: Path) -> None:
+    """--calls user,persistent,out over every collective: persistent is allreduce's, out allgather's and
+    alltoall's; the others time the user's call (no refusal for a call another collective takes)."""
+    folder = tmp_path / "results"
+    ok(bench(2, tmp_path, "--collective", "all", "--sizes", "8", "--inplace", "--backends", "auto,cpu",
+             "--calls", "user,persistent,out", "--json-dir", str(folder)))  # fmt: skip
+    for path in folder.glob("*.json"):
+        doc = json.loads(path.read_text())
+        name = doc["collective"]
+        suffix = {"allreduce": ":req", "allgather": ":out", "alltoall": ":out"}.get(name)
+        want = {"auto", "cpu", "mpi-host", *([f"auto{suffix}", f"cpu{suffix}"] if suffix else [])}
+        assert {r["column"] for r in doc["results"]} == want, name
+
+
+@serial
 def test_a_wrong_result_fails_its_collective_and_the_run(tmp_path: Path) -> None:
     folder = tmp_path / "bad"
     ok(bench(2, tmp_path, "--collective", "broadcast,alltoall", "--sizes", "8", "--backends", "cpu",
