@@ -29,7 +29,7 @@ from mpigpu.backends import backend_code
 from mpigpu.calls.handles import Handle, reject, start
 from mpigpu.core import timeline
 from mpigpu.core._cuda import StreamRef, resolve_stream
-from mpigpu.core.arrays import ArrayView, as_view
+from mpigpu.core.arrays import ArrayView, as_view, torch_cpu_array
 from mpigpu.core.errors import InvalidArgument
 from mpigpu.job.check import COLLECTIVES, Signature, check_rows, check_signature, raise_mismatch
 from mpigpu.multi.binding import thread_binding
@@ -374,6 +374,8 @@ def host_of(view: ArrayView, array: Any) -> Any:
     as its transpose, C order), or another host array's (a torch CPU tensor's) zero-copy view."""
     if type(array) is np.ndarray:
         return array if view.order == "C" else array.T
+    if type(array).__module__ == "torch":  # a CPU tensor, valid as its record found it: its memory, no checks
+        return torch_cpu_array(array)
     return as_view(array, name="x").host
 
 

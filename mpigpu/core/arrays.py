@@ -27,6 +27,7 @@ __all__ = [
     "raw_view",
     "require_c_order",
     "scalar_fix",
+    "torch_cpu_array",
 ]
 
 _KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 1, 2, 3, 13
@@ -174,21 +175,25 @@ def _from_numpy(arr: np.ndarray, obj: Any, framework: str, name: str = "x") -> A
 
 
 def _torch_cpu(obj: Any) -> ArrayView:
+    if not obj.is_contiguous():
+        raise _not_contiguous("torch")
+    return _from_numpy(torch_cpu_array(obj), obj, "torch")
+
+
+def torch_cpu_array(obj: Any) -> np.ndarray:
+    """A CPU tensor's memory as a NumPy array, no copy (bfloat16 as ml_dtypes'): what a call record's
+    launch is lent for a tensor its key already found valid (mpigpu.calls.pipeline.host_of)."""
     import torch
 
     tensor = obj.detach()
-    if not tensor.is_contiguous():
-        raise _not_contiguous("torch")
     if tensor.dtype == torch.bfloat16:  # NumPy has no bfloat16: view the bits, then relabel
         import ml_dtypes
 
-        arr = tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    else:
-        try:
-            arr = tensor.numpy()
-        except TypeError as exc:
-            raise InvalidArgument(f"unsupported dtype {tensor.dtype} for a CPU tensor: {exc}") from None
-    return _from_numpy(arr, obj, "torch")
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    try:
+        return tensor.numpy()
+    except TypeError as exc:
+        raise InvalidArgument(f"unsupported dtype {tensor.dtype} for a CPU tensor: {exc}") from None
 
 
 def _device_view(obj: Any, framework: str) -> ArrayView:
