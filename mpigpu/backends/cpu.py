@@ -50,16 +50,11 @@ Reduce = Callable[[Any, np.ndarray, np.ndarray], None]
 def has_nan(values: np.ndarray) -> bool:
     """Whether the float array ``values`` holds a NaN (or, for at most _SMALL elements, +inf and -inf,
     whose sum is NaN: a false alarm costs the fix-up a pass that finds nothing). One read."""
-    if values.size <= _SMALL and values.ndim == 1:  # ``_small``
+    if values.size <= _SMALL and values.ndim == 1:
         total = sum(values.tolist())
         return total != total
     top = np.maximum.reduce(values, axis=None)  # NaN in, NaN out; no floating-point warning (an errstate costs ~1 us)
     return bool(top != top)
-
-
-def _small(x: ArrayView) -> bool:
-    """Whether has_nan searches ``x``'s values by a Python sum (1-D, at most _SMALL elements)."""
-    return len(x.shape) == 1 and x.size <= _SMALL
 
 
 def _divide_has_nan(values: np.ndarray, nranks: int) -> bool:
@@ -105,7 +100,7 @@ class CpuBackend(Backend):
         super().__init__(ctx)
         self._acc = np.empty(0, np.float32)
         self._full = np.empty(0, np.uint8)  # reduce_scatter's whole result
-        self._reducers: dict[tuple[str, Op, bool, bool], Reduce] = {}
+        self._reducers: dict[tuple[str, Op, bool], Reduce] = {}
 
     @classmethod
     def probe(cls, ctx: CommContext) -> Availability:
@@ -118,13 +113,13 @@ class CpuBackend(Backend):
 
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
         assert x.host is not None and out.host is not None
-        self._reducer(x.dtype, op, x.same_memory(out), _small(x))(stream, x.host, out.host)
+        self._reducer(x.dtype, op, x.same_memory(out))(stream, x.host, out.host)
 
     def bind_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[..., None]:
         """The reduction for x's dtype, the op and in-place-or-not chosen once: a call is MPI_Allreduce
         (and, for floats, the NaN search) on the arrays it is lent, or on the views' own. A call
         record's views hold no array (every call lends its own): its launch is the reduction itself."""
-        reduce = self._reducer(x.dtype, op, x.same_memory(out), _small(x))
+        reduce = self._reducer(x.dtype, op, x.same_memory(out))
         own_x, own_out = x.host, out.host
         if own_x is None:
             return reduce
@@ -137,18 +132,17 @@ class CpuBackend(Backend):
 
         return call
 
-    def _reducer(self, dtype: DType, op: Op, in_place: bool, small: bool) -> Reduce:
-        """The allreduce of (source, destination) arrays of ``dtype`` with ``op`` (made once each);
-        ``small``: 1-D arrays of at most _SMALL elements (``_small``)."""
-        key = (dtype.name, op, in_place, small)
+    def _reducer(self, dtype: DType, op: Op, in_place: bool) -> Reduce:
+        """The allreduce of (source, destination) arrays of ``dtype`` with ``op`` (made once each)."""
+        key = (dtype.name, op, in_place)
         found = self._reducers.get(key)
         if found is None:
-            found = self._reducers[key] = self._make(dtype, op, in_place, small)
+            found = self._reducers[key] = self._make(dtype, op, in_place)
         return found
 
-    def _make(self, dtype: DType, op: Op, in_place: bool, small: bool) -> Reduce:
+    def _make(self, dtype: DType, op: Op, in_place: bool) -> Reduce:
         if is_plain(dtype, op):
-            return self._plain(self.ctx.comm, dtype, op, in_place, small)
+            return self._plain(self.ctx.comm, dtype, op, in_place)
         comm, nranks, mpi = self.ctx.comm, self.ctx.size, MPI()
         if dtype.is_float and op in (Op.MIN, Op.MAX):  # keys: MPI's integer MIN/MAX is order-independent
             keys_type, mpi_op = dtype.unsigned.mpi, op.mpi
@@ -190,7 +184,7 @@ class CpuBackend(Backend):
         raise AssertionError(f"no reduction for {dtype.name} {op.value}")
 
     @staticmethod
-    def _plain(comm: Any, dtype: DType, op: Op, in_place: bool, small: bool) -> Reduce:
+    def _plain(comm: Any, dtype: DType, op: Op, in_place: bool) -> Reduce:
         """MPI_Allreduce as it is; for floats the NaN search (fused with avg's division). One closure
         per case, so that a call tests nothing it could know beforehand."""
         allreduce, kind, mpi_op, nranks = comm.Allreduce, dtype.mpi, op.mpi, comm.Get_size()
@@ -212,16 +206,6 @@ class CpuBackend(Backend):
                     canonicalize_nan(dst)
 
             return average
-
-        if in_place and small:  # the 8-byte call: has_nan's Python sum, inline
-
-            def in_place_few(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
-                allreduce(in_place_buffer, [dst, kind], mpi_op)
-                total = sum(dst.tolist())
-                if total != total:
-                    canonicalize_nan(dst)
-
-            return in_place_few
 
         if in_place:
 
@@ -264,7 +248,7 @@ class CpuBackend(Backend):
     def bind_reduce_scatter(self, x: ArrayView, op: Op, rows: list[int]) -> Callable[..., None]:
         """``reduce_scatter`` with the reduction and this rank's elements chosen once: a call is the
         allreduce into the private buffer and one copy of this rank's slice."""
-        reduce, nbytes, kind = self._reducer(x.dtype, op, False, False), x.nbytes, x.dtype.np
+        reduce, nbytes, kind = self._reducer(x.dtype, op, False), x.nbytes, x.dtype.np
         per_row = row_bytes(x.shape, x.dtype.itemsize) // x.dtype.itemsize
         start = sum(rows[: self.ctx.rank]) * per_row
         stop = start + rows[self.ctx.rank] * per_row

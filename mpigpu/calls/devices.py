@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from mpigpu.calls.keys import call_key
-from mpigpu.calls.pipeline import Family, Record, detach, find, go, host_of, signature, values_key
+from mpigpu.calls.pipeline import Family, Record, detach, find, go, hosts_of, signature, values_key
 from mpigpu.core._cuda import StreamRef, resolve_stream
 from mpigpu.core.arguments import reduction_arguments
 from mpigpu.core.arrays import ArrayView, check_out
@@ -116,8 +116,7 @@ def _entry(group: Group, k: int, x: Any, op: Any, out: Any, backend: str, stream
         if live is not None:
             entry.x_host, entry.out_host = live[0].host, live[1].host
         elif rx.device is None:  # a remembered call on host arrays: this call's (the key holds their layout)
-            entry.x_host = host_of(rx, x)
-            entry.out_host = entry.x_host if out is None or out is x else host_of(record.out, out)
+            entry.x_host, entry.out_host = hosts_of(record, x, out)
         if rx.device is not None:
             entry.stream = resolve_stream(stream, rx.framework, rx.device)
         entry.record, entry.x, entry.out, entry.result = record, rx, record.out, (x if out is None else out)

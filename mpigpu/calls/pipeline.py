@@ -55,6 +55,7 @@ __all__ = [
     "find",
     "finished",
     "host_of",
+    "hosts_of",
     "log_choice",
     "new_array",
     "signature",
@@ -268,14 +269,8 @@ def call(family: Family, comm: Any, stream: Any, args: tuple[Any, ...]) -> Any:
         worker = ctx.async_worker
         if worker is not None:
             worker.drain()  # calls queued by the *_async forms on this communicator reach MPI first
-        try:  # ``find``'s lookup, inline: a repeated call stops here
-            record = ctx.plan_cache.get(family.key(*args))
-        except Exception:  # an unhashable argument, say: find validates it (and refuses it on every rank)
-            record = None
-        live = None
-        if record is None:
-            record, live = find(ctx, family, args)
-        return go(ctx, record, args, None if record.x.device is None else stream_of(ctx, record, stream), live)
+        record, live = find(ctx, family, args)
+        return go(ctx, record, args, stream_of(ctx, record, stream), live)
     finally:
         ctx.leave()
 
@@ -377,6 +372,13 @@ def host_of(view: ArrayView, array: Any) -> Any:
     if type(array).__module__ == "torch":  # a CPU tensor, valid as its record found it: its memory, no checks
         return torch_cpu_array(array)
     return as_view(array, name="x").host
+
+
+def hosts_of(record: Record, x: Any, out: Any) -> tuple[Any, Any]:
+    """This call's host arrays for a remembered host record: x's, and out's (x's when ``out`` is None
+    or x itself)."""
+    x_host = host_of(record.x, x)
+    return x_host, x_host if out is None or out is x else host_of(record.out, out)  # type: ignore[arg-type]
 
 
 def copy_bytes(dst: ArrayView, src: ArrayView, stream: StreamRef | None) -> None:

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import numpy as np
-
 from mpigpu.calls.handles import Handle
 from mpigpu.calls.keys import call_key, family_key
 from mpigpu.calls.pipeline import (
@@ -33,6 +31,7 @@ from mpigpu.calls.pipeline import (
     detach,
     finished,
     host_of,
+    hosts_of,
     log_choice,
     new_array,
     signature,
@@ -115,8 +114,7 @@ class _Allreduce(Family):
         if live is None:  # a remembered call: this call's own host arrays (the key holds their layout)
             x, _, out, _ = args
             if rx.device is None:
-                x_host = x if type(x) is np.ndarray and rx.order == "C" else host_of(rx, x)  # the usual, inline
-                out_host = x_host if out is None or out is x else host_of(record.out, out)
+                x_host, out_host = hosts_of(record, x, out)
             else:
                 record.ctx.activate_gpu()
                 x_host = out_host = None
