@@ -306,11 +306,10 @@ def test_alltoall_torch_cpu(comm) -> None:
         assert isinstance(got, torch.Tensor) and got.dtype == dtype and torch.equal(got, want)
 
 
+@pytest.mark.mpi(min_size=2)
 def test_alltoall_uneven_rows_without_splits(comm) -> None:
     size = comm.Get_size()
     x = np.ones((size + 1, 2), np.float32)
-    if size == 1:
-        return
     with pytest.raises(InvalidArgument, match="splits"):  # every rank rejects it: its own error everywhere
         mpigpu.alltoall(x, comm=comm)
     _in_step(comm)
@@ -412,10 +411,9 @@ def test_async_is_in_flight_until_it_runs(comm, monkeypatch, name: str) -> None:
     _in_step(comm)
 
 
+@pytest.mark.mpi(min_size=2)
 def test_async_mismatch_raises_at_wait_on_every_rank(comm) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
-    if size == 1:
-        return
     x = np.ones((size, 2) if rank == 0 else (size, 3), np.float32)
     with pytest.raises(MismatchError):
         mpigpu.alltoall_async(x, comm=comm, backend="cpu").wait()
@@ -575,14 +573,20 @@ def test_out_rows_checked_across_ranks(comm) -> None:
     _in_step(comm)
 
 
+def _one_out_a_row_too_long(comm, wrong: int) -> tuple[np.ndarray, np.ndarray, str]:
+    """This rank's alltoall input (``_splits``' rows), an out one row too long on rank ``wrong`` (poisoned),
+    and the message rank ``wrong`` raises."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    wants = [sum(_splits(j, size)[r] for j in range(size)) for r in range(size)]
+    out = _poisoned((wants[rank] + (rank == wrong), 2), "float32")
+    message = f"out has {wants[wrong] + 1} rows, but the ranks' splits send this rank {wants[wrong]}"
+    return _send_buffer(rank, size, (2,), "float32"), out, message
+
+
+@pytest.mark.mpi(min_size=2)
 def test_alltoall_splits_out_rows_checked_in_the_exchange(comm) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
-    if size == 1:
-        return
-    x = _send_buffer(rank, size, (2,), "float32")
-    wants = [sum(_splits(j, size)[r] for j in range(size)) for r in range(size)]
-    out = _poisoned((wants[rank] + (rank == size - 1), 2), "float32")
-    message = f"out has {wants[-1] + 1} rows, but the ranks' splits send this rank {wants[-1]}"
+    x, out, message = _one_out_a_row_too_long(comm, size - 1)
     _raises_everywhere(
         comm, size - 1, lambda: mpigpu.alltoall(x, _splits(rank, size), out=out, comm=comm), message, "failed"
     )
@@ -601,14 +605,10 @@ def test_async_out_of_the_wrong_rows_raises_on_every_rank(comm) -> None:
     assert mpigpu.alltoall_async(x, out=good, comm=comm).wait() is good and (good == 1).all()
 
 
+@pytest.mark.mpi(min_size=2)
 def test_async_alltoall_splits_out_one_rank_wrong(comm) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
-    if size == 1:
-        return
-    x = _send_buffer(rank, size, (2,), "float32")
-    wants = [sum(_splits(j, size)[r] for j in range(size)) for r in range(size)]
-    out = _poisoned((wants[rank] + (rank == 0), 2), "float32")
-    message = f"out has {wants[0] + 1} rows, but the ranks' splits send this rank {wants[0]}"
+    x, out, message = _one_out_a_row_too_long(comm, 0)
     handle = mpigpu.alltoall_async(x, _splits(rank, size), out=out, comm=comm)
     _raises_everywhere(comm, 0, handle.wait, message, "failed")  # the queue goes on: _in_step pairs after it
     assert (out.reshape(-1).view(np.uint8) == POISON).all()
