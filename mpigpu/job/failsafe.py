@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 from mpigpu.core._mpi import launcher_rank
 from mpigpu.core.console import report
+from mpigpu.job import leave
 from mpigpu.job.mpich_shm import remove_own_segments
 
 __all__ = [
@@ -163,8 +164,9 @@ def _end_together(exc: BaseException, tb: TracebackType | None, code: int) -> No
 
     The rank whose own arguments failed prints its error; a rank that only learnt of it prints one
     line naming it; where all ranks hold the same error (a MismatchError, or one marked ``same_text``:
-    a bad setting at start-up), rank 0 prints it. If a rank does not
-    end after all (it caught the error), MPI_Finalize waits for it: the job is aborted after
+    a bad setting at start-up), rank 0 prints it. Rank 0 exits first, once the others are past
+    MPI_Finalize (mpigpu.job.leave: the launcher then kills no rank still finalising). If a rank does
+    not end after all (it caught the error), the others wait for it: the job is aborted after
     _FINALIZE_WAIT_S."""
     from mpigpu.core.errors import MismatchError
 
@@ -191,15 +193,17 @@ def _end_together(exc: BaseException, tb: TracebackType | None, code: int) -> No
     fallback.daemon = True
     fallback.start()
     mpi = sys.modules.get("mpi4py.MPI")
+    peers = leave.Peers(rank, [], False)
     if mpi is not None:
         with contextlib.suppress(Exception):
             if mpi.Is_initialized() and not mpi.Is_finalized():
-                mpi.COMM_WORLD.Barrier()
-                # Past the barrier every rank has mapped the job's MPICH file. MPI_Finalize unlinks it on
-                # the rank that created it, but the launcher kills the ranks still finalising once one
-                # exits non-zero (hydra does): each rank removes it first (issue 39: 1 run in 3 left it).
+                peers = leave.gather_peers(mpi.COMM_WORLD)
+                # Past that exchange every rank has mapped the job's MPICH file. MPI_Finalize unlinks it
+                # on the rank that created it, but a launcher that kills the ranks still finalising
+                # would leave it: each rank removes it first (issue 39: 1 run in 3 left it).
                 remove_own_segments()
                 mpi.Finalize()
+    leave.after_finalize(peers)  # rank 0 exits first, once no rank is still finalising
     os._exit(code)
 
 
