@@ -127,8 +127,11 @@ def ok(value: Any) -> Any:
 
 
 def rows(p: int, dtype: Any, count: int = COUNT, salt: int = 0) -> np.ndarray:
-    """Participant p's input: small integers (negative ones too), exact in every dtype here."""
-    return ((np.arange(count) * (salt + 1) + 3 * p) % 9 - 4).astype(dtype)
+    """Participant p's input: small integers (negative ones too), exact in every dtype here. The odd
+    term keeps the sums from being whole multiples of the participants for every count of them (a
+    pattern of period 3 in p alone summed to multiples of 3 and 6 at 3 ranks)."""
+    i = np.arange(count)
+    return ((i * (salt + 1) + 3 * p) % 9 - 4 - (i + p) % 2).astype(dtype)
 
 
 def every(layout: Layout, dtype: Any, count: int = COUNT, salt: int = 0) -> np.ndarray:
