@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a virtual environment and run mpigpu's whole test suite, as CI does:
-#   serial tests, then the MPI tests under mpiexec with 1, 2 and 4 ranks.
+#   serial tests, then the MPI tests under mpiexec with 1, 2, 3 and 4 ranks (3: an odd count, where
+#   MPI takes its non-power-of-two algorithms and averages do not divide evenly).
 # Needs only Python 3.10+ and pip; MPI comes from the mpich wheel (the `mpi` extra).
 # Usage: scripts/test.sh [extra pytest arguments]      (VENV=path to choose the environment)
 set -euo pipefail
@@ -36,7 +37,7 @@ run() {  # run <name> <command...>: a pytest run that writes junit XML to $resul
   fi
 }
 run serial python -m pytest -q "$@"
-for n in 1 2 4; do
+for n in 1 2 3 4; do
   run "mpi-$n" mpiexec -n "$n" python -m pytest -q --with-mpi --only-mpi "$@"
 done
 # One closing line over all runs (each pytest run above printed its own summary).

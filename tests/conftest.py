@@ -1,9 +1,9 @@
 """Shared test fixtures.
 
 Layout: tests without an ``mpi`` marker run serially (``python -m pytest``); tests marked
-``@pytest.mark.mpi`` run under ``mpiexec -n 1/2/4 python -m pytest --with-mpi --only-mpi``
-(scripts/test.sh runs all four). Tests marked ``gpu`` are skipped, with the reason, where no GPU
-is visible; MPIGPU_REQUIRE_GPU=1 (set by scripts/gpu-check.sh) turns that skip into a failure.
+``@pytest.mark.mpi`` run under ``mpiexec -n N python -m pytest --with-mpi --only-mpi`` (scripts/test.sh
+runs the serial tests, then N = 1, 2, 3 and 4). Tests marked ``gpu`` are skipped, with the reason, where
+no GPU is visible; MPIGPU_REQUIRE_GPU=1 (set by scripts/gpu-check.sh) turns that skip into a failure.
 """
 
 from __future__ import annotations

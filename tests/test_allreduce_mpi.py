@@ -1,4 +1,4 @@
-"""allreduce on NumPy arrays under mpiexec (-n 1, 2, 4): every dtype and op against a float64
+"""allreduce on NumPy arrays under mpiexec (-n 1 to 4): every dtype and op against a float64
 reference, in place and out of place, bitwise identical on every rank; bad calls leave data
 unchanged; mismatches raise on every rank."""
 

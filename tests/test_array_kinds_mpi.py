@@ -1,4 +1,4 @@
-"""Array kinds that look like plain arrays but are not (mpiexec -n 1, 2, 4): np.matrix is reduced as
+"""Array kinds that look like plain arrays but are not (mpiexec -n 1 to 4): np.matrix is reduced as
 the memory it holds, a masked array is refused (its mask cannot be honoured), a Fortran-order array
 is reduced elementwise when every rank lays it out alike and fails every rank when they differ.
 A refused call changes no data, every rank raises, and the next call pairs correctly."""

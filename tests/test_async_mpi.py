@@ -1,4 +1,4 @@
-"""allreduce_async on host arrays under mpiexec (-n 1, 2, 4): many calls in flight on every host
+"""allreduce_async on host arrays under mpiexec (-n 1 to 4): many calls in flight on every host
 backend, exact results, FIFO order with synchronous calls, errors at the call or at wait(), JAX and
 torch inputs, the inline fallback, and finalize draining the queue. The Worker's contract (FIFO,
 drain, broken order after a failure) is tested serially."""

@@ -1,4 +1,4 @@
-"""Bad input on the CPU path (mpiexec -n 1, 2, 4): each is a clear error that names the problem and
+"""Bad input on the CPU path (mpiexec -n 1 to 4): each is a clear error that names the problem and
 the fix, the caller's data is unchanged (bytes compared before and after), the other ranks get a
 MismatchError naming the rank instead of a hang, and the communicator still works afterwards.
 Mismatched counts, dtypes, ops and backends fail the same way on every rank. NaN and Inf propagate."""

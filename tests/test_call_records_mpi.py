@@ -1,4 +1,4 @@
-"""Call records (mpigpu/records.py), under mpiexec -n 1, 2, 4: a call with the arguments of an earlier
+"""Call records (mpigpu/records.py), under mpiexec -n 1 to 4: a call with the arguments of an earlier
 one reuses its record (one lookup, the check, the bound launch) and gives exact results whatever the
 array holds now; a new array at the same address with the same signature is the same call; another
 shape, dtype, op, layout, writability or out is a new one, validated in full; a mismatch after

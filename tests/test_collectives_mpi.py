@@ -1,5 +1,5 @@
 """broadcast, allgather, broadcast_object, allgather_object, broadcast_parameters and
-broadcast_optimizer_state on the host (NumPy, torch CPU) under mpiexec (-n 1, 2, 4).
+broadcast_optimizer_state on the host (NumPy, torch CPU) under mpiexec (-n 1 to 4).
 
 Data: every element a value that depends on its rank and index (exact in every dtype), receivers
 poisoned beforehand, results compared byte for byte with a reference built from the pattern.

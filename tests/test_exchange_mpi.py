@@ -1,5 +1,5 @@
 """reduce_scatter and alltoall (and their _async forms) on the host (NumPy, torch CPU, JAX CPU)
-under mpiexec (-n 1, 2, 4).
+under mpiexec (-n 1 to 4).
 
 Data: exact inputs (tests/semantics.py: sums and products exact; NaN, signed zeros, infinities), a
 reference computed in Python floats (float64) and integers, outputs poisoned beforehand, results

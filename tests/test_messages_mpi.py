@@ -1,4 +1,4 @@
-"""Error texts that name the right thing (mpiexec -n 1, 2, 4): the host path's pool error names
+"""Error texts that name the right thing (mpiexec -n 1 to 4): the host path's pool error names
 MPIGPU_HOST_DEPTH when the depth is what does not fit, and a mismatch message lists what that
 collective's ranks must agree on (a reduction has no root)."""
 

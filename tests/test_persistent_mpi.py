@@ -1,4 +1,4 @@
-"""allreduce_init (persistent requests) on host arrays under mpiexec (-n 1, 2, 4): exact results for
+"""allreduce_init (persistent requests) on host arrays under mpiexec (-n 1 to 4): exact results for
 every op and several dtypes, in place and out of place, with the data re-read at every start; every
 mismatch raised on every rank at init; the request's states (start twice, wait when idle, done,
 test, free, use after free, a failing start); and program order with allreduce / allreduce_async."""

@@ -1,4 +1,4 @@
-"""The cpu backend's integer average works in blocks (mpiexec -n 1, 2, 4): exact across block edges,
+"""The cpu backend's integer average works in blocks (mpiexec -n 1 to 4): exact across block edges,
 and its temporaries stay bounded instead of growing to ~24x an int8 array."""
 
 from __future__ import annotations

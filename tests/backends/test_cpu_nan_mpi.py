@@ -1,4 +1,4 @@
-"""The cpu backend's one pass of its own over a float result (under mpiexec -n 1, 2, 4): MPI's
+"""The cpu backend's one pass of its own over a float result (under mpiexec -n 1 to 4): MPI's
 operand order differs per rank, so where ranks hold different NaNs an element could end with
 different NaN bits on each; the pass finds every NaN (a Python sum up to 16 elements, one
 np.maximum.reduce above, fused with avg's division block by block) and makes it canonical. Sizes on

@@ -1,4 +1,4 @@
-"""The benchmark (python -m mpigpu.bench) on the CPU path under mpiexec -n 1, 2, 4: tables, JSON,
+"""The benchmark (python -m mpigpu.bench) on the CPU path under mpiexec -n 1 to 4: tables, JSON,
 plot, compare, tuning and auto, the rows of each call (user, persistent, prepared), the torch.distributed
 (gloo) anchor, torch tensors as the user's arrays, the exit status on a wrong element and on bad
 options. Plus the crossover-table logic of mpigpu.runtime.tuning, which needs no MPI.

@@ -1,4 +1,4 @@
-"""The torch.distributed (gloo) anchor of the benchmark, in process under mpiexec -n 1/2/4: it sets up
+"""The torch.distributed (gloo) anchor of the benchmark, in process under mpiexec -n 1, 2, 3 and 4: it sets up
 its own process group from MPI and tears it down, or uses the one a program already initialised and
 leaves it alone; its results are verified like every other path's."""
 

@@ -1,7 +1,7 @@
 """mpigpu.jax's compiled FFI handler (issue 38) on JAX CPU arrays: which calls it takes, the same bits as
 the Python handler, every rank deciding alike, its build cache, and the watchdog seeing its calls.
 
-The MPI tests run under mpiexec (-n 1, 2, 4); the others build the library into a private cache here.
+The MPI tests run under mpiexec (-n 1 to 4); the others build the library into a private cache here.
 Without a C++ compiler the tests that need the compiled handler skip, saying so (the Python handler then
 runs every call, as tests/jax/test_jax_mpi.py checks); .ci/run fails on a machine without one.
 """

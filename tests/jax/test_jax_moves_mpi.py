@@ -1,4 +1,4 @@
-"""mpigpu.jax.broadcast and mpigpu.jax.allgather on JAX CPU arrays under mpiexec (-n 1, 2, 4), issue 23:
+"""mpigpu.jax.broadcast and mpigpu.jax.allgather on JAX CPU arrays under mpiexec (-n 1 to 4), issue 23:
 inside jax.jit against the exact values every rank can compute, in one token chain with allreduce,
 under jax.grad (the sums of the cotangents) and vmap, outside jit, and a root that differs across ranks
 raising MismatchError on every rank while compiling."""

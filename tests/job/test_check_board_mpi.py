@@ -1,4 +1,4 @@
-"""The node-local check board (mpigpu/job/check_board.py), under mpiexec (-n 1, 2, 4): the cross-rank
+"""The node-local check board (mpigpu/job/check_board.py), under mpiexec (-n 1 to 4): the cross-rank
 check through node-shared memory gives the same verdict and the same message on every rank as the
 MPI path, over long runs of agreeing and disagreeing calls (both parities many times), when a rank
 rejects its own arguments, and when ranks arrive far apart; and the MPI path still works where the

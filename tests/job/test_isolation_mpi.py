@@ -1,5 +1,5 @@
 """Threads, communicators and settings that must never pair the wrong calls (issue 12, section 2),
-under mpiexec (-n 1, 2, 4): the one-thread rule, mpigpu's own duplicate of each communicator, the
+under mpiexec (-n 1 to 4): the one-thread rule, mpigpu's own duplicate of each communicator, the
 context's life tied to the communicator's, settings agreed at start-up. Scenarios that hang or
 abort when broken start their own mpiexec (tests/job/test_isolation_jobs.py)."""
 

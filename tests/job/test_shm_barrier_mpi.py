@@ -1,4 +1,4 @@
-"""The node-shared segment's barrier (mpigpu/job/shm.py), under mpiexec (-n 1, 2, 4): what one rank
+"""The node-shared segment's barrier (mpigpu/job/shm.py), under mpiexec (-n 1 to 4): what one rank
 wrote before it every rank reads after it, over thousands of barriers in a row; and a rank that waits
 for a late one gives its core away instead of spinning on it (issue 39: 4 ranks x 8 threads on 2
 cores, where MPICH's MPI_Barrier spun a core per waiting thread and starved the thread everybody

@@ -1,4 +1,4 @@
-"""Several devices per process on host devices (mpigpu.multi's 'cpu' path) under mpiexec (-n 1, 2, 4).
+"""Several devices per process on host devices (mpigpu.multi's 'cpu' path) under mpiexec (-n 1 to 4).
 
 Participants are (rank, device) pairs, numbered rank by rank; avg divides by their number. Each test
 uses a fresh ``MPI.COMM_WORLD.Dup()`` whose context is created with MPIGPU_DEVICES_PER_RANK set on

@@ -1,4 +1,4 @@
-"""Starting mpigpu on a communicator exchanges fixed-format data only (mpiexec -n 1, 2, 4): no object
+"""Starting mpigpu on a communicator exchanges fixed-format data only (mpiexec -n 1 to 4): no object
 is pickled or unpickled by the context's start-up (settings, layout, devices, capabilities, the
 check board, the tuning table), so the README's "only the *_object calls use pickle" holds there."""
 

@@ -3,7 +3,7 @@ same table or none; a table that cannot be used is ignored with one warning, nev
 some ranks only (issue 12, section 2). It is trusted only if only this user can have written it, and
 it is written atomically without following a planted link (section 1).
 
-The ``mpi`` tests run under ``mpiexec -n 1/2/4``; the serial ones start their own 2-rank job, so a
+The ``mpi`` tests run under ``mpiexec -n 1, 2, 3 and 4``; the serial ones start their own 2-rank job, so a
 hang on the unfixed code fails by timeout instead of stalling the suite.
 """
 

@@ -1,4 +1,4 @@
-"""Averager and BackwardAverager on the host (NumPy, torch CPU) under mpiexec (-n 1, 2, 4): bucket
+"""Averager and BackwardAverager on the host (NumPy, torch CPU) under mpiexec (-n 1 to 4): bucket
 planning, the packing table (checked against a NumPy model of the CUDA kernel), exact averages of
 every dtype across several buckets, no allocation after the first step, bucket views, compression
 against its rounding model, PyTorch parameters and hooks, and errors that reach every rank."""
