@@ -8,7 +8,8 @@ own arguments joins the check with its error, so every rank raises for that call
 pairs), chosen, recorded and remembered. Then, on every call alike:
 
 1. the cross-rank check: every field of the signature, on every rank, before any buffer is read or
-   written (one post on the node's check board; MPI across nodes). ``MPIGPU_CHECK=0`` skips it;
+   written (one post on the node's check board; MPI across nodes). ``MPIGPU_CHECK=0`` skips it. A
+   record whose launch makes the check itself (``fused``: a tiny host allreduce) makes it there;
 2. the family's launch on this call's stream and arrays (its output, if the call returns a new one);
 3. the choice logged once per (backend, reason) under ``MPIGPU_LOG``.
 
@@ -70,7 +71,9 @@ class Record:
     ``x`` and ``out`` are views without the caller's array (``detach``), except in a record made
     for one call only (``keep`` False: JAX, whose output is a new array each call). ``out is x`` in
     place; ``out`` None where the call returns a new array. ``launch`` is bound at the first run
-    (creating a backend is collective: it happens after the check)."""
+    (creating a backend is collective: it happens after the check). ``fused``: a launch that makes the
+    cross-rank check itself, in the same post as its data (a tiny host allreduce through the check
+    board, mpigpu.backends.cpu_board); ``go`` then makes no check of its own."""
 
     ctx: Context
     family: Family
@@ -83,6 +86,7 @@ class Record:
     launch: Callable[..., Any] | None = None
     extra: Any = None  # the family's own: a reduce_scatter's rows, an alltoall's splits, a broadcast's root
     keep: bool = True  # False: made for one call; never remembered
+    fused: Callable[..., Any] | None = None
 
     def watch_label(self, phase: str) -> str:
         """What the watchdog calls a call of this record in ``phase`` ("check" or "data")."""
@@ -214,7 +218,7 @@ def go(ctx: Context, record: Record, args: tuple[Any, ...], stream: StreamRef | 
     stay in the watchdog's ``active`` whose phase moves from "check" to "data"; the choice logged."""
     if timeline.on:  # MPIGPU_TIMELINE: the same steps, each recorded (mpigpu/core/timeline.py)
         return _recorded_go(ctx, record, args, stream, live)
-    checked = ctx.size > 1 and ctx.settings.check
+    checked = ctx.size > 1 and ctx.settings.check and record.fused is None
     family = record.family
     watchdog = ctx.watchdog
     if watchdog.on:
@@ -246,7 +250,7 @@ def _recorded_go(ctx: Context, record: Record, args: tuple[Any, ...], stream: St
     x, family, watchdog = record.x, record.family, ctx.watchdog
     event = timeline.begin(family.name, x.nbytes, record.choice.backend, ctx.serial)
     ranks = None
-    if ctx.size > 1 and ctx.settings.check:
+    if ctx.size > 1 and ctx.settings.check and record.fused is None:
         with watchdog.watch(family.label(record, "check")):
             ranks = check(ctx, record)
         event.mark("checked")

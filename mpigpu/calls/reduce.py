@@ -106,6 +106,7 @@ class _Allreduce(Family):
             detached = detach(xv)
             record = Record(ctx, self, detached, detached if outv is xv else detach(outv), op_, choice, sig,
                             sig.packed())  # fmt: skip
+            record.fused = _fused(ctx, record)
             remember(ctx, key, record)
         return record, live
 
@@ -118,13 +119,13 @@ class _Allreduce(Family):
             else:
                 record.ctx.activate_gpu()
                 x_host = out_host = None
-            (record.launch or bound(record))(stream, x_host, out_host)
+            (record.fused or record.launch or bound(record))(stream, x_host, out_host)
             return x if out is None else out
         if rx.device is not None:
             record.ctx.activate_gpu()
         xv, outv, result, finish = live
         if record.keep:
-            (record.launch or bound(record))(stream, xv.host, outv.host)
+            (record.fused or record.launch or bound(record))(stream, xv.host, outv.host)
         elif xv.size:  # JAX: this call's new output
             ctx = record.ctx
             if ctx.size == 1:
@@ -153,6 +154,20 @@ def bind(ctx: Context, x: ArrayView, out: ArrayView, op: Op, backend: str) -> An
     if x.on_device:
         ctx.activate_gpu()
     return ctx.backend(backend).bind_allreduce(x, out, op)
+
+
+def _fused(ctx: Context, record: Record) -> Any:
+    """The record's launch with the check in it, where the call takes the check board (the cpu
+    backend, at most DATA_BYTES, more than one rank, the check on and through the board: the same
+    on every rank whose signature agrees), else None."""
+    board = ctx.check_board
+    if board is None or ctx.size == 1 or record.choice.backend != "cpu":
+        return None
+    from mpigpu.backends.cpu_board import bind_board_allreduce, fits_board  # with the backend it belongs to
+
+    if not fits_board(record.x, record.op):
+        return None
+    return bind_board_allreduce(board, ctx.comm, record.x, record.op, record.signature, record.packed)
 
 
 def bound(record: Record) -> Any:

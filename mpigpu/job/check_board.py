@@ -2,8 +2,10 @@
 
 When every rank of a communicator is on one node, the signature check needs no MPI collective:
 each rank writes its signature into a node-shared segment and reads everyone else's. Layout: per
-rank, two slots (the parity of the per-communicator check number ``k``), each ``[k, 9 values]`` on
-its own 128-byte line. A rank writes its values, fences (``MPI_Win_sync``: a memory barrier, needed
+rank, two slots (the parity of the per-communicator check number ``k``), each ``[k, 9 values, data]``
+on its own 256 bytes. The data (at most ``DATA_BYTES``) is what a tiny host allreduce posts beside its
+signature (``agree_with``): when the ranks agree, every rank reads every rank's data from the board and
+no MPI call moves it. A rank writes its values, fences (``MPI_Win_sync``: a memory barrier, needed
 on weakly ordered CPUs such as Grace; x86 keeps stores in order and loads in order, so there the
 fence is left out), then writes ``k``; it waits until every rank's slot of parity ``k % 2`` holds
 ``k``, fences, and compares every rank's values with its own. All equal on one rank means all equal
@@ -29,16 +31,20 @@ import platform
 import struct
 from typing import Any
 
+import numpy as np
+
 from mpigpu.core._mpi import MPI
 from mpigpu.core.errors import MpigpuError
 from mpigpu.core.typed import allreduce_int
 from mpigpu.job.shm import SharedSegment, wait_at_least
 
-__all__ = ["CheckBoard", "board_for", "open_board", "pack"]
+__all__ = ["DATA_BYTES", "CheckBoard", "board_for", "open_board", "pack"]
 
 FIELDS = 9  # values per signature (check._FIELDS)
-_SLOT = 16  # int64 per slot: [k, 9 values, padding] = 128 bytes, one slot per pair of cache lines
+_SLOT = 32  # int64 per slot: [k, 9 values, data] = 256 bytes, four cache lines
 _VALUES = 8 * FIELDS  # bytes of a slot's values
+_DATA = 8 + _VALUES  # a slot's data: its offset in bytes (16-byte aligned) and its size
+DATA_BYTES = 8 * _SLOT - _DATA
 _PACK = struct.Struct(f"={FIELDS}q").pack  # native int64, as the "q" view reads them
 # x86 (total store order) never reorders a store with an earlier store, nor a load with an earlier load:
 # the values are visible before k without a fence. Elsewhere (Arm: Grace) the fences are needed.
@@ -113,6 +119,25 @@ class CheckBoard:
             if values != packed:
                 return False
         return True
+
+    def rows(self, dtype: Any, shape: tuple[int, ...]) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+        """Per parity, every rank's data area as an array of ``dtype`` and ``shape`` (at most DATA_BYTES),
+        in rank order: views into the board for ``agree_with``, made once by its caller."""
+        assert self._segment is not None, "the board is closed"
+        array = self._segment.array
+        return tuple(
+            tuple(np.ndarray(shape, dtype, buffer=array, offset=8 * slot + _DATA) for slot in slots)
+            for slots in self._all
+        )  # type: ignore[return-value]
+
+    def agree_with(self, packed: bytes, data: np.ndarray, rows: tuple[tuple[np.ndarray, ...], ...]) -> Any:
+        """``agree_packed`` with ``data`` posted beside the values, in this rank's row of ``rows``
+        (``rows`` for data's dtype and shape): every rank's rows of this check when every rank posted
+        ``packed`` (collective), else None. The rows hold until this rank's next check: no rank writes
+        a slot of this parity again before this rank has posted the next check."""
+        mine = rows[(self.k + 1) & 1]
+        mine[self.rank][...] = data  # before k is posted, as the values are
+        return mine if self.agree_packed(packed) else None
 
     def posted(self) -> list[list[int]]:
         """Every rank's values of the last check, in rank order (local). Valid until this rank's next

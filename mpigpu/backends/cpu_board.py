@@ -1,0 +1,66 @@
+"""The cpu backend's tiny allreduce: the cross-rank check and the data in one post on the check board.
+
+A host allreduce of at most ``DATA_BYTES`` (mpigpu.job.check_board) on a communicator whose ranks
+share one node needs no MPI call: each rank posts its data beside its signature, and once every
+rank's signature agrees, every rank reduces every rank's posted data itself, in rank order. The same
+operations in the same order on every rank give the same bits on every rank by construction (NaN
+payloads and signed zeros included); a float NaN is then made the canonical NaN, as the MPI path
+makes it (mpigpu.backends.cpu), so the result does not depend on which path ran. On a mismatch no
+rank reads the posted data: every rank raises the check's MismatchError with nothing written, as the
+separate check raises it, and the next call pairs. One post replaces the check's post and
+MPI_Allreduce: a call costs the check alone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mpigpu.backends.cpu import Reduce, has_nan, is_plain
+from mpigpu.core.ops import Op, canonicalize_nan
+from mpigpu.job.check import Signature, raise_mismatch
+from mpigpu.job.check_board import DATA_BYTES, CheckBoard
+
+if TYPE_CHECKING:
+    from mpigpu.core.arrays import ArrayView
+
+__all__ = ["bind_board_allreduce", "fits_board"]
+
+
+def fits_board(x: ArrayView, op: Op) -> bool:
+    """Whether an allreduce of host array ``x`` with ``op`` takes the board: at most DATA_BYTES, and
+    an op MPI_Allreduce takes as it is (``is_plain``: not float min/max, integer avg or a half type)."""
+    return x.device is None and 0 < x.nbytes <= DATA_BYTES and is_plain(x.dtype, op)
+
+
+def bind_board_allreduce(board: CheckBoard, comm: Any, x: ArrayView, op: Op, sig: Signature, packed: bytes) -> Reduce:
+    """The launch ``(stream, source, destination)`` of one record: post ``packed`` (the record's
+    signature) and the source on ``board``, then, where every rank agrees, the reduction of every
+    rank's row in rank order into the destination; else MismatchError on every rank (collective
+    over ``comm``, the board's communicator)."""
+    shape = x.shape if x.order == "C" else tuple(reversed(x.shape))  # the host array is C-ordered (arrays.py)
+    rows = board.rows(x.dtype.np, shape)
+    post, combine, n = board.agree_with, op.ufunc, board.size
+
+    def reduce_rows(src: np.ndarray, dst: np.ndarray) -> None:
+        posted = post(packed, src, rows)
+        if posted is None:
+            raise_mismatch(comm, sig, "cpu")
+        combine(posted[0], posted[1], out=dst)
+        for row in posted[2:]:
+            combine(dst, row, out=dst)
+
+    if not x.dtype.is_float:  # integers: any order gives the same bits
+        return lambda stream, src, dst: reduce_rows(src, dst)
+
+    divisor = x.dtype.np.type(n) if op is Op.AVG else None
+
+    def floats(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
+        reduce_rows(src, dst)
+        if divisor is not None:
+            np.divide(dst, divisor, out=dst)  # IEEE division, as the MPI path's avg
+        if has_nan(dst):
+            canonicalize_nan(dst)
+
+    return floats
