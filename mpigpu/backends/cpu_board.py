@@ -57,9 +57,10 @@ def bind_board_allreduce(board: CheckBoard, comm: Any, x: ArrayView, op: Op, sig
     divisor = x.dtype.np.type(n) if op is Op.AVG else None
 
     def floats(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
-        reduce_rows(src, dst)
-        if divisor is not None:
-            np.divide(dst, divisor, out=dst)  # IEEE division, as the MPI path's avg
+        with np.errstate(over="ignore", invalid="ignore"):  # inf - inf, overflow: IEEE results, no warning
+            reduce_rows(src, dst)
+            if divisor is not None:
+                np.divide(dst, divisor, out=dst)  # IEEE division, as the MPI path's avg
         if has_nan(dst):
             canonicalize_nan(dst)
 
