@@ -41,9 +41,6 @@ INT_AVG_BLOCK = 1 << 18
 # division just wrote while it is in cache (256 KiB of float32).
 _AVG_BLOCK = 1 << 16
 _SMALL = 16  # up to this many elements, the NaN search is a Python sum (a ufunc's call costs more)
-# From this many bytes a float sum, avg or prod is MPI_Reduce_scatter and MPI_Allgatherv (``_split``):
-# each rank finishes its own share while it is in cache, and the whole result is never read again.
-SPLIT_BYTES = 2 << 20
 
 # (stream, source, destination): one allreduce, all else fixed; the shape of a bound launch, so that a
 # call record's launch is the reduction itself (the stream is unused: host memory)
@@ -76,36 +73,6 @@ def _divide_has_nan(values: np.ndarray, nranks: int) -> bool:
         np.divide(block, n, out=block)
         found = has_nan(block) or found
     return found
-
-
-def _split(comm: Any, kind: Any, mpi_op: Any, average: bool) -> Callable[[np.ndarray, np.ndarray], None]:
-    """A float allreduce of (source, destination) as MPI_Reduce_scatter, then this rank's share
-    finished (avg's division, any NaN made canonical) while it is in cache, then MPI_Allgatherv.
-    Every element is computed on one rank and copied to the others, so every rank holds the same
-    bits without a read of the whole result, the pass that costs the MPI_Allreduce path most at
-    large sizes (docs/results.md)."""
-    nranks, rank, mpi = comm.Get_size(), comm.Get_rank(), MPI()
-    reduce_scatter, allgather, in_place_buffer = comm.Reduce_scatter, comm.Allgatherv, mpi.IN_PLACE
-
-    def split(src: np.ndarray, dst: np.ndarray) -> None:
-        flat = dst.reshape(-1)
-        base, extra = divmod(flat.size, nranks)
-        counts = [base + (r < extra) for r in range(nranks)]
-        lo, count = sum(counts[:rank]), counts[rank]
-        mine = flat[lo : lo + count]
-        if src is dst:  # MPI_IN_PLACE: this rank's share lands at the start of the buffer
-            reduce_scatter(in_place_buffer, [flat, kind], counts, mpi_op)
-            if lo:
-                mine[...] = flat[:count]
-        else:
-            reduce_scatter([src.reshape(-1), kind], [mine, kind], counts, mpi_op)
-        if average:
-            np.divide(mine, mine.dtype.type(nranks), out=mine)  # as _divide_has_nan: no errstate needed
-        if has_nan(mine):
-            canonicalize_nan(mine)
-        allgather(in_place_buffer, [flat, (counts, [sum(counts[:r]) for r in range(nranks)]), kind])
-
-    return split
 
 
 def is_plain(dtype: DType, op: Op) -> bool:
@@ -222,21 +189,15 @@ class CpuBackend(Backend):
         per case, so that a call tests nothing it could know beforehand."""
         allreduce, kind, mpi_op, nranks = comm.Allreduce, dtype.mpi, op.mpi, comm.Get_size()
         in_place_buffer = MPI().IN_PLACE
-        split_at = -(-SPLIT_BYTES // dtype.itemsize)
 
         if not dtype.is_float:  # integers: MPI's result as it is (integer averages go by parts)
             if in_place:
                 return lambda stream, src, dst: allreduce(in_place_buffer, [dst, kind], mpi_op)
             return lambda stream, src, dst: allreduce([src, kind], [dst, kind], mpi_op)
 
-        split = _split(comm, kind, mpi_op, op is Op.AVG)
-
         if op is Op.AVG:
 
             def average(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
-                if dst.size >= split_at:
-                    split(src, dst)
-                    return
                 if in_place:
                     allreduce(in_place_buffer, [dst, kind], mpi_op)
                 else:
@@ -249,9 +210,6 @@ class CpuBackend(Backend):
         if in_place:
 
             def in_place_float(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
-                if dst.size >= split_at:
-                    split(src, dst)
-                    return
                 allreduce(in_place_buffer, [dst, kind], mpi_op)
                 if has_nan(dst):
                     canonicalize_nan(dst)
@@ -259,9 +217,6 @@ class CpuBackend(Backend):
             return in_place_float
 
         def into_out(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
-            if dst.size >= split_at:
-                split(src, dst)
-                return
             allreduce([src, kind], [dst, kind], mpi_op)
             if has_nan(dst):
                 canonicalize_nan(dst)
