@@ -43,24 +43,46 @@ def bind_board_allreduce(board: CheckBoard, comm: Any, x: ArrayView, op: Op, sig
     rows = board.rows(x.dtype.np, shape)
     post, combine, n = board.agree_with, op.ufunc, board.size
 
-    def reduce_rows(src: np.ndarray, dst: np.ndarray) -> None:
+    def agreed(src: np.ndarray) -> tuple[np.ndarray, ...]:
         posted = post(packed, src, rows)
         if posted is None:
             raise_mismatch(comm, sig, "cpu")
+        return posted
+
+    def fold(posted: tuple[np.ndarray, ...], dst: np.ndarray) -> None:
         combine(posted[0], posted[1], out=dst)
         for row in posted[2:]:
             combine(dst, row, out=dst)
 
-    if not x.dtype.is_float:  # integers: any order gives the same bits
-        return lambda stream, src, dst: reduce_rows(src, dst)
+    if not x.dtype.is_float:  # integers: any order gives the same bits, and NumPy's loops raise no flag
+        return lambda stream, src, dst: fold(agreed(src), dst)
 
     divisor = x.dtype.np.type(n) if op is Op.AVG else None
+    # Python's float arithmetic is float64's own, and for float32 one addition or product rounded once
+    # to float32 is float32's own (53 >= 2 * 24 + 2 bits): where it is exact, 1-D rows combine as
+    # Python floats, with no errstate (~1 us a call); a result out of range or NaN takes NumPy's path.
+    in_python = len(shape) == 1 and (x.dtype.np == np.float64 or n == 2)
+    top = float(np.finfo(x.dtype.np).max)
+    if op is Op.PROD:
+        pair = lambda u, v: [a * b for a, b in zip(u, v, strict=True)]  # noqa: E731
+    else:
+        pair = lambda u, v: [a + b for a, b in zip(u, v, strict=True)]  # noqa: E731
 
     def floats(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
+        posted = agreed(src)
+        if in_python:
+            values = posted[0].tolist()
+            for row in posted[1:]:
+                values = pair(values, row.tolist())
+            if all(-top <= v <= top for v in values):  # finite and in range: no NaN, no overflow
+                dst[...] = values
+                if divisor is not None:
+                    np.divide(dst, divisor, out=dst)  # IEEE division, as the MPI path's avg
+                return
         with np.errstate(over="ignore", invalid="ignore"):  # inf - inf, overflow: IEEE results, no warning
-            reduce_rows(src, dst)
+            fold(posted, dst)
             if divisor is not None:
-                np.divide(dst, divisor, out=dst)  # IEEE division, as the MPI path's avg
+                np.divide(dst, divisor, out=dst)
         if has_nan(dst):
             canonicalize_nan(dst)
 

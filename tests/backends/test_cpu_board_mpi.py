@@ -7,6 +7,7 @@ with nothing written, and the next call pairs."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -169,3 +170,41 @@ def test_a_rank_rejecting_its_arguments_fails_every_tiny_call(comm) -> None:
         mpigpu.allreduce(x, "sum", out=out, comm=comm)
     assert [x.tobytes(), out.tobytes()] == before
     _next_call_pairs(comm)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("op", ["sum", "avg", "prod"])
+@pytest.mark.parametrize("shape", [(5,), (2, 3)], ids=["1-D", "2-D"])
+def test_rounding_is_the_dtypes_own_in_rank_order(comm, dtype: str, op: str, shape: tuple[int, ...]) -> None:
+    """Inputs whose sums and products round: the result is NumPy's arithmetic in the dtype, rank after
+    rank (1-D rows combine as Python floats where that is exact, 2-D ones in NumPy), with no warning."""
+    rank, n = comm.Get_rank(), comm.Get_size()
+    np_type = np.dtype(dtype).type
+    inputs = [np.random.default_rng(r).uniform(-3, 3, shape).astype(np_type) for r in range(n)]
+    want = inputs[0].copy()
+    for row in inputs[1:]:
+        want = want * row if op == "prod" else want + row
+    if op == "avg":
+        want = want / np_type(n)
+    x = inputs[rank].copy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mpigpu.allreduce(x, op, comm=comm)
+    assert x.tobytes() == want.astype(np_type).tobytes(), (x, want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_overflow_and_sums_near_the_top_give_ieee_results_without_a_warning(comm, dtype: str) -> None:
+    n = comm.Get_size()
+    top = np.finfo(dtype).max
+    quarter = top / np.dtype(dtype).type(4)
+    x = np.array([quarter, top, -top, 1.0], dtype)  # finite sums up to 4 ranks; inf from 2 ranks on
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mpigpu.allreduce(x, "sum", comm=comm)
+    near = quarter
+    for _ in range(n - 1):
+        near = near + quarter  # the dtype's own rounding, rank after rank
+    want = np.array([near, np.inf if n > 1 else top, -np.inf if n > 1 else -top, n], dtype)
+    assert x.tobytes() == want.tobytes(), (x, want)
+    assert len(set(comm.allgather(x.tobytes()))) == 1
