@@ -13,6 +13,7 @@ MPI_Allreduce: a call costs the check alone.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -63,18 +64,15 @@ def bind_board_allreduce(board: CheckBoard, comm: Any, x: ArrayView, op: Op, sig
     # Python floats, with no errstate (~1 us a call); a result out of range or NaN takes NumPy's path.
     in_python = len(shape) == 1 and (x.dtype.np == np.float64 or n == 2)
     top = float(np.finfo(x.dtype.np).max)
-    if op is Op.PROD:
-        pair = lambda u, v: [a * b for a, b in zip(u, v, strict=True)]  # noqa: E731
-    else:
-        pair = lambda u, v: [a + b for a, b in zip(u, v, strict=True)]  # noqa: E731
+    pair = operator.mul if op is Op.PROD else operator.add
 
     def floats(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
         posted = agreed(src)
         if in_python:
             values = posted[0].tolist()
             for row in posted[1:]:
-                values = pair(values, row.tolist())
-            if all(-top <= v <= top for v in values):  # finite and in range: no NaN, no overflow
+                values = list(map(pair, values, row.tolist()))
+            if sum(map(abs, values)) <= top:  # every value finite and in range (NaN compares False)
                 dst[...] = values
                 if divisor is not None:
                     np.divide(dst, divisor, out=dst)  # IEEE division, as the MPI path's avg
