@@ -11,9 +11,7 @@ meet the CPU keeps the first operand's bits (x86): ranks whose inputs hold diffe
 with different NaNs in one element. So the result is read once more for NaN (one pass of
 ``np.maximum.reduce``, which propagates NaN; for avg fused with the division, block by block, while
 the block is in cache) and any NaN is made the canonical NaN, whose bits then match on every rank.
-That pass is the one mpigpu adds to MPI_Allreduce; docs/results.md gives its measured cost. Above
-FLOAT_BLOCK_BYTES the call is one MPI_Allreduce per block, each block searched right after it, while
-it is in cache (a pass over a whole large result reads it cold). Up to
+That pass is the one mpigpu adds to MPI_Allreduce; docs/results.md gives its measured cost. Up to
 the check board's DATA_BYTES on one node no MPI call runs at all (mpigpu.backends.cpu_board: every
 rank reduces every rank's posted data in rank order, then the same NaN rule). Non-NaN results need no
 pass: IEEE addition and multiplication are commutative, and MPICH's algorithms either compute an
@@ -38,7 +36,7 @@ from mpigpu.core.ops import Op, canonicalize_nan, finish_avg, from_keys, int_avg
 if TYPE_CHECKING:
     from mpigpu.core._cuda import StreamRef
 
-__all__ = ["FLOAT_BLOCK_BYTES", "INT_AVG_BLOCK", "CpuBackend", "has_nan"]
+__all__ = ["INT_AVG_BLOCK", "CpuBackend", "has_nan"]
 
 # Elements per MPI_Allreduce of an integer average. Its 64-bit parts and their temporaries take about
 # 32 bytes per element (24x an int8 array when done at once), so a block bounds them at ~8 MiB
@@ -48,11 +46,6 @@ INT_AVG_BLOCK = 1 << 18
 # division just wrote while it is in cache (256 KiB of float32).
 _AVG_BLOCK = 1 << 16
 _SMALL = 16  # up to this many elements, the NaN search is a Python sum (a ufunc's call costs more)
-# Bytes per MPI_Allreduce of a larger float sum, avg or prod, each block searched for NaN right after MPI
-# wrote it, while it is in cache. One MPI_Allreduce of 8 MiB and a pass over its result cost 1.62x
-# MPI_Allreduce on the 2-core machine (the pass: a cold read of 8 MiB); four of 2 MiB with their
-# passes, 0.88x (docs/results.md, 2026-11-28).
-FLOAT_BLOCK_BYTES = 2 << 20
 
 # (stream, source, destination): one allreduce, all else fixed; the shape of a bound launch, so that a
 # call record's launch is the reduction itself (the stream is unused: host memory)
@@ -85,15 +78,6 @@ def _divide_has_nan(values: np.ndarray, nranks: int) -> bool:
         np.divide(block, n, out=block)
         found = has_nan(block) or found
     return found
-
-
-def _by_blocks(reduce: Reduce, src: np.ndarray, dst: np.ndarray, block: int, in_place: bool) -> None:
-    """``reduce`` over ``block`` elements at a time of (source, destination): each block's result is
-    searched for NaN while it is in cache. Every rank cuts the same blocks, so their calls pair."""
-    flat_dst = dst.reshape(-1)
-    flat_src = flat_dst if in_place else src.reshape(-1)
-    for b0 in range(0, flat_dst.size, block):
-        reduce(None, flat_src[b0 : b0 + block], flat_dst[b0 : b0 + block])
 
 
 def is_plain(dtype: DType, op: Op) -> bool:
@@ -210,7 +194,6 @@ class CpuBackend(Backend):
         per case, so that a call tests nothing it could know beforehand."""
         allreduce, kind, mpi_op, nranks = comm.Allreduce, dtype.mpi, op.mpi, comm.Get_size()
         in_place_buffer = MPI().IN_PLACE
-        block = FLOAT_BLOCK_BYTES // dtype.itemsize
 
         if not dtype.is_float:  # integers: MPI's result as it is (integer averages go by parts)
             if in_place:
@@ -220,9 +203,6 @@ class CpuBackend(Backend):
         if op is Op.AVG:
 
             def average(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
-                if dst.size > block:
-                    _by_blocks(average, src, dst, block, in_place)
-                    return
                 if in_place:
                     allreduce(in_place_buffer, [dst, kind], mpi_op)
                 else:
@@ -235,9 +215,6 @@ class CpuBackend(Backend):
         if in_place:
 
             def in_place_float(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
-                if dst.size > block:
-                    _by_blocks(in_place_float, src, dst, block, in_place)
-                    return
                 allreduce(in_place_buffer, [dst, kind], mpi_op)
                 if has_nan(dst):
                     canonicalize_nan(dst)
@@ -245,9 +222,6 @@ class CpuBackend(Backend):
             return in_place_float
 
         def into_out(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
-            if dst.size > block:
-                _by_blocks(into_out, src, dst, block, in_place)
-                return
             allreduce([src, kind], [dst, kind], mpi_op)
             if has_nan(dst):
                 canonicalize_nan(dst)
