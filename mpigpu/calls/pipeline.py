@@ -215,10 +215,12 @@ def _rows_posted(ctx: Context, record: Record) -> list[int] | None:
 
 def go(ctx: Context, record: Record, args: tuple[Any, ...], stream: StreamRef | None, live: Any) -> Any:
     """The check (where on: more than one rank, MPIGPU_CHECK) and the family's launch, watched as one
-    stay in the watchdog's ``active`` whose phase moves from "check" to "data"; the choice logged."""
+    stay in the watchdog's ``active`` whose phase moves from "check" to "data" (a fused launch, whose
+    wait is its check, stays in "check"); the choice logged."""
     if timeline.on:  # MPIGPU_TIMELINE: the same steps, each recorded (mpigpu/core/timeline.py)
         return _recorded_go(ctx, record, args, stream, live)
-    checked = ctx.size > 1 and ctx.settings.check and record.fused is None
+    fused = record.fused
+    checked = fused is None and ctx.size > 1 and ctx.settings.check
     family = record.family
     watchdog = ctx.watchdog
     if watchdog.on:
@@ -230,7 +232,7 @@ def go(ctx: Context, record: Record, args: tuple[Any, ...], stream: StreamRef | 
             if checked:
                 active[ident] = (record, "check")
                 ranks = check(ctx, record)
-            active[ident] = (record, "data")
+            active[ident] = (record, "data" if fused is None else "check")  # a fused launch waits in its check
             result = family.execute(record, args, stream, ranks, live)
         finally:
             if previous is None:
@@ -254,8 +256,10 @@ def _recorded_go(ctx: Context, record: Record, args: tuple[Any, ...], stream: St
         with watchdog.watch(family.label(record, "check")):
             ranks = check(ctx, record)
         event.mark("checked")
-    with watchdog.watch(family.label(record, "data")):
+    with watchdog.watch(family.label(record, "data" if record.fused is None else "check")):
         result = family.execute(record, args, stream, ranks, live)
+    if record.fused is not None:
+        event.mark("checked")  # a fused launch's one post is its check: it ends with the data
     timeline.end(event, None if x.device is None or stream is None else stream.handle)
     if ctx.settings.log:
         family.log(ctx, record)
