@@ -82,10 +82,11 @@ class _SmallViews:
 # its NaN read) on the 2-core machine with no GPU, user calls interleaved (docs/host.md;
 # bench/results/cpu-crossover-2026-11-27.txt). host from 32 MiB (bench/results/cpu-crossover-2026-11-26.txt),
 # and in two windows: its latency route from 32 KiB to that route's default limit (64 KiB; MPIGPU_HOST_SMALL),
-# and one pipeline chunk of 2 to 3 MiB. At 64 KiB and 2 MiB host beat cpu in both quiet runs and in most
-# loaded ones; the windows' other sizes were measured loaded only; at 8 B and 256 KiB to 1 MiB cpu wins
+# and from 2 MiB (its pipeline). At 64 KiB and 2 MiB host beat cpu in both quiet runs and in most loaded
+# ones; from 3 to 16 MiB in every run of 2026-11-28 (two to six a size, host / cpu 0.71-0.97: bench/results/
+# cpu-allreduce-2026-11-28.txt), at load 1.5-3.1; at 8 B and 256 KiB to 1 MiB cpu wins
 AUTO_HOST_MIN_BYTES = 32 << 20
-AUTO_HOST_WINDOWS: tuple[tuple[int, int], ...] = ((32 << 10, 64 << 10), (2 << 20, 3 << 20))
+AUTO_HOST_WINDOWS: tuple[tuple[int, int], ...] = ((32 << 10, 64 << 10), (2 << 20, 32 << 20))
 
 
 class HostBackend(Backend):

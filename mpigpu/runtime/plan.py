@@ -4,7 +4,7 @@ that ``python -m mpigpu.bench --tune`` measured on a matching machine, or these 
 GPU arrays:  ipc (one node, peer access) up to 4 MiB -> nccl -> cuda-aware MPI -> host staging
              (reduce_scatter: nccl first, as ipc makes it out of an allreduce).
 Host arrays: host (shared-memory reduce) from 32 MiB, and for allreduce and reduce_scatter also from
-             32 KiB to 64 KiB and from 2 to 3 MiB, where the host backend is available; cpu
+             32 KiB to 64 KiB and from 2 MiB, where the host backend is available; cpu
              (MPI_Allreduce) otherwise.
 
 The order is the registry's (``mpigpu.backends._REGISTRY``), the size limits are each backend's

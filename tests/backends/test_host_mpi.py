@@ -534,10 +534,10 @@ def test_average_command_with_virtual_nodes(tmp_path, node_size: str) -> None:
 @pytest.mark.mpi(min_size=2)
 def test_auto_takes_host_in_its_measured_windows_with_the_same_bits_on_every_rank(comm) -> None:
     """auto's rule for NumPy arrays (mpigpu.backends.host.AUTO_HOST_WINDOWS): cpu at 8 B and 256 KiB,
-    host at 64 KiB (its latency route) and 2 MiB (one pipeline chunk); through either, a NaN whose
+    host at 64 KiB (its latency route), 2 MiB and 8 MiB (its pipeline); through either, a NaN whose
     payload differs per rank and an IEEE NaN (+inf + -inf) end as the same bits on every rank."""
     rank = comm.Get_rank()
-    for nbytes, want in ((8, "cpu"), (64 << 10, "host"), (256 << 10, "cpu"), (2 << 20, "host")):
+    for nbytes, want in ((8, "cpu"), (64 << 10, "host"), (256 << 10, "cpu"), (2 << 20, "host"), (8 << 20, "host")):
         x = np.full(nbytes // 4, -0.0, np.float32)
         assert mpigpu.explain(x, "sum", comm=comm).backend == want, nbytes
         x.view("u4")[0] = 0x7F800001 + rank | (rank % 2) << 31  # a signalling NaN of this rank's own
