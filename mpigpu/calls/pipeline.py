@@ -21,6 +21,7 @@ collective adds those, not a road of its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
@@ -283,9 +284,13 @@ def call(family: Family, comm: Any, stream: Any, args: tuple[Any, ...]) -> Any:
         ctx.leave()
 
 
-def call_async(family: Family, comm: Any, stream: Any, args: tuple[Any, ...]) -> Handle:
+def call_async(family: Family, comm: Any, stream: Any, args: tuple[Any, ...],
+               around: Callable[[Callable[[], Any]], Any] | None = None) -> Handle:  # fmt: skip
     """Start one call of ``family`` and return its Handle (mpigpu.calls.handles says how each backend
-    runs it). Invalid arguments raise here, on every rank, in the queue's order."""
+    runs it). Invalid arguments raise here, on every rank, in the queue's order. ``around``: a layer's
+    own wrapper of the call's check and launch (``attempt``), run as ``around(attempt)`` where they run
+    (this thread, or the worker in the queue's order); its result is the handle's. The Horovod layer
+    answers a joined rank's mismatch there with the call's next attempt, before any later call."""
     if thread_binding.__dict__.get("index") is not None:  # no form over several devices per process
         refuse_if_bound(f"{family.name}_async", comm)  # raises, on every participant of every rank
     ctx = Context.get(comm)
@@ -293,7 +298,9 @@ def call_async(family: Family, comm: Any, stream: Any, args: tuple[Any, ...]) ->
     try:
         record, live = find(ctx, family, args, reject)
         ref = stream_of(ctx, record, stream, reject)
-        return start(ctx, record.choice.backend, ref, lambda s: go(ctx, record, args, s, live))
+        if around is None:
+            return start(ctx, record.choice.backend, ref, lambda s: go(ctx, record, args, s, live))
+        return start(ctx, record.choice.backend, ref, lambda s: around(partial(go, ctx, record, args, s, live)))
     finally:
         ctx.leave()
 

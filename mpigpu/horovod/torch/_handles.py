@@ -1,9 +1,11 @@
 """Horovod's integer handles, its names, and how the layer keeps every rank on the same call.
 
 - A handle is an ``int``: ``poll(handle)`` says whether the call is complete (never blocks),
-  ``synchronize(handle)`` waits and returns the result. Allreduces run through
-  ``mpigpu.allreduce_async``; the other collectives are queued on the communicator's background
-  thread (``mpigpu.calls.handles.run_queued``), after the calls made before them, so all are asynchronous
+  ``synchronize(handle)`` waits and returns the result. The async allreduces start on mpigpu's own
+  async road (``mpigpu.allreduce_async``'s: on the caller's thread where the backend enqueues on a
+  stream, else on the communicator's background thread), with the layer's join handling where the
+  call runs (``begin``); the other collectives are queued on that background thread
+  (``mpigpu.calls.handles.run_queued``), after the calls made before them, so all are asynchronous
   and reach MPI in the program's order.
 - ``name=``: two calls in flight on one process set may not share a name (Horovod keys calls by it).
   The second raises ValueError on the rank that makes it, before anything is sent: in a program that
@@ -26,15 +28,29 @@ from typing import Any, NamedTuple
 import torch
 
 from mpigpu.calls.handles import Handle, run_queued
+from mpigpu.calls.pipeline import call_async
+from mpigpu.calls.reduce import ALLREDUCE
 from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError, MpigpuError
 from mpigpu.core.typed import allreduce_int
 from mpigpu.horovod._errors import HorovodInternalError, translated
 from mpigpu.horovod._state import ProcessSet
-from mpigpu.horovod.torch._join import post
+from mpigpu.horovod.torch._join import allreduce_standing_in, post
 from mpigpu.job.check import Signature
 from mpigpu.runtime.context import Context, announce_rejection
 
-__all__ = ["Failed", "Group", "barrier", "claim", "poll", "queue", "register", "rejecting", "settle", "synchronize"]
+__all__ = [
+    "Failed",
+    "Group",
+    "barrier",
+    "begin",
+    "claim",
+    "poll",
+    "queue",
+    "register",
+    "rejecting",
+    "settle",
+    "synchronize",
+]
 
 
 class _Entry(NamedTuple):  # made on every call: a NamedTuple is cheaper than a dataclass
@@ -227,3 +243,16 @@ def queue(comm: Any, what: str, call: Callable[[], Any], tensors: Sequence[torch
             return result
 
     return run_queued(partial(_run, call if device is None else on_stream), comm=comm, what=what)
+
+
+def begin(comm: Any, buffer: torch.Tensor, op: str) -> Handle:
+    """Start the allreduce of ``buffer`` in place on ``comm`` (``op``: mpigpu's) as ``mpigpu.allreduce_async``
+    starts it, in the queue's order (after the calls queued before it); the joined ranks' stand-in
+    (``allreduce_standing_in``) and the errors raised on every rank (as Failed) are handled where it
+    runs, so the next call pairs. An error this rank's arguments raise (mpigpu has told the other
+    ranks) is the handle's too: ``synchronize`` raises it, as the other ranks raise theirs."""
+    try:
+        return call_async(ALLREDUCE, comm, None, (buffer, op, None, "auto"),
+                          lambda attempt: _run(partial(allreduce_standing_in, comm, buffer, op, attempt)))  # fmt: skip
+    except MpigpuError as exc:
+        return Handle("queued", result=Failed(exc))

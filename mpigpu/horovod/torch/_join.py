@@ -15,7 +15,8 @@ check then agrees); all return the rank that joined last."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -59,9 +60,12 @@ def _allreduce_sig(count: int, dtype: int, op: int) -> Signature:
     return Signature(count, dtype, op, 0, 0, collective=_ALLREDUCE)
 
 
-def allreduce_standing_in(comm: object, buffer: torch.Tensor, op: str) -> None:
-    """``mpigpu.allreduce(buffer, op)`` on ``comm`` (a process set's); where ranks of the set have joined,
-    again on ``buffer`` flat, with their zeros (raises MismatchError as the call does otherwise)."""
+def allreduce_standing_in(
+    comm: object, buffer: torch.Tensor, op: str, attempt: Callable[[], Any] | None = None
+) -> None:
+    """``mpigpu.allreduce(buffer, op)`` on ``comm`` (a process set's; ``attempt``: that call's check and
+    launch, as ``allreduce_async`` started it); where ranks of the set have joined, again on ``buffer``
+    flat, with their zeros (raises MismatchError as the call does otherwise)."""
     ctx = Context.get(comm)
     x = buffer
     while True:
@@ -69,12 +73,15 @@ def allreduce_standing_in(comm: object, buffer: torch.Tensor, op: str) -> None:
             if ctx.size > 1 and not ctx.settings.check:
                 d = DTYPES.get(str(x.dtype).removeprefix("torch."))
                 post(ctx, _allreduce_sig(x.numel(), -1 if d is None else d.code, Op(op).code))
-            mpigpu.allreduce(x, op, comm=comm)
+            if attempt is None:
+                mpigpu.allreduce(x, op, comm=comm)
+            else:
+                attempt()
             return
         except MismatchError as exc:
             if _asked(exc.posted) is None:
                 raise
-            x = buffer.view(-1)  # the joined ranks' zeros are flat
+            x, attempt = buffer.view(-1), None  # the joined ranks' zeros are flat
 
 
 def _stand_in(ctx: Context, comm: object, asked: Sequence[int], place: torch.device) -> int:

@@ -16,7 +16,7 @@ import torch
 
 from mpigpu.horovod._errors import unsupported
 from mpigpu.horovod._state import ProcessSet, comm_of, global_process_set
-from mpigpu.horovod.torch._handles import claim, queue, register, rejecting, settle, synchronize
+from mpigpu.horovod.torch._handles import begin, claim, queue, register, rejecting, settle, synchronize
 from mpigpu.horovod.torch._join import allreduce_standing_in
 
 __all__ = [
@@ -134,10 +134,12 @@ def scale(t: torch.Tensor, factor: float) -> None:
 
 def _start(buffer: torch.Tensor, op: ReduceOp, prescale: float, process_set: ProcessSet, what: str,
            now: bool = False) -> Any:  # fmt: skip
-    """Queue the allreduce of ``buffer`` (contiguous) in place (``now``: waited for at once, see
-    ``queue``); ranks that joined add zeros."""
+    """Start the allreduce of ``buffer`` (contiguous) in place (``begin``; ``now``: waited for at once,
+    see ``queue``); ranks that joined add zeros."""
     scale(buffer, prescale)
     comm = process_set.comm
+    if not now:
+        return begin(comm, buffer, _MPIGPU_OPS[op])
     return queue(comm, what, partial(allreduce_standing_in, comm, buffer, _MPIGPU_OPS[op]), [buffer], now)
 
 
