@@ -116,20 +116,34 @@ def register(inner: Handle | Group | None, finish: Callable[[Any], Any], key: tu
     return number
 
 
-def settle(inner: Handle, finish: Callable[[Any], Any], what: str, process_set: ProcessSet) -> Any:
-    """``synchronize(register(inner, finish, None, what, process_set))`` without a handle: the synchronous
-    forms, which wait for their call at once."""
+def settle(call: Callable[[], Any], tensors: Sequence[torch.Tensor], what: str, process_set: ProcessSet) -> Any:
+    """``synchronize`` of ``call()`` queued (``queue``) without a handle: the synchronous forms, which wait
+    for their call at once. With nothing queued on the process set's communicator it runs on this
+    thread, here and now (in the program's order, on the caller's stream), with no hand-off to the
+    background thread. Returns what ``call`` returns; its error raised as Horovod's."""
+    comm = process_set.comm
+    worker = Context.get(comm).async_worker
+    if worker is None or worker.idle:
+        _issue(None, process_set)
+        with translated(what):
+            return call()
+    inner = queue(comm, what, call, tensors)
     _issue(inner, process_set)
-    return _outcome(inner, finish, what)
+    return _outcome(inner, _same, what)
 
 
-def _issue(inner: Handle | Group, process_set: ProcessSet) -> None:
-    """Count a call issued on ``process_set``, and keep it while in flight (``barrier``)."""
+def _same(result: Any) -> Any:
+    return result
+
+
+def _issue(inner: Handle | Group | None, process_set: ProcessSet) -> None:
+    """Count a call issued on ``process_set``, and keep it while in flight (``barrier``; ``inner`` None:
+    a call complete already, run here and now)."""
     issued = _issued.get(process_set.process_set_id) or _issued.setdefault(process_set.process_set_id, [0, []])
     issued[0] += 1
     if issued[1]:
         issued[1] = [(seq, h) for seq, h in issued[1] if not h.done()]
-    if not inner.done():  # a call complete already (run here and now) is nothing for a barrier to wait for
+    if inner is not None and not inner.done():  # a call complete already is nothing for a barrier to wait for
         issued[1].append((issued[0], inner))
 
 
@@ -218,16 +232,10 @@ def _run(task: Callable[[], Any]) -> Any:
         return Failed(exc)
 
 
-def queue(comm: Any, what: str, call: Callable[[], Any], tensors: Sequence[torch.Tensor], now: bool = False) -> Handle:
+def queue(comm: Any, what: str, call: Callable[[], Any], tensors: Sequence[torch.Tensor]) -> Handle:
     """Run ``call()`` (mpigpu collectives on ``comm``) on the communicator's background thread, after the
     calls queued before it. CUDA tensors are read as they stand on the caller's stream now, and the
-    result is complete on the GPU when the handle is done. ``now``: the call is waited for at once (the
-    synchronous forms), so with nothing queued on ``comm`` it runs on this thread, here and now (in the
-    program's order, on the caller's stream), instead of a hand-off to the background thread."""
-    if now:
-        worker = Context.get(comm).async_worker
-        if worker is None or worker.idle:
-            return Handle("queued", result=_run(call))
+    result is complete on the GPU when the handle is done."""
     device = next((t.device for t in tensors if t.is_cuda), None)
     ready = None
     if device is not None:

@@ -16,7 +16,7 @@ import torch
 
 from mpigpu.horovod._errors import unsupported
 from mpigpu.horovod._state import ProcessSet, comm_of, global_process_set
-from mpigpu.horovod.torch._handles import begin, claim, queue, register, rejecting, settle, synchronize
+from mpigpu.horovod.torch._handles import begin, claim, register, rejecting, settle, synchronize
 from mpigpu.horovod.torch._join import allreduce_standing_in
 
 __all__ = [
@@ -132,15 +132,19 @@ def scale(t: torch.Tensor, factor: float) -> None:
         t.copy_(t.float() * torch.tensor(factor, dtype=torch.float32))
 
 
-def _start(buffer: torch.Tensor, op: ReduceOp, prescale: float, process_set: ProcessSet, what: str,
-           now: bool = False) -> Any:  # fmt: skip
-    """Start the allreduce of ``buffer`` (contiguous) in place (``begin``; ``now``: waited for at once,
-    see ``queue``); ranks that joined add zeros."""
+def _start(buffer: torch.Tensor, op: ReduceOp, prescale: float, process_set: ProcessSet) -> Any:
+    """Start the allreduce of ``buffer`` (contiguous) in place (``begin``); ranks that joined add zeros."""
     scale(buffer, prescale)
-    comm = process_set.comm
-    if not now:
-        return begin(comm, buffer, _MPIGPU_OPS[op])
-    return queue(comm, what, partial(allreduce_standing_in, comm, buffer, _MPIGPU_OPS[op]), [buffer], now)
+    return begin(process_set.comm, buffer, _MPIGPU_OPS[op])
+
+
+def _written(tensor: torch.Tensor, buffer: torch.Tensor, postscale: float, _: Any = None) -> torch.Tensor:
+    """``tensor`` holding the allreduce's result: ``buffer`` scaled by ``postscale``, copied back where it
+    is not ``tensor``'s own memory."""
+    scale(buffer, postscale)
+    if buffer is not tensor and buffer.data_ptr() != tensor.data_ptr():
+        tensor.data.copy_(buffer)
+    return tensor
 
 
 # -- allreduce -------------------------------------------------------------------------------------
@@ -149,7 +153,7 @@ def _allreduce_into(tensor: torch.Tensor, average: bool | None, name: str | None
     """``allreduce_async_``'s handle; ``now`` (the synchronous forms, which wait at once): the tensor."""
     comm_of(process_set)  # not initialized, or outside the set: ValueError on this rank alone
     key = claim(name, process_set)
-    what = f"allreduce {name or ''}".strip()
+    what = f"allreduce {name}" if name else "allreduce"
     with rejecting(process_set, what):
         op_ = resolve_op(op, average)
         if not isinstance(tensor, torch.Tensor):
@@ -158,15 +162,13 @@ def _allreduce_into(tensor: torch.Tensor, average: bool | None, name: str | None
         # call, and its in-place scaling leaves the tensor's autograd version counter as Horovod leaves it)
         plain = prescale_factor == 1.0 and postscale_factor == 1.0 and not tensor.requires_grad
         buffer = tensor if plain and tensor.is_contiguous() else tensor.data.contiguous()
-    inner = _start(buffer, op_, prescale_factor, process_set, what, now)
-
-    def finish(_: Any) -> torch.Tensor:
-        scale(buffer, postscale_factor)
-        if buffer.data_ptr() != tensor.data_ptr():
-            tensor.data.copy_(buffer)
-        return tensor
-
-    return settle(inner, finish, what, process_set) if now else register(inner, finish, key, what, process_set)
+    if not now:
+        inner = _start(buffer, op_, prescale_factor, process_set)
+        return register(inner, partial(_written, tensor, buffer, postscale_factor), key, what, process_set)
+    scale(buffer, prescale_factor)
+    comm = process_set.comm
+    settle(partial(allreduce_standing_in, comm, buffer, _MPIGPU_OPS[op_]), [buffer], what, process_set)
+    return _written(tensor, buffer, postscale_factor)
 
 
 def allreduce_async_(
@@ -239,6 +241,11 @@ def allreduce(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """A new tensor: ``tensor`` reduced across the process set (differentiable; ``tensor`` untouched)."""
+    graded = isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
+    if compression is NoneCompressor and average is None and not graded:
+        # nothing to compress, no gradient asked for, no deprecated argument to warn of at the caller's line:
+        # the in-place call on a copy, which checks the arguments itself
+        return _allreduce_into(_copy(tensor), average, name, op, prescale_factor, postscale_factor, process_set, True)
     with rejecting(process_set, "allreduce"):
         op_ = resolve_op(op, average)
         sent, state = compression.compress(tensor)
@@ -274,7 +281,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
         if problem is not None:  # Horovod: a RuntimeError for tensors of several devices or dtypes
             raise (ValueError if not tensors else RuntimeError)(f"grouped_allreduce needs {problem}")
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    inner = _start(flat, op_, prescale_factor, process_set, what)
+    inner = _start(flat, op_, prescale_factor, process_set)
 
     def finish(_: Any) -> list[torch.Tensor]:
         scale(flat, postscale_factor)
