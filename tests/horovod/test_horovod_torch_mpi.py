@@ -69,8 +69,9 @@ def test_allreduce_default_is_average_and_deprecated_average() -> None:
     x = _input(hvd.rank())
     expect = (_everyone().sum(0) / hvd.size()).float()
     assert torch.equal(hvd.allreduce(x), expect)
-    with pytest.warns(DeprecationWarning):
+    with pytest.warns(DeprecationWarning) as warned:
         assert torch.equal(hvd.allreduce(x, average=False), _everyone().sum(0).float())
+    assert warned[0].filename == __file__  # at the caller's line (shown by Python's default filters in __main__)
     with pytest.raises(ValueError, match="not both"):
         hvd.allreduce(x, average=True, op=hvd.Sum)
 
