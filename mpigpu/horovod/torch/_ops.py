@@ -193,8 +193,10 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
 
 
 def _copy(tensor: Any) -> Any:
-    """A contiguous copy of a tensor (anything else as it is: the call rejects it)."""
-    return tensor.detach().clone(memory_format=torch.contiguous_format) if isinstance(tensor, torch.Tensor) else tensor
+    """A contiguous copy of a tensor, outside autograd (anything else as it is: the call rejects it)."""
+    if not isinstance(tensor, torch.Tensor):
+        return tensor
+    return (tensor.detach() if tensor.requires_grad else tensor).clone(memory_format=torch.contiguous_format)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
