@@ -135,6 +135,64 @@ def test_async_gpu_calls_are_complete_when_synchronized(device) -> None:
     assert torch.equal(broadcast, torch.full((1 << 20,), float(n), device=device))
 
 
+def test_async_allreduces_in_stream_order_and_with_queued_calls(device) -> None:
+    """The async allreduces take mpigpu.allreduce_async's road (issue 36): inputs as they stand on the
+    caller's current stream at the call (a side stream's too), results complete when synchronize
+    returns, in order with a queued allgather and broadcast, synchronized out of order."""
+    r, n = hvd.rank(), hvd.size()
+    count = 1 << 20
+    everyone = sum(float(k + 1) for k in range(n))
+    x = torch.empty(count, device=device)
+    x.fill_(float(r + 1))  # enqueued on the caller's stream just before the call
+    hx = hvd.allreduce_async_(x, op=hvd.Sum)
+    gather = hvd.allgather_async(torch.full((r + 1,), float(r), device=device))
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        y = torch.empty(count, device=device)
+        y.fill_(float(2 * r))  # on the side stream, the current one at the call
+        hy = hvd.allreduce_async(y, op=hvd.Average, postscale_factor=2.0)
+    bcast = hvd.broadcast_async(torch.full((3,), float(r), device=device), root_rank=n - 1)
+    got_y = hvd.synchronize(hy)
+    assert torch.equal(got_y, torch.full((count,), 2.0 * sum(2.0 * k for k in range(n)) / n, device=device))
+    assert torch.equal(hvd.synchronize(bcast), torch.full((3,), float(n - 1), device=device))
+    assert torch.equal(
+        hvd.synchronize(gather), torch.cat([torch.full((k + 1,), float(k)) for k in range(n)]).to(device)
+    )
+    assert hvd.synchronize(hx) is x and torch.equal(x, torch.full((count,), everyone, device=device))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_async_mismatch_raises_from_synchronize_on_every_rank(device) -> None:
+    """Shapes that differ between ranks: every rank gets its handle, synchronize raises on every rank,
+    the tensor is unwritten, and the call started after it pairs."""
+    r = hvd.rank()
+    bad = torch.ones(6, device=device) if r == 0 else torch.ones(2, 3, device=device)
+    handle = hvd.allreduce_async_(bad, op=hvd.Sum)
+    following = hvd.allreduce_async(torch.full((5,), float(r), device=device), op=hvd.Sum)
+    with pytest.raises(hvd.HorovodInternalError, match="shape"):
+        hvd.synchronize(handle)
+    assert torch.equal(bad.reshape(-1), torch.ones(6, device=device))
+    want = torch.full((5,), float(sum(range(hvd.size()))), device=device)
+    assert torch.equal(hvd.synchronize(following), want)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_join_stands_in_for_async_cuda_allreduces_in_flight(device) -> None:
+    """Rank 0 joins; the others start two async allreduces of CUDA tensors before synchronizing either:
+    each gets rank 0's zeros (the stand-in runs where the call runs), then all leave join."""
+    r, n = hvd.rank(), hvd.size()
+    if r == 0:
+        assert hvd.join(device.index) == n - 1
+        return
+    others = sum(float(k + 1) for k in range(1, n))
+    a = torch.full((2, 3), float(r + 1), device=device)
+    ha = hvd.allreduce_async_(a, op=hvd.Sum)
+    hb = hvd.allreduce_async(torch.full((1000,), float(r + 1), device=device), op=hvd.Sum)
+    assert torch.equal(hvd.synchronize(hb), torch.full((1000,), others, device=device))
+    assert torch.equal(hvd.synchronize(ha), torch.full((2, 3), others, device=device))
+    assert hvd.join() == n - 1
+
+
 def test_sync_batch_norm_on_gpu(device) -> None:
     """hvd.SyncBatchNorm on CUDA tensors against torch's BatchNorm over every rank's batch (float64)."""
     r, n = hvd.rank(), hvd.size()
