@@ -10,7 +10,7 @@ from types import TracebackType
 
 from mpigpu.core.errors import MpigpuError
 
-__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "not_initialized", "translated", "unsupported"]
+__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "horovods", "not_initialized", "translated", "unsupported"]
 
 
 class HorovodInternalError(RuntimeError):
@@ -49,4 +49,10 @@ class translated:  # a context manager as a class (lower-case, as contextlib nam
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if isinstance(exc, MpigpuError):
-            raise HorovodInternalError(f"{self.what}: {type(exc).__name__}: {exc}") from exc
+            raise horovods(self.what, exc) from exc
+
+
+def horovods(what: str, exc: MpigpuError) -> HorovodInternalError:
+    """mpigpu's error ``exc`` in call ``what`` as Horovod's (``translated``'s, for a hot path's own
+    ``except``; raise it ``from exc``)."""
+    return HorovodInternalError(f"{what}: {type(exc).__name__}: {exc}")

@@ -32,7 +32,7 @@ from mpigpu.calls.pipeline import call_async
 from mpigpu.calls.reduce import ALLREDUCE
 from mpigpu.core.errors import DeviceError, InvalidArgument, MismatchError, MpigpuError
 from mpigpu.core.typed import allreduce_int
-from mpigpu.horovod._errors import HorovodInternalError, translated
+from mpigpu.horovod._errors import HorovodInternalError, horovods
 from mpigpu.horovod._state import ProcessSet
 from mpigpu.horovod.torch._join import allreduce_standing_in, post
 from mpigpu.job.check import Signature
@@ -47,6 +47,7 @@ __all__ = [
     "poll",
     "queue",
     "register",
+    "reject",
     "rejecting",
     "settle",
     "synchronize",
@@ -125,8 +126,10 @@ def settle(call: Callable[[], Any], tensors: Sequence[torch.Tensor], what: str, 
     worker = Context.get(comm).async_worker
     if worker is None or worker.idle:
         _issue(None, process_set)
-        with translated(what):
+        try:
             return call()
+        except MpigpuError as exc:
+            raise horovods(what, exc) from exc
     inner = queue(comm, what, call, tensors)
     _issue(inner, process_set)
     return _outcome(inner, _same, what)
@@ -188,11 +191,13 @@ def synchronize(handle: int) -> Any:
 
 def _outcome(inner: Handle | Group | None, finish: Callable[[Any], Any], what: str) -> Any:
     """``finish`` of the call's result once complete; its error (as Horovod's) if it failed."""
-    with translated(what):
+    try:
         result = inner.wait() if inner is not None else None
         if isinstance(result, Failed):
             raise result.error
         return finish(result)
+    except MpigpuError as exc:
+        raise horovods(what, exc) from exc
 
 
 class rejecting:  # a context manager as a class (lower-case, as contextlib names them): cheaper per call
@@ -210,24 +215,30 @@ class rejecting:  # a context manager as a class (lower-case, as contextlib name
         return None
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        # raised by mpigpu itself (which has told the other ranks), or not an Exception: nothing to tell
-        if not isinstance(exc, Exception) or isinstance(exc, MpigpuError):
-            return
-        ctx, posted = Context.get(self.process_set.comm), self.posted
-
-        def take_part(error: Exception = exc) -> None:
-            if posted:
-                with contextlib.suppress(MismatchError):  # the others raise for this call
-                    post(ctx, Signature(0, 0, 0, 0, 0, error=f"{type(error).__name__}: {error}"))
-            announce_rejection(ctx, error)
-
-        run_queued(take_part, comm=self.process_set.comm, what=self.what)  # then the error goes on up
+        if isinstance(exc, Exception):  # not an Exception (KeyboardInterrupt ...): nothing to tell
+            reject(exc, self.process_set, self.what, self.posted)
 
 
-def _run(task: Callable[[], Any]) -> Any:
-    """``task()``, or Failed for the errors raised on every rank alike (the next call pairs)."""
+def reject(exc: Exception, process_set: ProcessSet, what: str, posted: bool = True) -> None:
+    """``rejecting``'s part, for a hot path's own ``except``: tell the other ranks of ``exc`` in the call's
+    place (nothing where mpigpu raised it: it has told them); the caller raises it."""
+    if isinstance(exc, MpigpuError):
+        return
+    ctx = Context.get(process_set.comm)
+
+    def take_part(error: Exception = exc) -> None:
+        if posted:
+            with contextlib.suppress(MismatchError):  # the others raise for this call
+                post(ctx, Signature(0, 0, 0, 0, 0, error=f"{type(error).__name__}: {error}"))
+        announce_rejection(ctx, error)
+
+    run_queued(take_part, comm=process_set.comm, what=what)  # then the error goes on up
+
+
+def _run(task: Callable[..., Any], *args: Any) -> Any:
+    """``task(*args)``, or Failed for the errors raised on every rank alike (the next call pairs)."""
     try:
-        return task()
+        return task(*args)
     except (MismatchError, InvalidArgument, DeviceError, HorovodInternalError) as exc:  # on every rank
         return Failed(exc)
 
@@ -261,6 +272,6 @@ def begin(comm: Any, buffer: torch.Tensor, op: str) -> Handle:
     ranks) is the handle's too: ``synchronize`` raises it, as the other ranks raise theirs."""
     try:
         return call_async(ALLREDUCE, comm, None, (buffer, op, None, "auto"),
-                          lambda attempt: _run(partial(allreduce_standing_in, comm, buffer, op, attempt)))  # fmt: skip
+                          partial(_run, allreduce_standing_in, comm, buffer, op))  # fmt: skip
     except MpigpuError as exc:
         return Handle("queued", result=Failed(exc))

@@ -16,7 +16,7 @@ import torch
 
 from mpigpu.horovod._errors import unsupported
 from mpigpu.horovod._state import ProcessSet, comm_of, global_process_set
-from mpigpu.horovod.torch._handles import begin, claim, register, rejecting, settle, synchronize
+from mpigpu.horovod.torch._handles import begin, claim, register, reject, rejecting, settle, synchronize
 from mpigpu.horovod.torch._join import allreduce_standing_in
 
 __all__ = [
@@ -154,7 +154,7 @@ def _allreduce_into(tensor: torch.Tensor, average: bool | None, name: str | None
     comm_of(process_set)  # not initialized, or outside the set: ValueError on this rank alone
     key = claim(name, process_set)
     what = f"allreduce {name}" if name else "allreduce"
-    with rejecting(process_set, what):
+    try:  # ``rejecting``'s work, in a hot path's own ``except``
         op_ = resolve_op(op, average)
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"allreduce needs a torch.Tensor, not {type(tensor).__name__}")
@@ -162,6 +162,9 @@ def _allreduce_into(tensor: torch.Tensor, average: bool | None, name: str | None
         # call, and its in-place scaling leaves the tensor's autograd version counter as Horovod leaves it)
         plain = prescale_factor == 1.0 and postscale_factor == 1.0 and not tensor.requires_grad
         buffer = tensor if plain and tensor.is_contiguous() else tensor.data.contiguous()
+    except Exception as exc:
+        reject(exc, process_set, what)
+        raise
     if not now:
         inner = _start(buffer, op_, prescale_factor, process_set)
         return register(inner, partial(_written, tensor, buffer, postscale_factor), key, what, process_set)
