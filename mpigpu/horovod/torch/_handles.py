@@ -140,13 +140,13 @@ def _same(result: Any) -> Any:
 
 
 def _issue(inner: Handle | Group | None, process_set: ProcessSet) -> None:
-    """Count a call issued on ``process_set``, and keep it while in flight (``barrier``; ``inner`` None:
-    a call complete already, run here and now)."""
+    """Count a call issued on ``process_set``, and keep it until a later call finds it complete (``barrier``;
+    ``inner`` None: a call complete already, run here and now)."""
     issued = _issued.get(process_set.process_set_id) or _issued.setdefault(process_set.process_set_id, [0, []])
     issued[0] += 1
     if issued[1]:
         issued[1] = [(seq, h) for seq, h in issued[1] if not h.done()]
-    if inner is not None and not inner.done():  # a call complete already is nothing for a barrier to wait for
+    if inner is not None:  # (a barrier's wait for one complete already returns at once)
         issued[1].append((issued[0], inner))
 
 

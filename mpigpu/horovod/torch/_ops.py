@@ -134,14 +134,16 @@ def scale(t: torch.Tensor, factor: float) -> None:
 
 def _start(buffer: torch.Tensor, op: ReduceOp, prescale: float, process_set: ProcessSet) -> Any:
     """Start the allreduce of ``buffer`` (contiguous) in place (``begin``); ranks that joined add zeros."""
-    scale(buffer, prescale)
+    if prescale != 1.0:  # scale tests it too: here it saves a call per call
+        scale(buffer, prescale)
     return begin(process_set.comm, buffer, _MPIGPU_OPS[op])
 
 
 def _written(tensor: torch.Tensor, buffer: torch.Tensor, postscale: float, _: Any = None) -> torch.Tensor:
     """``tensor`` holding the allreduce's result: ``buffer`` scaled by ``postscale``, copied back where it
     is not ``tensor``'s own memory."""
-    scale(buffer, postscale)
+    if postscale != 1.0:
+        scale(buffer, postscale)
     if buffer is not tensor and buffer.data_ptr() != tensor.data_ptr():
         tensor.data.copy_(buffer)
     return tensor
@@ -152,10 +154,10 @@ def _allreduce_into(tensor: torch.Tensor, average: bool | None, name: str | None
                     postscale_factor: float, process_set: ProcessSet, now: bool) -> Any:  # fmt: skip
     """``allreduce_async_``'s handle; ``now`` (the synchronous forms, which wait at once): the tensor."""
     comm_of(process_set)  # not initialized, or outside the set: ValueError on this rank alone
-    key = claim(name, process_set)
+    key = None if name is None else claim(name, process_set)
     what = f"allreduce {name}" if name else "allreduce"
     try:  # ``rejecting``'s work, in a hot path's own ``except``
-        op_ = resolve_op(op, average)
+        op_ = Average if op is None and average is None else resolve_op(op, average)
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"allreduce needs a torch.Tensor, not {type(tensor).__name__}")
         # the tensor itself where nothing scales it through torch (``.data`` makes a new tensor object on every
@@ -168,7 +170,8 @@ def _allreduce_into(tensor: torch.Tensor, average: bool | None, name: str | None
     if not now:
         inner = _start(buffer, op_, prescale_factor, process_set)
         return register(inner, partial(_written, tensor, buffer, postscale_factor), key, what, process_set)
-    scale(buffer, prescale_factor)
+    if prescale_factor != 1.0:
+        scale(buffer, prescale_factor)
     comm = process_set.comm
     settle(partial(allreduce_standing_in, comm, buffer, _MPIGPU_OPS[op_]), [buffer], what, process_set)
     return _written(tensor, buffer, postscale_factor)
