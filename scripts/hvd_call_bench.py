@@ -12,6 +12,10 @@ torch's current stream), the calls as users write them (the default op of both: 
   hvd.allreduce_async_(t)+sync  ``hvd.synchronize(hvd.allreduce_async_(t))``
   mpigpu.allreduce(t)           ``mpigpu.allreduce(t)`` (in place): the call the layer is measured against
   allreduce_async(t).wait()     ``mpigpu.allreduce_async(t).wait()``: what the async forms are measured against
+  mpigpu.allreduce(t,out=o)     ``mpigpu.allreduce(t, out=o)``, ``o`` made once: mpigpu's out-of-place call
+  mpigpu.allreduce(t.clone())   a new tensor reduced in place, as ``hvd.allreduce(t)`` returns one: the
+                                out-of-place op's own cost in mpigpu (the copy), the layer's own part beside it
+  allreduce_async(t.clone())    ``mpigpu.allreduce_async(t.clone()).wait()``: the same for ``hvd.allreduce_async``
   comm.Allreduce                (CPU tensors) ``comm.Allreduce(MPI.IN_PLACE, t.numpy(), MPI.SUM)`` on the same
                                 memory (a sum: MPI has no average; the floor under every column)
 
@@ -22,7 +26,8 @@ which each column takes one turn, round r starting at column r mod k; a turn is 
 synchronisation, then one sample per call (barrier, clock, the call, synchronise the GPU, clock). A
 column's figure is the median over rounds of the slowest rank's median. The goals (issue 36): the
 Horovod forms within 5 us of ``mpigpu.allreduce(t)`` at 8 B, the async forms within 5 us of
-``allreduce_async(t).wait()``; the table prints each column's difference. --json writes the machine,
+``allreduce_async(t).wait()``; the table prints each column's difference, and the out-of-place forms'
+difference from the same op in mpigpu (a new tensor each call: the layer's own part). --json writes the machine,
 versions, date and every figure. Exit status 1 if a column gave a wrong result, 2 for --device gpu
 without a GPU.
 """
@@ -45,6 +50,14 @@ AGAINST = {  # each Horovod column's reference column, and the goal's bound in u
     "hvd.allreduce_async(t)+sync": "allreduce_async(t).wait()",
     "hvd.allreduce_async_(t)+sync": "allreduce_async(t).wait()",
 }
+SAME_OP = {  # the out-of-place forms beside mpigpu's call on a new tensor: what the layer itself adds
+    "hvd.allreduce(t)": "mpigpu.allreduce(t.clone())",
+    "hvd.allreduce_async(t)+sync": "allreduce_async(t.clone())",
+}
+ELSEWHERE = {  # the columns whose result is not ``t`` (left untouched)
+    "hvd.allreduce(t)", "hvd.allreduce_async(t)+sync", "mpigpu.allreduce(t,out=o)", "mpigpu.allreduce(t.clone())",
+    "allreduce_async(t.clone())",
+}  # fmt: skip
 GOAL_US = 5.0
 TARGET_TURN_S = 0.03
 MAX_ITERS = 1000
@@ -91,6 +104,7 @@ class Columns:
         self.hvd, self.torch, self.comm, self.count = hvd, torch, comm, count
         self.rank, self.n = comm.Get_rank(), comm.Get_size()
         self.t = torch.zeros(count, dtype=torch.float32, device=device)
+        self.o = torch.full((count,), float("nan"), dtype=torch.float32, device=device)  # poisoned: out=o writes it
         self.returned: Any = None
         calls: dict[str, tuple[Callable[[], Any], str]] = {  # name: (call, the op it computes)
             "hvd.allreduce(t)": (lambda: hvd.allreduce(self.t), "avg"),
@@ -99,6 +113,9 @@ class Columns:
             "hvd.allreduce_async_(t)+sync": (lambda: hvd.synchronize(hvd.allreduce_async_(self.t)), "avg"),
             "mpigpu.allreduce(t)": (lambda: mpigpu.allreduce(self.t), "avg"),
             "allreduce_async(t).wait()": (lambda: mpigpu.allreduce_async(self.t).wait(), "avg"),
+            "mpigpu.allreduce(t,out=o)": (lambda: mpigpu.allreduce(self.t, out=self.o), "avg"),
+            "mpigpu.allreduce(t.clone())": (lambda: mpigpu.allreduce(self.t.clone()), "avg"),
+            "allreduce_async(t.clone())": (lambda: mpigpu.allreduce_async(self.t.clone()).wait(), "avg"),
         }
         if device.type == "cpu":
             from mpigpu.core._mpi import MPI
@@ -120,7 +137,7 @@ class Columns:
         call, op = self.calls[name]
         self.t.copy_(self.torch.from_numpy(self._input(self.rank)))
         returned = call()
-        new = name in ("hvd.allreduce(t)", "hvd.allreduce_async(t)+sync")  # a new tensor; the others in place
+        new = name in ELSEWHERE  # the others reduce t in place
         got = (returned if new else self.t).detach().cpu().numpy()
         total = np.sum([self._input(r) for r in range(self.n)], axis=0, dtype=np.float64).astype(np.float32)
         want = total / np.float32(self.n) if op == "avg" else total
@@ -201,6 +218,9 @@ def _table(rows: list[dict[str, Any]], device: str, ranks: int, rounds: int) -> 
         lines.append(
             f"# {name} - {against}: " + ", ".join(f"{d:+.1f}" for d in diffs) + f" us (goal <= {GOAL_US:g}: {verdict})"
         )
+    for name, same in SAME_OP.items():
+        diffs = [r["us"][name] - r["us"][same] for r in rows]
+        lines.append(f"# {name} - {same}: " + ", ".join(f"{d:+.1f}" for d in diffs) + " us (the layer's own part)")
     return lines
 
 
@@ -239,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                 "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                 "versions": _versions(torch), "rounds": args.rounds, "ok": not bad,
                 "order": "interleaved: round r starting at column r mod k", "goal_us": GOAL_US, "against": AGAINST,
-                "results": rows,
+                "same_op": SAME_OP, "results": rows,
             }  # fmt: skip
             with open(args.json, "w") as fh:
                 json.dump(doc, fh, indent=1)

@@ -94,7 +94,8 @@ def test_the_check_wants_the_exact_result_of_each_collective(collective: str) ->
 # -- scripts/hvd_call_bench.py: the Horovod layer's per-call row -------------------------------------------
 HVD = Path(__file__).parents[2] / "scripts" / "hvd_call_bench.py"
 HVD_COLUMNS = ["hvd.allreduce(t)", "hvd.allreduce_(t)", "hvd.allreduce_async(t)+sync", "hvd.allreduce_async_(t)+sync",
-               "mpigpu.allreduce(t)", "allreduce_async(t).wait()", "comm.Allreduce"]  # fmt: skip
+               "mpigpu.allreduce(t)", "allreduce_async(t).wait()", "mpigpu.allreduce(t,out=o)",
+               "mpigpu.allreduce(t.clone())", "allreduce_async(t.clone())", "comm.Allreduce"]  # fmt: skip
 
 
 @serial
@@ -113,6 +114,8 @@ def test_the_horovod_rows_are_checked_and_interleaved_on_cpu(tmp_path: Path) -> 
         assert all(len(rounds) == 2 for rounds in row["rounds_us"].values())
     assert "# hvd.allreduce_(t) - mpigpu.allreduce(t): " in done.stdout
     assert "# hvd.allreduce_async_(t)+sync - allreduce_async(t).wait(): " in done.stdout
+    assert "# hvd.allreduce(t) - mpigpu.allreduce(t.clone()): " in done.stdout  # the layer's own part
+    assert doc["same_op"]["hvd.allreduce_async(t)+sync"] == "allreduce_async(t.clone())"
 
 
 @serial
