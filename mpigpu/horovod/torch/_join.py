@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 import mpigpu
+from mpigpu.calls.pipeline import call
+from mpigpu.calls.reduce import ALLREDUCE
 from mpigpu.core.dtypes import DTYPES
 from mpigpu.core.errors import MismatchError
 from mpigpu.core.ops import Op
@@ -73,8 +75,8 @@ def allreduce_standing_in(
             if ctx.size > 1 and not ctx.settings.check:
                 d = DTYPES.get(str(x.dtype).removeprefix("torch."))
                 post(ctx, _allreduce_sig(x.numel(), -1 if d is None else d.code, Op(op).code))
-            if attempt is None:
-                mpigpu.allreduce(x, op, comm=comm)
+            if attempt is None:  # mpigpu.allreduce(x, op, comm=comm) on the one road, as allreduce_async's attempt
+                call(ALLREDUCE, comm, None, (x, op, None, "auto"))
             else:
                 attempt()
             return
