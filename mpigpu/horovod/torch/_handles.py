@@ -44,6 +44,7 @@ __all__ = [
     "barrier",
     "begin",
     "claim",
+    "launch",
     "poll",
     "queue",
     "register",
@@ -108,12 +109,22 @@ def register(inner: Handle | Group | None, finish: Callable[[Any], Any], key: tu
              what: str = "collective", process_set: ProcessSet | None = None) -> int:  # fmt: skip
     """A new handle for ``inner`` (a call on ``process_set``); ``synchronize`` returns
     ``finish(inner.wait())``."""
+    return launch(partial(_same, inner), finish, key, what, process_set)
+
+
+def launch(start: Callable[[], Handle | Group | None], finish: Callable[[Any], Any],
+           key: tuple[int | None, str] | None, what: str, process_set: ProcessSet | None) -> int:  # fmt: skip
+    """``register(start(), finish, key, what, process_set)`` with the bookkeeping done before ``start()``
+    hands the call on: after it this thread has two stores left before ``synchronize`` can wait, and
+    the background thread that took the call waits for the GIL no longer than that."""
     number = next(_numbers)
+    issued = None if process_set is None else _issue(process_set)
+    inner = start()
     _pending[number] = _Entry(inner, finish, key, what)
     if key is not None:
         _named[key] = number
-    if inner is not None and process_set is not None:
-        _issue(inner, process_set)
+    if inner is not None and issued is not None:
+        issued[1].append((issued[0], inner))  # kept for barrier until a later call finds it complete
     return number
 
 
@@ -125,29 +136,26 @@ def settle(call: Callable[[], Any], tensors: Sequence[torch.Tensor], what: str, 
     comm = process_set.comm
     worker = Context.get(comm).async_worker
     if worker is None or worker.idle:
-        _issue(None, process_set)
+        _issue(process_set)
         try:
             return call()
         except MpigpuError as exc:
             raise horovods(what, exc) from exc
-    inner = queue(comm, what, call, tensors)
-    _issue(inner, process_set)
-    return _outcome(inner, _same, what)
+    return synchronize(launch(partial(queue, comm, what, call, tensors), _same, None, what, process_set))
 
 
 def _same(result: Any) -> Any:
     return result
 
 
-def _issue(inner: Handle | Group | None, process_set: ProcessSet) -> None:
-    """Count a call issued on ``process_set``, and keep it until a later call finds it complete (``barrier``;
-    ``inner`` None: a call complete already, run here and now)."""
+def _issue(process_set: ProcessSet) -> list[Any]:
+    """Count a call issued on ``process_set`` (``barrier``), forget the calls in flight found complete,
+    and return the set's record: [calls issued, [(call number, inner) in flight]]."""
     issued = _issued.get(process_set.process_set_id) or _issued.setdefault(process_set.process_set_id, [0, []])
     issued[0] += 1
     if issued[1]:
         issued[1] = [(seq, h) for seq, h in issued[1] if not h.done()]
-    if inner is not None:  # (a barrier's wait for one complete already returns at once)
-        issued[1].append((issued[0], inner))
+    return issued
 
 
 _issued: dict[int | None, list[Any]] = {}  # process set id -> [calls issued, [(call number, inner) in flight]]

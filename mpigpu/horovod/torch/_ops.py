@@ -16,7 +16,7 @@ import torch
 
 from mpigpu.horovod._errors import unsupported
 from mpigpu.horovod._state import ProcessSet, comm_of, global_process_set
-from mpigpu.horovod.torch._handles import begin, claim, register, reject, rejecting, settle, synchronize
+from mpigpu.horovod.torch._handles import begin, claim, launch, register, reject, rejecting, settle, synchronize
 from mpigpu.horovod.torch._join import allreduce_standing_in
 
 __all__ = [
@@ -168,8 +168,8 @@ def _allreduce_into(tensor: torch.Tensor, average: bool | None, name: str | None
         reject(exc, process_set, what)
         raise
     if not now:
-        inner = _start(buffer, op_, prescale_factor, process_set)
-        return register(inner, partial(_written, tensor, buffer, postscale_factor), key, what, process_set)
+        finish = partial(_written, tensor, buffer, postscale_factor)
+        return launch(partial(_start, buffer, op_, prescale_factor, process_set), finish, key, what, process_set)
     if prescale_factor != 1.0:
         scale(buffer, prescale_factor)
     comm = process_set.comm
