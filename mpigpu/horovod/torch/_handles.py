@@ -175,11 +175,12 @@ def barrier(process_set: ProcessSet) -> None:
             del _named[key]
 
 
-def _entry(handle: int) -> _Entry:
-    try:
-        return _pending[handle]
-    except KeyError:
-        raise ValueError(f"handle {handle!r} is unknown or was already synchronized") from None
+def _entry(handle: int, pop: bool = False) -> _Entry:
+    """The call of ``handle`` (``pop``: forgotten here, as synchronize forgets it)."""
+    entry = _pending.pop(handle, None) if pop else _pending.get(handle)
+    if entry is None:
+        raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
+    return entry
 
 
 def poll(handle: int) -> bool:
@@ -189,16 +190,11 @@ def poll(handle: int) -> bool:
 
 
 def synchronize(handle: int) -> Any:
-    """Wait for the operation of ``handle`` and return its result (a tensor, a list for grouped calls)."""
-    entry = _entry(handle)
-    del _pending[handle]
-    if entry.key is not None and _named.get(entry.key) == handle:
-        del _named[entry.key]
-    return _outcome(entry.inner, entry.finish, entry.what)
-
-
-def _outcome(inner: Handle | Group | None, finish: Callable[[Any], Any], what: str) -> Any:
-    """``finish`` of the call's result once complete; its error (as Horovod's) if it failed."""
+    """Wait for the operation of ``handle`` and return its result (a tensor, a list for grouped calls); its
+    error, as Horovod's, if it failed."""
+    inner, finish, key, what = _entry(handle, True)
+    if key is not None and _named.get(key) == handle:
+        del _named[key]
     try:
         result = inner.wait() if inner is not None else None
         if isinstance(result, Failed):

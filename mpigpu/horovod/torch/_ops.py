@@ -132,13 +132,6 @@ def scale(t: torch.Tensor, factor: float) -> None:
         t.copy_(t.float() * torch.tensor(factor, dtype=torch.float32))
 
 
-def _start(buffer: torch.Tensor, op: ReduceOp, prescale: float, process_set: ProcessSet) -> Any:
-    """Start the allreduce of ``buffer`` (contiguous) in place (``begin``); ranks that joined add zeros."""
-    if prescale != 1.0:  # scale tests it too: here it saves a call per call
-        scale(buffer, prescale)
-    return begin(process_set.comm, buffer, _MPIGPU_OPS[op])
-
-
 def _written(tensor: torch.Tensor, buffer: torch.Tensor, postscale: float, _: Any = None) -> torch.Tensor:
     """``tensor`` holding the allreduce's result: ``buffer`` scaled by ``postscale``, copied back where it
     is not ``tensor``'s own memory."""
@@ -167,12 +160,12 @@ def _allreduce_into(tensor: torch.Tensor, average: bool | None, name: str | None
     except Exception as exc:
         reject(exc, process_set, what)
         raise
-    if not now:
-        finish = partial(_written, tensor, buffer, postscale_factor)
-        return launch(partial(_start, buffer, op_, prescale_factor, process_set), finish, key, what, process_set)
-    if prescale_factor != 1.0:
+    if prescale_factor != 1.0:  # scale tests it too: here it saves a call per call
         scale(buffer, prescale_factor)
     comm = process_set.comm
+    if not now:  # begin: ranks that joined add zeros
+        finish = partial(_written, tensor, buffer, postscale_factor)
+        return launch(partial(begin, comm, buffer, _MPIGPU_OPS[op_]), finish, key, what, process_set)
     settle(partial(allreduce_standing_in, comm, buffer, _MPIGPU_OPS[op_]), [buffer], what, process_set)
     return _written(tensor, buffer, postscale_factor)
 
@@ -289,7 +282,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
         if problem is not None:  # Horovod: a RuntimeError for tensors of several devices or dtypes
             raise (ValueError if not tensors else RuntimeError)(f"grouped_allreduce needs {problem}")
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    inner = _start(flat, op_, prescale_factor, process_set)
+    scale(flat, prescale_factor)
+    inner = begin(process_set.comm, flat, _MPIGPU_OPS[op_])  # ranks that joined add zeros
 
     def finish(_: Any) -> list[torch.Tensor]:
         scale(flat, postscale_factor)
