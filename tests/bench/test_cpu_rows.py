@@ -116,6 +116,12 @@ def test_the_horovod_rows_are_checked_and_interleaved_on_cpu(tmp_path: Path) -> 
     assert "# hvd.allreduce_async_(t)+sync - allreduce_async(t).wait(): " in done.stdout
     assert "# hvd.allreduce(t) - mpigpu.allreduce(t.clone()): " in done.stdout  # the layer's own part
     assert doc["same_op"]["hvd.allreduce_async(t)+sync"] == "allreduce_async(t.clone())"
+    for row in doc["results"]:  # each difference also as the median of the per-round ones
+        rounds = row["rounds_us"]
+        per_round = sorted(
+            a - b for a, b in zip(rounds["hvd.allreduce_(t)"], rounds["mpigpu.allreduce(t)"], strict=True)
+        )
+        assert row["paired_us"]["hvd.allreduce_(t) - mpigpu.allreduce(t)"] == pytest.approx(sum(per_round) / 2)
 
 
 @serial
