@@ -135,3 +135,14 @@ def test_join_stands_in_for_async_allreduces_in_flight_together() -> None:
     assert torch.equal(now, torch.full((4,), float(others)))
     assert torch.equal(hvd.synchronize(ha), torch.full((2, 3), float(others)))
     assert hvd.join() == n - 1
+
+
+def test_the_out_of_place_forms_copy_a_non_contiguous_tensor_into_a_contiguous_one() -> None:
+    """``allreduce`` and ``allreduce_async`` of a transposed tensor: a new contiguous tensor with the
+    transposed reduction, the input untouched."""
+    r = hvd.rank()
+    x = _mine(r, 12).reshape(3, 4).t()  # not contiguous
+    before = x.clone()
+    for got in (hvd.allreduce(x, op=hvd.Sum), hvd.synchronize(hvd.allreduce_async(x, op=hvd.Sum))):
+        assert got.is_contiguous() and torch.equal(got, _sum(12).float().reshape(3, 4).t())
+    assert torch.equal(x, before) and not x.is_contiguous()

