@@ -146,3 +146,21 @@ def test_the_out_of_place_forms_copy_a_non_contiguous_tensor_into_a_contiguous_o
     for got in (hvd.allreduce(x, op=hvd.Sum), hvd.synchronize(hvd.allreduce_async(x, op=hvd.Sum))):
         assert got.is_contiguous() and torch.equal(got, _sum(12).float().reshape(3, 4).t())
     assert torch.equal(x, before) and not x.is_contiguous()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_with_the_check_off_a_tensor_one_rank_rejects_still_raises_on_every_rank() -> None:
+    """MPIGPU_CHECK=0 (here for the layer's communicator only, on every rank alike): mpigpu's check does not
+    run, so the rejecting rank's place in the call is the layer's own post (the one join reads), and the
+    call after it still pairs."""
+    from mpigpu.horovod._state import global_process_set
+    from mpigpu.runtime.context import Context
+
+    r = hvd.rank()
+    with Context.get(global_process_set.comm).changed_settings(check=False):
+        x = torch.ones(3, dtype=torch.bool) if r == 0 else torch.ones(3)
+        handle = hvd.allreduce_async(x, op=hvd.Sum)
+        following = hvd.allreduce_async(_mine(r, 3), op=hvd.Sum)
+        with pytest.raises(hvd.HorovodInternalError, match="bool" if r == 0 else "rank 0"):
+            hvd.synchronize(handle)
+        assert torch.equal(hvd.synchronize(following), _sum(3).float())

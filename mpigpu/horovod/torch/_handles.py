@@ -226,17 +226,24 @@ class rejecting:  # a context manager as a class (lower-case, as contextlib name
 def reject(exc: Exception, process_set: ProcessSet, what: str, posted: bool = True) -> None:
     """``rejecting``'s part, for a hot path's own ``except``: tell the other ranks of ``exc`` in the call's
     place (nothing where mpigpu raised it: it has told them); the caller raises it."""
-    if isinstance(exc, MpigpuError):
-        return
-    ctx = Context.get(process_set.comm)
+    if not isinstance(exc, MpigpuError):
+        _tell(exc, process_set.comm, what, posted, announce=True)
+
+
+def _tell(exc: Exception, comm: Any, what: str, posted: bool, announce: bool) -> None:
+    """Queue this rank's part in the call the others make, ``exc`` in its place: the layer's own post
+    (with the check off, where ``posted``) and mpigpu's check (``announce``), so the others raise for
+    this call instead of waiting, and the next call pairs."""
+    ctx = Context.get(comm)
 
     def take_part(error: Exception = exc) -> None:
         if posted:
             with contextlib.suppress(MismatchError):  # the others raise for this call
                 post(ctx, Signature(0, 0, 0, 0, 0, error=f"{type(error).__name__}: {error}"))
-        announce_rejection(ctx, error)
+        if announce:
+            announce_rejection(ctx, error)
 
-    run_queued(take_part, comm=process_set.comm, what=what)  # then the error goes on up
+    run_queued(take_part, comm=comm, what=what)  # then the error goes on up
 
 
 def _run(task: Callable[..., Any], *args: Any) -> Any:
@@ -272,10 +279,12 @@ def begin(comm: Any, buffer: torch.Tensor, op: str) -> Handle:
     """Start the allreduce of ``buffer`` in place on ``comm`` (``op``: mpigpu's) as ``mpigpu.allreduce_async``
     starts it, in the queue's order (after the calls queued before it); the joined ranks' stand-in
     (``allreduce_standing_in``) and the errors raised on every rank (as Failed) are handled where it
-    runs, so the next call pairs. An error this rank's arguments raise (mpigpu has told the other
-    ranks) is the handle's too: ``synchronize`` raises it, as the other ranks raise theirs."""
+    runs, so the next call pairs. An error this rank's arguments raise is the handle's too:
+    ``synchronize`` raises it, as the other ranks raise theirs (mpigpu's check has told them; with the
+    check off the layer's own post, which the call would have made, tells them)."""
     try:
         return call_async(ALLREDUCE, comm, None, (buffer, op, None, "auto"),
                           partial(_run, allreduce_standing_in, comm, buffer, op))  # fmt: skip
-    except MpigpuError as exc:
+    except Exception as exc:
+        _tell(exc, comm, "allreduce", posted=True, announce=False)
         return Handle("queued", result=Failed(exc))
