@@ -115,8 +115,8 @@ def register(inner: Handle | Group | None, finish: Callable[[Any], Any], key: tu
 def launch(start: Callable[[], Handle | Group | None], finish: Callable[[Any], Any],
            key: tuple[int | None, str] | None, what: str, process_set: ProcessSet | None) -> int:  # fmt: skip
     """``register(start(), finish, key, what, process_set)`` with the bookkeeping done before ``start()``
-    hands the call on: after it this thread has two stores left before ``synchronize`` can wait, and
-    the background thread that took the call waits for the GIL no longer than that."""
+    hands the call on: after it this thread has two stores left before ``synchronize`` can wait (the
+    background thread that took the call needs the GIL this thread holds until then)."""
     number = next(_numbers)
     issued = None if process_set is None else _issue(process_set)
     inner = start()
