@@ -1,12 +1,11 @@
 """Horovod's integer handles, its names, and how the layer keeps every rank on the same call.
 
 - A handle is an ``int``: ``poll(handle)`` says whether the call is complete (never blocks),
-  ``synchronize(handle)`` waits and returns the result. The async allreduces start on mpigpu's own
-  async road (``mpigpu.allreduce_async``'s: on the caller's thread where the backend enqueues on a
-  stream, else on the communicator's background thread), with the layer's join handling where the
-  call runs (``begin``); the other collectives are queued on that background thread
-  (``mpigpu.calls.handles.run_queued``), after the calls made before them, so all are asynchronous
-  and reach MPI in the program's order.
+  ``synchronize(handle)`` waits and returns the result. The async allreduces of CPU tensors start on
+  mpigpu's own async road (``mpigpu.allreduce_async``'s), with the layer's join handling where the
+  call runs (``begin``); those of CUDA tensors are queued (``begin`` says why), as the other
+  collectives are, on the communicator's background thread (``mpigpu.calls.handles.run_queued``),
+  after the calls made before them, so all are asynchronous and reach MPI in the program's order.
 - ``name=``: two calls in flight on one process set may not share a name (Horovod keys calls by it).
   The second raises ValueError on the rank that makes it, before anything is sent: in a program that
   makes the same calls on every rank, every rank raises, and no rank is left one call ahead.
@@ -281,7 +280,13 @@ def begin(comm: Any, buffer: torch.Tensor, op: str) -> Handle:
     (``allreduce_standing_in``) and the errors raised on every rank (as Failed) are handled where it
     runs, so the next call pairs. An error this rank's arguments raise is the handle's too:
     ``synchronize`` raises it, as the other ranks raise theirs (mpigpu's check has told them; with the
-    check off the layer's own post, which the call would have made, tells them)."""
+    check off the layer's own post, which the call would have made, tells them).
+
+    A CUDA tensor's call still takes the background queue (``queue``: the worker waits for the caller's
+    stream, then makes the blocking call), the road the GPU runs of 2026-11-27 verified: the caller's
+    thread road for CUDA tensors waits for its GPU tests (tests/gpu/test_horovod_gpu.py) on two GPUs."""
+    if buffer.is_cuda:
+        return queue(comm, "allreduce", partial(allreduce_standing_in, comm, buffer, op), [buffer])
     try:
         return call_async(ALLREDUCE, comm, None, (buffer, op, None, "auto"),
                           partial(_run, allreduce_standing_in, comm, buffer, op))  # fmt: skip
