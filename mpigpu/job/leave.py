@@ -38,27 +38,28 @@ class Peers:
         self.rank, self.local, self.remote = rank, local, remote
 
 
-def _stat(pid: int) -> list[bytes] | None:
-    """The fields of /proc/<pid>/stat after the command name (which may hold spaces), None where it
-    cannot be read."""
+def _stat(pid: int) -> tuple[bytes, str] | None:
+    """The process's state and start time in clock ticks since boot (fields 3 and 22 of proc(5)'s
+    /proc/<pid>/stat), None where it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()
+            fields = stat.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+        return fields[0], fields[19].decode()
     except (OSError, IndexError):
         return None
 
 
 def _start_time(pid: int) -> str:
-    """The process's start time in clock ticks since boot ("" where /proc cannot tell)."""
-    fields = _stat(pid)
-    return fields[19].decode() if fields and len(fields) > 19 else ""  # field 22 of proc(5)
+    """The process's start time ("" where /proc cannot tell)."""
+    stat = _stat(pid)
+    return stat[1] if stat else ""
 
 
 def _alive(process: Process) -> bool:
     """The process runs: the same pid with the same start time, and not a zombie."""
     pid, started = process
-    fields = _stat(pid)
-    return bool(fields) and fields[0] != b"Z" and len(fields) > 19 and fields[19].decode() == started
+    stat = _stat(pid)
+    return stat is not None and stat[0] != b"Z" and stat[1] == started
 
 
 def _has_left(process: Process) -> bool:
