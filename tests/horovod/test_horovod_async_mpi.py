@@ -101,10 +101,10 @@ def test_a_mismatch_raises_from_synchronize_on_every_rank_and_the_next_call_pair
     assert torch.equal(hvd.allreduce(_mine(r, 4), op=hvd.Sum), _sum(4).float())
 
 
-@pytest.mark.mpi(min_size=2)
-def test_a_tensor_one_rank_rejects_raises_from_synchronize_on_every_rank() -> None:
-    """Rank 0's tensor is one mpigpu cannot reduce (bool): its error and the other ranks' error for
-    that call both come from ``synchronize``; the call queued after it pairs."""
+def _rank_0_rejects_a_bool_tensor_and_the_next_call_pairs() -> None:
+    """Rank 0 starts an async allreduce of a bool tensor (mpigpu cannot reduce it), the others of a float
+    one, and every rank an async allreduce after it: ``synchronize`` raises for the first on every rank
+    (rank 0 its own error, the others rank 0's), and the second gives the exact sum."""
     r = hvd.rank()
     x = torch.ones(3, dtype=torch.bool) if r == 0 else torch.ones(3)
     handle = hvd.allreduce_async(x, op=hvd.Sum)
@@ -112,6 +112,13 @@ def test_a_tensor_one_rank_rejects_raises_from_synchronize_on_every_rank() -> No
     with pytest.raises(hvd.HorovodInternalError, match="bool" if r == 0 else "rank 0"):
         hvd.synchronize(handle)
     assert torch.equal(hvd.synchronize(following), _sum(3).float())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_tensor_one_rank_rejects_raises_from_synchronize_on_every_rank() -> None:
+    """Rank 0's tensor is one mpigpu cannot reduce (bool): its error and the other ranks' error for
+    that call both come from ``synchronize``; the call queued after it pairs."""
+    _rank_0_rejects_a_bool_tensor_and_the_next_call_pairs()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -156,11 +163,5 @@ def test_with_the_check_off_a_tensor_one_rank_rejects_still_raises_on_every_rank
     from mpigpu.horovod._state import global_process_set
     from mpigpu.runtime.context import Context
 
-    r = hvd.rank()
     with Context.get(global_process_set.comm).changed_settings(check=False):
-        x = torch.ones(3, dtype=torch.bool) if r == 0 else torch.ones(3)
-        handle = hvd.allreduce_async(x, op=hvd.Sum)
-        following = hvd.allreduce_async(_mine(r, 3), op=hvd.Sum)
-        with pytest.raises(hvd.HorovodInternalError, match="bool" if r == 0 else "rank 0"):
-            hvd.synchronize(handle)
-        assert torch.equal(hvd.synchronize(following), _sum(3).float())
+        _rank_0_rejects_a_bool_tensor_and_the_next_call_pairs()
