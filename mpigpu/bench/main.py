@@ -67,7 +67,7 @@ from mpigpu.cli import (
     write_json,
 )
 from mpigpu.core.dtypes import DTYPES
-from mpigpu.core.errors import InvalidArgument
+from mpigpu.core.errors import InvalidArgument, install_hint
 from mpigpu.core.ops import Op
 from mpigpu.runtime.tuning import size_label
 
@@ -239,7 +239,7 @@ def _check_args(parser: Parser, args: argparse.Namespace) -> None:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            parser.error("--plot needs matplotlib: pip install 'mpigpu[plot]'")
+            parser.error(f"--plot needs matplotlib: {install_hint('plot', 'matplotlib')}")
 
 
 def size_list(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
