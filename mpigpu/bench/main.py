@@ -74,8 +74,8 @@ from mpigpu.runtime.tuning import size_label
 __all__ = ["build_parser", "main", "run", "size_list"]
 
 PATH_NAMES = ("auto", *BACKEND_NAMES, *ANCHORS)
-# The default sweep where only host arrays are timed (no GPU): about a minute and under 2 GB on a
-# 2-core machine (docs/bench.md), instead of 1 GiB in steps of 2 (minutes, ~10 GB).
+# The default sweep where only host arrays are timed (no GPU): about 2 minutes and under 2 GB on a
+# 2-core machine (docs/bench.md), instead of 1 GiB in steps of 2 (over 7 minutes, ~10 GB).
 QUICK_MAX_BYTES = 64 << 20
 QUICK_STEP = 4
 INTERRUPTED_STATUS = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
