@@ -33,7 +33,7 @@ MOVED: dict[str, Moved] = {
     # the 2026-11-25 layout (issue 30)
     "mpigpu._mpi": Moved(("mpigpu.core._mpi",), "use `from mpi4py import MPI` and MPI.COMM_WORLD"),
     "mpigpu.arrays": Moved(("mpigpu.core.arrays",)),
-    "mpigpu.averager": Moved(("mpigpu.training.averager",), "from mpigpu import Averager"),
+    "mpigpu.averager": Moved(("mpigpu.training.averager", "mpigpu.training.buckets"), "from mpigpu import Averager"),
     "mpigpu.config": Moved(("mpigpu.core.config",)),
     "mpigpu.failsafe": Moved(("mpigpu.job.failsafe",), "call mpigpu.install_abort_handler()"),
     "mpigpu.plan": Moved(("mpigpu.runtime.plan", "mpigpu.runtime.tuning")),

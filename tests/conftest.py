@@ -123,7 +123,7 @@ def mpiexec() -> str:
         return str(local)
     found = shutil.which("mpiexec") or shutil.which("mpirun")
     if not found:
-        pytest.fail("no mpiexec found: install the mpi extra (pip install 'mpigpu[mpi]') or a system MPI")
+        pytest.fail("no mpiexec found: install MPICH (pip install mpich: the mpi extra) or a system MPI")
     return found
 
 

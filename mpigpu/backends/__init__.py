@@ -25,7 +25,7 @@ _REGISTRY: dict[str, str] = {
 }
 BACKEND_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 # where auto's order is not the registry's: ipc makes reduce_scatter out of a whole allreduce and a copy,
-# 52-58 us from 16 B to 1 MiB on 2 x H100 where nccl's reduceScatter took 35-40 (docs/results.md, 2026-11-26)
+# 52-58 us from 16 B to 1 MiB on 2 x H100 where nccl's reduceScatter took 35-40 (bench/results/README.md, 2026-11-26)
 _FIRST: dict[str, tuple[str, ...]] = {"reduce_scatter": ("nccl",)}
 # the backend's field in the cross-rank signature (0 is "no backend": a rank reporting its error)
 _CODES: dict[str, int] = {name: index + 1 for index, name in enumerate(BACKEND_NAMES)}

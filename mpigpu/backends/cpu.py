@@ -11,7 +11,7 @@ meet the CPU keeps the first operand's bits (x86): ranks whose inputs hold diffe
 with different NaNs in one element. So the result is read once more for NaN (one pass of
 ``np.maximum.reduce``, which propagates NaN; for avg fused with the division, block by block, while
 the block is in cache) and any NaN is made the canonical NaN, whose bits then match on every rank.
-That pass is the one mpigpu adds to MPI_Allreduce; docs/results.md gives its measured cost. Up to
+That pass is the one mpigpu adds to MPI_Allreduce; bench/results/README.md gives its measured cost. Up to
 the check board's DATA_BYTES on one node no MPI call runs at all (mpigpu.backends.cpu_board: every
 rank reduces every rank's posted data in rank order, then the same NaN rule). Non-NaN results need no
 pass: IEEE addition and multiplication are commutative, and MPICH's algorithms either compute an

@@ -67,15 +67,15 @@ from mpigpu.cli import (
     write_json,
 )
 from mpigpu.core.dtypes import DTYPES
-from mpigpu.core.errors import InvalidArgument
+from mpigpu.core.errors import InvalidArgument, install_hint
 from mpigpu.core.ops import Op
 from mpigpu.runtime.tuning import size_label
 
 __all__ = ["build_parser", "main", "run", "size_list"]
 
 PATH_NAMES = ("auto", *BACKEND_NAMES, *ANCHORS)
-# The default sweep where only host arrays are timed (no GPU): about a minute and under 2 GB on a
-# 2-core machine (docs/bench.md), instead of 1 GiB in steps of 2 (minutes, ~10 GB).
+# The default sweep where only host arrays are timed (no GPU): about 2 minutes and under 2 GB on a
+# 2-core machine (docs/bench.md), instead of 1 GiB in steps of 2 (over 7 minutes, ~10 GB).
 QUICK_MAX_BYTES = 64 << 20
 QUICK_STEP = 4
 INTERRUPTED_STATUS = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
@@ -239,7 +239,7 @@ def _check_args(parser: Parser, args: argparse.Namespace) -> None:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            parser.error("--plot needs matplotlib: pip install 'mpigpu[plot]'")
+            parser.error(f"--plot needs matplotlib: {install_hint('plot', 'matplotlib')}")
 
 
 def size_list(min_bytes: int, max_bytes: int, factor: int) -> list[int]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from mpigpu.core.errors import InvalidArgument, MissingDependency
+from mpigpu.core.errors import InvalidArgument, MissingDependency, install_hint
 
 __all__ = [
     "INSTALL_CUDA_EXTRA",
@@ -29,7 +29,9 @@ __all__ = [
 ]
 
 _current = threading.local()
-INSTALL_CUDA_EXTRA = "pip install 'mpigpu[cuda12]' (CUDA 12 driver) or 'mpigpu[cuda13]' (CUDA 13 driver)"
+_CUDA12 = install_hint("cuda12", "cupy-cuda12x 'cuda-core[cu12]' nvidia-nccl-cu12")
+_CUDA13 = install_hint("cuda13", "cupy-cuda13x 'cuda-core[cu13]' nvidia-nccl-cu13")
+INSTALL_CUDA_EXTRA = f"for a CUDA 12 driver {_CUDA12}; for CUDA 13 {_CUDA13}"
 
 
 @functools.cache

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from mpigpu.core.errors import MissingDependency
+from mpigpu.core.errors import MissingDependency, install_hint
 
 __all__ = ["MPI", "LibraryInfo", "launcher_local_rank", "launcher_rank", "libmpi_path", "library_info", "world"]
 
 _FIX = (
-    "Install an MPI: `pip install 'mpigpu[mpi]'` bundles MPICH (laptops, CI); on a cluster load the "
+    f"Install an MPI: {install_hint('mpi', 'mpich')} bundles MPICH (laptops, CI); on a cluster load the "
     "site's MPI module instead (mpi4py then finds it, or set MPI4PY_LIBMPI=/path/to/libmpi.so)."
 )
 

@@ -13,6 +13,7 @@ __all__ = [
     "MissingDependency",
     "MpigpuError",
     "in_step",
+    "install_hint",
     "left_in_step",
 ]
 
@@ -33,6 +34,12 @@ class ConfigError(MpigpuError, ValueError):
 
 class MissingDependency(MpigpuError, ImportError):
     """An optional package (or the MPI library) is needed for this and is not installed."""
+
+
+def install_hint(extra: str, packages: str) -> str:
+    """How to install an extra's packages, in every message that names one: the packages themselves,
+    and the extra for a clone of mpigpu (no package index carries mpigpu until it is published)."""
+    return f"pip install {packages} (from a clone of mpigpu: pip install '.[{extra}]')"
 
 
 class BackendUnavailable(MpigpuError):

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from mpigpu.cli import Parser, nonneg_int, prog
+from mpigpu.core.errors import install_hint
 from mpigpu.core.privatefs import write_file
 from mpigpu.timeline.check import problems
 from mpigpu.timeline.report import analyse, format_report
@@ -61,7 +62,7 @@ def _parser() -> Parser:
         "plot",
         help="draw one training step as a PNG (lanes per rank)",
         description="Draw one step (default: the last every rank recorded; the whole trace without training "
-        "steps) from a timeline directory or a trace written by merge. Needs matplotlib (mpigpu[plot]).",
+        "steps) from a timeline directory or a trace written by merge. Needs matplotlib (the plot extra).",
     )
     plot.add_argument("source", type=Path, help="a timeline directory or a trace.json written by merge")
     plot.add_argument("-o", "--output", type=Path, required=True, help="the PNG to write")
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            sys.stderr.write(f"{prog('mpigpu.timeline')}: error: plot needs matplotlib: pip install 'mpigpu[plot]'\n")
+            hint = install_hint("plot", "matplotlib")
+            sys.stderr.write(f"{prog('mpigpu.timeline')}: error: plot needs matplotlib: {hint}\n")
             return 2
         from mpigpu.timeline.plot import plot_step
 

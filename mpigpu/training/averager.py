@@ -6,6 +6,7 @@ given, into flat buckets of at most ``bucket_bytes`` (an array larger than that 
 own), like Horovod's tensor fusion and PyTorch DDP's buckets. Each step packs the arrays into their
 buckets (one copy kernel per bucket on a GPU), runs one ``allreduce_async`` per bucket and unpacks
 the results. Buckets are allocated once, when the Averager is built: a step allocates nothing.
+The grouping and the buckets themselves are in ``mpigpu.training.buckets``; this module runs the steps.
 
 Arrays that already live in their bucket (``bucket_views()``; PyTorch gradients after the first
 step) are neither packed nor unpacked. With PyTorch parameters the Averager averages ``p.grad`` and
@@ -27,194 +28,29 @@ same order.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from mpigpu.calls.handles import reject
-from mpigpu.calls.persistent import Request, allreduce_init
+from mpigpu.calls.persistent import allreduce_init
 from mpigpu.core import timeline
 from mpigpu.core._cuda import StreamRef, resolve_stream
-from mpigpu.core.arrays import as_view, framework_of, require_c_order
+from mpigpu.core.arrays import as_view, framework_of
 from mpigpu.core.config import parse_count
-from mpigpu.core.dtypes import DType, parse_dtype
 from mpigpu.core.errors import InvalidArgument, MismatchError, MpigpuError
 from mpigpu.core.ops import Op, parse_op
 from mpigpu.runtime.context import Context
 from mpigpu.training import timeline_marks
 from mpigpu.training.broadcast_state import broadcast_parameters
+from mpigpu.training.buckets import Bucket, Spec, is_module, is_parameter, is_torch, plan_buckets, spec_of, torch_spec
 from mpigpu.training.compression import parse_compression
-from mpigpu.training.packing import DevicePacker, pack_host, unpack_host
+from mpigpu.training.packing import pack_host, unpack_host
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Averager", "Spec", "plan_buckets"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "Averager"]
 
 DEFAULT_BUCKET_BYTES = 128 << 20  # Horovod's default fusion buffer: a ResNet-50 (98 MiB) in one bucket
 
 _COMPRESSIBLE = "float32"
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One array as the Averager sees it; every rank must pass the same list."""
-
-    shape: tuple[int, ...]
-    dtype: DType
-    device: int | None  # CUDA ordinal, None for host memory
-    strides: tuple[int, ...] | None = None  # PyTorch element strides of a dense non-C layout (channels_last)
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
-
-    def describe(self) -> str:
-        place = "host" if self.device is None else "GPU"
-        return f"{self.dtype.name} {self.shape} on {place}"
-
-
-def plan_buckets(specs: Sequence[Spec], bucket_bytes: int, first_bytes: int | None = None) -> list[list[int]]:
-    """Indices of ``specs`` grouped by (device, dtype), in order, into buckets of at most
-    ``bucket_bytes`` (the first of each group at most ``first_bytes``, if smaller: DDP's small first
-    bucket, sent early); buckets ordered by their first array. Deterministic: equal on every rank."""
-    first_cap = bucket_bytes if first_bytes is None else min(first_bytes, bucket_bytes)
-    open_: dict[tuple[int | None, str], list[int]] = {}
-    filled: dict[tuple[int | None, str], int] = {}
-    first: dict[tuple[int | None, str], list[int]] = {}
-    buckets: list[list[int]] = []
-    for index, spec in enumerate(specs):
-        key = (spec.device, spec.dtype.name)
-        members = open_.get(key)
-        if members and filled[key] + spec.nbytes > (first_cap if members is first.get(key) else bucket_bytes):
-            members = None
-        if members is None:
-            members = open_[key] = []
-            first.setdefault(key, members)
-            filled[key] = 0
-            buckets.append(members)
-        members.append(index)
-        filled[key] += spec.nbytes
-    return buckets
-
-
-def _is_torch(obj: Any) -> bool:
-    return type(obj).__module__.split(".")[0] == "torch"
-
-
-def _is_parameter(obj: Any) -> bool:
-    return _is_torch(obj) and type(obj).__name__ == "Parameter"
-
-
-def _is_module(obj: Any) -> bool:
-    """A torch.nn.Module (user subclasses included), recognised without importing torch."""
-    return any(c.__name__ == "Module" and c.__module__ == "torch.nn.modules.module" for c in type(obj).__mro__)
-
-
-def _dense_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """True if element ``strides`` cover ``prod(shape)`` consecutive elements (any dimension order)."""
-    expected = 1
-    for stride, extent in sorted((s, e) for s, e in zip(strides, shape, strict=True) if e != 1):
-        if stride != expected:
-            return False
-        expected *= extent
-    return True
-
-
-def _torch_spec(t: Any, name: str) -> Spec:
-    if t.device.type not in ("cpu", "cuda"):
-        raise InvalidArgument(f"{name} is a torch tensor on {t.device}: mpigpu takes CPU or CUDA tensors")
-    shape, strides = tuple(t.shape), None
-    if not t.is_contiguous():
-        strides = tuple(t.stride())
-        if not _dense_strides(shape, strides):
-            raise InvalidArgument(f"{name} is not dense (strides {strides}); pass a contiguous tensor")
-    return Spec(shape, parse_dtype(t.dtype), t.device.index if t.is_cuda else None, strides)
-
-
-def _spec(obj: Any, name: str) -> Spec:
-    if _is_torch(obj):
-        return _torch_spec(obj, name)
-    view = as_view(obj, name=name)
-    require_c_order(view, "the Averager", name)
-    if view.readonly:
-        hint = (
-            " JAX arrays are immutable: average jax.flatten_util.ravel_pytree(grads)[0] with one "
-            "mpigpu.allreduce call instead (see samples/jax_step.py)."
-            if view.framework == "jax"
-            else ""
-        )
-        raise InvalidArgument(f"{name} is read-only; the Averager writes the averages in place.{hint}")
-    return Spec(view.shape, view.dtype, view.device)
-
-
-def _allocate(framework: str, count: int, dtype: DType, device: int | None) -> Any:
-    """A flat buffer of ``count`` elements in the arrays' framework (so bucket views are of that kind)."""
-    if framework == "torch":
-        import torch
-
-        where = torch.device("cuda", device) if device is not None else torch.device("cpu")
-        return torch.empty(count, dtype=getattr(torch, dtype.name), device=where)
-    if device is not None:
-        from mpigpu.core._cuda import cupy
-
-        cp = cupy()
-        with cp.cuda.Device(device):
-            return cp.empty(count, dtype=dtype.np)
-    return np.empty(count, dtype=dtype.np)
-
-
-def _slot_view(buffer: Any, framework: str, offset: int, spec: Spec) -> Any:
-    """The part of a bucket that holds one array, shaped (and strided) like the array."""
-    if framework == "torch" and spec.strides is not None:
-        return buffer.as_strided(spec.shape, spec.strides, buffer.storage_offset() + offset)
-    return buffer[offset : offset + spec.size].reshape(spec.shape)
-
-
-class _Bucket:
-    """One fused buffer: the arrays it holds, where, and the state of the current step."""
-
-    def __init__(self, index: int, members: list[int], specs: Sequence[Spec], wire: DType, framework: str, arch: str):
-        first = specs[members[0]]
-        self.index, self.members, self.dtype, self.wire, self.device = index, members, first.dtype, wire, first.device
-        self.offsets: list[int] = []
-        self.counts = [specs[i].size for i in members]
-        self.count = 0
-        for size in self.counts:
-            self.offsets.append(self.count)
-            self.count += size
-        self.buffer = _allocate(framework, self.count, wire, self.device)
-        view = as_view(self.buffer, name="bucket")
-        self.ptr, self.host = view.ptr, view.host
-        self.slots: list[Any] | None = None  # views aliasing the bucket (no compression)
-        self.slot_ptrs: list[int] = []
-        if wire == self.dtype:
-            self.slots = [
-                _slot_view(self.buffer, framework, o, specs[i]) for i, o in zip(members, self.offsets, strict=True)
-            ]
-            self.slot_ptrs = [self.ptr + o * wire.itemsize for o in self.offsets]
-        self.packer = DevicePacker(len(members), self.dtype, wire, arch) if self.device is not None else None
-        # state of the current step
-        self.stream: int = 0  # the caller's stream (GPU)
-        self.request: Request | None = None  # the bucket's persistent allreduce (made once, with the bucket)
-        self.started = False  # its start of this step is not yet waited for
-        self.unpack: list[Any] = []  # (host array or address, offset, count) to copy back
-        self.adopt: list[int] = []  # member positions whose p.grad becomes the bucket slot
-        self.fixed: tuple[list[Any], list[Any]] | None = None  # (pack, unpack) of the construction-time arrays
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "arrays": len(self.members),
-            "elements": self.count,
-            "bytes": self.count * self.wire.itemsize,
-            "dtype": self.dtype.name,
-            "wire": self.wire.name,
-            "place": "host" if self.device is None else f"GPU {self.device}",
-        }
 
 
 class Averager:
@@ -251,14 +87,14 @@ class Averager:
         self._comm, self._backend = comm, backend
         items: list[Any] = []
         try:
-            items = list(arrays.parameters() if _is_module(arrays) else arrays)
+            items = list(arrays.parameters() if is_module(arrays) else arrays)
             self._configure(items, op, bucket_bytes, first_bucket_bytes, compression)
             problem = None
         except MpigpuError as exc:
             problem = exc
         self._check_layout(problem)
         if broadcast and self._params is not None:  # the same on every rank: the layouts agree
-            broadcast_parameters(arrays if _is_module(arrays) else items, 0, comm=comm)
+            broadcast_parameters(arrays if is_module(arrays) else items, 0, comm=comm)
         # compressed: avg on the wire, and a float32 scale on the way back for sums (no 16-bit overflow)
         self._wire_op = Op.AVG if self.compression is not None else self.op
         self._scale = float(self._ctx.size) if self.compression is not None and self.op is Op.SUM else 1.0
@@ -287,12 +123,12 @@ class Averager:
             raise InvalidArgument(f"compression works with op 'avg' or 'sum', not {self.op.value!r}")
         if not isinstance(self._backend, str):
             raise InvalidArgument(f"backend must be a string such as 'auto' or 'nccl', not {self._backend!r}")
-        params = [p for p in items if _is_parameter(p)]
+        params = [p for p in items if is_parameter(p)]
         if params and len(params) != len(items):
             raise InvalidArgument("pass either PyTorch parameters or arrays to the Averager, not a mix")
         self._params: list[Any] | None = [p for p in params if p.requires_grad] if params else None
         self._arrays: list[Any] = self._params if self._params is not None else items
-        self.specs = [_spec(a, f"arrays[{i}]") for i, a in enumerate(self._arrays)]
+        self.specs = [spec_of(a, f"arrays[{i}]") for i, a in enumerate(self._arrays)]
         gpu = self._ctx.gpu
         for i, spec in enumerate(self.specs):
             if spec.device is not None and (gpu is None or gpu.index != spec.device):
@@ -330,7 +166,7 @@ class Averager:
             return kind
         return "numpy" if self.specs[members[0]].device is None else "cupy"
 
-    def _new_bucket(self, index: int, members: list[int]) -> _Bucket:
+    def _new_bucket(self, index: int, members: list[int]) -> Bucket:
         spec = self.specs[members[0]]
         wire = self.compression if self.compression is not None and spec.dtype.name == _COMPRESSIBLE else spec.dtype
         arch = ""
@@ -339,7 +175,7 @@ class Averager:
             assert gpu is not None  # checked in _configure
             self._ctx.activate_gpu()
             arch = f"{gpu.compute_capability[0]}{gpu.compute_capability[1]}"
-        return _Bucket(index, members, self.specs, wire, self._framework(members), arch)
+        return Bucket(index, members, self.specs, wire, self._framework(members), arch)
 
     def _init_gpu(self) -> None:
         from mpigpu.core._cuda import cupy, cupy_stream
@@ -538,8 +374,8 @@ class Averager:
         """This step's array ``index``, checked against its spec: (a flat NumPy view of host data or
         the device address of GPU data, the address)."""
         spec, name = self.specs[index], f"arrays[{index}]"
-        if _is_torch(obj):
-            got = _torch_spec(obj, name)
+        if is_torch(obj):
+            got = torch_spec(obj, name)
             if got != spec:
                 raise InvalidArgument(f"{name} is now {got.describe()}, but was {spec.describe()} at construction")
             if spec.device is not None:
@@ -561,7 +397,7 @@ class Averager:
         assert view.host is not None
         return view.host.reshape(-1), view.ptr
 
-    def _collect(self, b: _Bucket) -> list[Any]:
+    def _collect(self, b: Bucket) -> list[Any]:
         """Validate this step's arrays of bucket ``b`` (local); return the pack entries. The arrays
         given at construction are checked once: their entries are kept for the following steps."""
         fixed = self._params is None and self._step is self._arrays
@@ -595,7 +431,7 @@ class Averager:
             b.fixed = (pack, b.unpack)
         return pack
 
-    def _pack(self, b: _Bucket, entries: list[Any], stream: Any) -> None:
+    def _pack(self, b: Bucket, entries: list[Any], stream: Any) -> None:
         if b.device is None:
             assert b.host is not None
             pack_host(b.host, entries)
@@ -606,7 +442,7 @@ class Averager:
         b.stream = resolve_stream(stream, framework, b.device).handle
         b.packer.pack(entries, b.ptr, b.stream)
 
-    def _launch(self, b: _Bucket, *, blocking: bool = False) -> None:
+    def _launch(self, b: Bucket, *, blocking: bool = False) -> None:
         """Start bucket ``b``'s allreduce (after its packing, on the side stream for GPU buckets);
         ``blocking``: run it now, on this thread, rather than as an allreduce_async. A MismatchError
         is kept for ``finish`` so that every rank goes through the same calls; this rank's own error
@@ -635,10 +471,10 @@ class Averager:
             self._reject(b.index + 1, exc)
             raise
 
-    def _reduced_event(self, b: _Bucket) -> int:
+    def _reduced_event(self, b: Bucket) -> int:
         return self._events[len(self._buckets) + b.index]
 
-    def _wait(self, b: _Bucket) -> None:
+    def _wait(self, b: Bucket) -> None:
         if not b.started:
             return
         b.started = False
@@ -648,7 +484,7 @@ class Averager:
         except MismatchError as exc:
             self._errors.append(exc)
 
-    def _unpack(self, b: _Bucket) -> None:
+    def _unpack(self, b: Bucket) -> None:
         if self._errors:
             return  # the buckets hold no averages: leave the arrays as they were
         if b.unpack:

@@ -15,13 +15,9 @@ from typing import Any
 from mpigpu.calls.move import broadcast
 from mpigpu.calls.objects import allgather_object, broadcast_object
 from mpigpu.core.errors import InvalidArgument, MismatchError
+from mpigpu.training.buckets import is_module
 
 __all__ = ["broadcast_optimizer_state", "broadcast_parameters"]
-
-
-def _is_module(obj: Any) -> bool:
-    """A torch.nn.Module (user subclasses included), recognised without importing torch."""
-    return any(c.__name__ == "Module" and c.__module__ == "torch.nn.modules.module" for c in type(obj).__mro__)
 
 
 def _is_array(obj: Any) -> bool:
@@ -31,7 +27,7 @@ def _is_array(obj: Any) -> bool:
 def _entries(params: Any) -> list[tuple[str, Any]]:
     """(name, array) pairs in the order every rank broadcasts them: sorted by name when named (a
     state_dict, named_parameters(), a Module's state_dict), else in the order given."""
-    if _is_module(params):
+    if is_module(params):
         params = params.state_dict()
     if isinstance(params, Mapping):
         items = list(params.items())

@@ -17,7 +17,8 @@ from mpigpu.core.errors import InvalidArgument, MismatchError
 from mpigpu.core.ops import Op
 from mpigpu.core.patterns import fill
 from mpigpu.core.verify import count_wrong_host
-from mpigpu.training.averager import Averager, Spec, _dense_strides, plan_buckets
+from mpigpu.training.averager import Averager
+from mpigpu.training.buckets import Spec, dense_strides, plan_buckets
 from mpigpu.training.packing import build_table, pack_host, unpack_host
 
 F32 = DTYPES["float32"]
@@ -73,10 +74,10 @@ def test_plan_small_first_bucket_per_group() -> None:
     assert sorted(i for b in buckets for i in b) == list(range(161))
 
 
-def test_dense_strides() -> None:
-    assert _dense_strides((2, 3, 4, 5), (60, 1, 15, 3))  # channels_last
-    assert _dense_strides((4, 1), (1, 7))  # an extent-1 dimension has any stride
-    assert not _dense_strides((3, 4), (8, 2))  # every other element
+def testdense_strides() -> None:
+    assert dense_strides((2, 3, 4, 5), (60, 1, 15, 3))  # channels_last
+    assert dense_strides((4, 1), (1, 7))  # an extent-1 dimension has any stride
+    assert not dense_strides((3, 4), (8, 2))  # every other element
 
 
 def _kernel_model(table: np.ndarray, n: int, memory: dict[int, np.ndarray], bucket: np.ndarray, pack: bool) -> None:
