@@ -99,9 +99,10 @@ class Context:
 
     def _start(self, comm: Any) -> None:
         self.rank = comm.Get_rank()
-        start_timeline(comm, self.settings)  # MPIGPU_TIMELINE (agreed): collective where set, else nothing
         self.mpi_lib: LibraryInfo = library_info()
         self.layout: Layout = build_layout(comm, self.settings.node_size)
+        # MPIGPU_TIMELINE (agreed): collective where set, else nothing; each rank's file names its node
+        start_timeline(comm, self.settings, self.layout.node_index)
         self.peers = node_peers(comm, self.layout.phys_comm)
         # The cross-rank check through node-shared memory when every rank is on one (unsplit) node;
         # otherwise (None) through MPI. Every later check on self.comm finds it (check_board.board_for).
