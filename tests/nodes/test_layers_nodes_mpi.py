@@ -192,11 +192,12 @@ def test_horovod_node_numbers_are_mpis(comm) -> None:
     try:
         assert (hvd.rank(), hvd.size()) == (rank, comm.Get_size())
         assert hvd.local_size() == len(mine) and hvd.local_rank() == mine.index(rank)
-        assert hvd.cross_size() == len(set(nodes)) and hvd.cross_rank() == nodes[rank]
+        # Horovod's cross communicator: the ranks of this local rank, one per node that has one, in node order
         local = [sum(1 for q in range(r) if nodes[q] == nodes[r]) for r in range(comm.Get_size())]
-        cross = [r for r in range(comm.Get_size()) if local[r] == local[rank]]  # Horovod's cross communicator
-        if len({nodes.count(n) for n in set(nodes)}) == 1:  # equal nodes: it holds one rank of each node
-            assert (hvd.cross_rank(), hvd.cross_size()) == (cross.index(rank), len(cross))
+        cross = sorted((nodes[r], r) for r in range(comm.Get_size()) if local[r] == local[rank])
+        assert (hvd.cross_rank(), hvd.cross_size()) == (cross.index((nodes[rank], rank)), len(cross))
+        if len({nodes.count(n) for n in set(nodes)}) == 1:  # equal nodes: the node's index and the node count
+            assert (hvd.cross_rank(), hvd.cross_size()) == (nodes[rank], len(set(nodes)))
         import torch
 
         t = torch.tensor([float(rank + 1)] * 3)
