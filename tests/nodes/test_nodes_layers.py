@@ -38,10 +38,12 @@ def _summary(output: str) -> dict[str, int]:
     return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", last[-1])}
 
 
-def test_every_call_and_layer_at_2x2() -> None:
+@pytest.mark.parametrize("hosts", [HOSTS, "nodeA:1,nodeB:1"], ids=["by-node", "round-robin"])
+def test_every_call_and_layer_at_2x2(hosts: str) -> None:
+    """By node (ranks 0,1 on node 0) and round-robin (ranks 0,2 on node 0: a node's ranks are not neighbours)."""
     pytest.importorskip("torch", reason="the averager and Horovod tests need torch (the CI test script installs it)")
     args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--with-mpi", str(LAYERS)]
-    done = run_mpi(4, args, timeout=300, env={"NODES_EXPECTED": "2"}, hosts=HOSTS)
+    done = run_mpi(4, args, timeout=300, env={"NODES_EXPECTED": "2"}, hosts=hosts)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     counts = _summary(done.stdout)
