@@ -33,7 +33,7 @@ from typing import NamedTuple
 from mpigpu.core._cuda import visible_device_count
 from mpigpu.core._mpi import launcher_local_rank, world
 from mpigpu.core.errors import DeviceError
-from mpigpu.core.typed import allgather_text
+from mpigpu.core.typed import allgather_text, allreduce_int
 from mpigpu.job.check import mark_raised_everywhere
 from mpigpu.job.topology import Layout
 
@@ -112,8 +112,9 @@ def _first_devices(layout: Layout, visible: int, per_rank: int) -> list[int]:
 
 
 class Found(NamedTuple):
-    """What one rank found at start-up: its node, the GPUs it sees, its GPU's PCI bus id ("" without one),
-    and why it could not take its GPUs ("" when it could)."""
+    """What one rank found at start-up: its node (MPI's: numbered by its lowest rank, MPIGPU_NODE_SIZE aside),
+    the GPUs it sees, its GPU's PCI bus id ("" without one), and why it could not take its GPUs ("" when it
+    could)."""
 
     node: int
     host: str
@@ -177,12 +178,12 @@ def launch_problem(rows: list[Found], allow_shared: bool) -> tuple[str, str]:
     )
 
 
-def _found(layout: Layout, per_rank: int) -> tuple[Found, GpuInfo | None]:
+def _found(layout: Layout, per_rank: int, node: int) -> tuple[Found, GpuInfo | None]:
     """This rank's row for ``launch_problem``, and its GPU (None without one, or when it failed)."""
     visible = visible_device_count()
     host = layout.hostnames[layout.rank]
     if visible == 0:
-        return Found(layout.node_index, host, 0, "", ""), None
+        return Found(node, host, 0, "", ""), None
     try:
         if not _process_gpu:
             devices = _first_devices(layout, visible, per_rank)
@@ -190,8 +191,8 @@ def _found(layout: Layout, per_rank: int) -> tuple[Found, GpuInfo | None]:
             _process_gpu.append(devices[0])
         info = _describe(_process_gpu[0], visible)
     except Exception as exc:  # every rank must hear of it, in the exchange below
-        return Found(layout.node_index, host, visible, "", f"{type(exc).__name__}: {exc}"), None
-    return Found(layout.node_index, host, visible, info.pci_bus_id, ""), info
+        return Found(node, host, visible, "", f"{type(exc).__name__}: {exc}"), None
+    return Found(node, host, visible, info.pci_bus_id, ""), info
 
 
 def map_device(layout: Layout, allow_shared: bool, per_rank: int = 0) -> GpuInfo | None:
@@ -199,9 +200,12 @@ def map_device(layout: Layout, allow_shared: bool, per_rank: int = 0) -> GpuInfo
     MPIGPU_DEVICES_PER_RANK). Collective over ``layout.comm``: a mis-launch (``launch_problem``) raises the
     same DeviceError on every rank. None on machines without GPUs."""
     global _warned_shared
-    mine, info = _found(layout, per_rank)
+    # the physical node (GPUs are shared per machine, whatever MPIGPU_NODE_SIZE splits), by its lowest rank
+    leader = allreduce_int(layout.phys_comm, layout.rank, "min")
+    mine, info = _found(layout, per_rank, leader)
     texts = allgather_text(layout.comm, "\x1f".join(map(str, mine)))
-    rows = [Found(int(n), h, int(v), b, e) for n, h, v, b, e in (t.split("\x1f") for t in texts)]
+    leaders = sorted({int(t.split("\x1f", 1)[0]) for t in texts})
+    rows = [Found(leaders.index(int(n)), h, int(v), b, e) for n, h, v, b, e in (t.split("\x1f") for t in texts)]
     error, warning = launch_problem(rows, allow_shared)
     if error:
         raise mark_raised_everywhere(layout.comm, DeviceError(error), same_text=True)

@@ -83,3 +83,13 @@ def test_every_rank_raises_the_same_error_at_start_up_across_nodes(gpus: str, sa
     assert sorted(said) == ["0", "1", "2", "3"], output
     assert len(set(said.values())) == 1, said  # the same text everywhere
     assert said["0"].startswith(f"DeviceError: {says}"), said["0"]
+
+
+@pytest.mark.skipif(launcher_rank() >= 0, reason="serial test: it launches mpiexec itself")
+def test_gpus_are_shared_per_machine_whatever_mpigpu_node_size_splits() -> None:
+    """4 ranks on one machine of 2 GPUs, split into virtual nodes of 2: each virtual node's ranks hold GPUs 0
+    and 1, so only the machine's count shows that two ranks share each GPU."""
+    done = run_mpi(4, [JOB, "gpus", "2,2,2,2"], timeout=90, env={"MPIGPU_NODE_SIZE": "2"})
+    said = dict(re.findall(r"^rank (\d) start-up: (.*)$", done.stdout, re.M))
+    assert sorted(said) == ["0", "1", "2", "3"] and len(set(said.values())) == 1, done.stdout + done.stderr
+    assert said["0"].startswith("DeviceError: more ranks than GPUs: 4 ranks share 2 GPU(s) on node 0 (host "), said
