@@ -1,9 +1,10 @@
-"""Every call and layer at 2x2 on MPI's own nodes (issue 45, goal 3), in jobs these tests start (serial): two
-nodes of two ranks made by MPICH's fork launcher with named hosts (conftest.nodes_launcher), where
-MPI_COMM_TYPE_SHARED splits by host and traffic between the nodes goes through MPICH's network module.
+"""Every call and layer on MPI's own nodes (issue 45, goal 3), in jobs these tests start (serial): nodes made
+by MPICH's fork launcher with named hosts (conftest.nodes_launcher), where MPI_COMM_TYPE_SHARED splits by
+host and traffic between the nodes goes through MPICH's network module.
 
-- ``test_layers_nodes_mpi.py`` as one pytest session at 2x2: the five collectives on cpu, host and auto,
-  persistent requests, async calls, the averagers and the Horovod layer's node numbers.
+- ``test_layers_nodes_mpi.py`` as one pytest session at 2x2 (by node and round-robin) and 2+1: the five
+  collectives on cpu, host and auto, persistent requests, async calls, the averagers and the Horovod layer's
+  node numbers.
 - Horovod's own ``test_torch.py`` at 2x2 on CPU, where HOROVOD_CHECKOUT names a Horovod checkout
   (scripts/hvd-suite.sh prepares the folder; nothing of Horovod is in this repository).
 
@@ -38,12 +39,15 @@ def _summary(output: str) -> dict[str, int]:
     return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", last[-1])}
 
 
-@pytest.mark.parametrize("hosts", [HOSTS, "nodeA:1,nodeB:1"], ids=["by-node", "round-robin"])
-def test_every_call_and_layer_at_2x2(hosts: str) -> None:
-    """By node (ranks 0,1 on node 0) and round-robin (ranks 0,2 on node 0: a node's ranks are not neighbours)."""
+@pytest.mark.parametrize(
+    ("hosts", "n"), [(HOSTS, 4), ("nodeA:1,nodeB:1", 4), ("nodeA:2,nodeB:1", 3)], ids=["2x2", "2x2-round-robin", "2+1"]
+)
+def test_every_call_and_layer_across_nodes(hosts: str, n: int) -> None:
+    """2x2 by node (ranks 0,1 on node 0) and round-robin (ranks 0,2 on node 0: a node's ranks are not
+    neighbours), and 2+1 (nodes of unequal size)."""
     pytest.importorskip("torch", reason="the averager and Horovod tests need torch (the CI test script installs it)")
     args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--with-mpi", str(LAYERS)]
-    done = run_mpi(4, args, timeout=300, env={"NODES_EXPECTED": "2"}, hosts=hosts)
+    done = run_mpi(n, args, timeout=300, env={"NODES_EXPECTED": "2"}, hosts=hosts)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     counts = _summary(done.stdout)
