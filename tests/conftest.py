@@ -127,6 +127,20 @@ def mpiexec() -> str:
     return found
 
 
+def nodes_launcher(hosts: str) -> list[str]:
+    """mpiexec with ranks on the MPI nodes ``hosts`` names (``"nodeA:2,nodeB:1"``), all on this machine:
+    MPICH's launcher starts one proxy per host by fork, and MPI_COMM_TYPE_SHARED splits by those hosts.
+    Skips where the launcher is not MPICH's (Open MPI's mpirun has no fork launcher for named hosts)."""
+    launcher = mpiexec()
+    try:
+        version = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.fail(f"{launcher} --version failed: {exc}")
+    if "HYDRA" not in version:
+        pytest.skip(f"{launcher} is not MPICH's Hydra: MPI nodes on one machine need its fork launcher (-hosts)")
+    return [launcher, "-launcher", "fork", "-hosts", hosts]
+
+
 def run_mpi(
     n: int,
     args: list[str],
@@ -134,8 +148,10 @@ def run_mpi(
     timeout: float = 60,
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
+    hosts: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``mpiexec -n n python <args>`` as a subprocess; fails the test on timeout (a hang)."""
+    """Run ``mpiexec -n n python <args>`` as a subprocess; fails the test on timeout (a hang). ``hosts``
+    (``"nodeA:2,nodeB:2"``) spreads the ranks over those MPI nodes (nodes_launcher)."""
     full_env = dict(os.environ)
     for var in list(full_env):  # a clean launch: no inherited rank variables from an outer mpiexec
         # only what identifies a rank of an outer launch: a site's own OMPI_MCA_* settings (the GPU
@@ -145,7 +161,7 @@ def run_mpi(
     full_env["PYTHONUNBUFFERED"] = "1"
     if env:
         full_env.update(env)
-    command = [mpiexec(), "-n", str(n), sys.executable, *args]
+    command = [*(nodes_launcher(hosts) if hosts else [mpiexec()]), "-n", str(n), sys.executable, *args]
     try:
         return subprocess.run(
             command,

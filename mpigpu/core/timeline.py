@@ -151,8 +151,11 @@ class _GpuClock:
 class Recorder:
     """This rank's events, at most ``capacity`` of them (the oldest go first), and where they go."""
 
-    def __init__(self, directory: PrivateDir, rank: int, size: int, capacity: int, offset_ns: int = 0) -> None:
+    def __init__(
+        self, directory: PrivateDir, rank: int, size: int, capacity: int, offset_ns: int = 0, node: int = -1
+    ) -> None:
         self.directory, self.rank, self.size, self.capacity = directory, rank, size, capacity
+        self.node = node  # this rank's node (MPI_COMM_TYPE_SHARED, or MPIGPU_NODE_SIZE's), numbered by its lowest rank
         self.offset_ns = offset_ns  # add to this rank's times to get rank 0's clock
         self.events: deque[Event] = deque(maxlen=capacity)
         self.recorded = 0  # events ever recorded (recorded - len(events) were dropped)
@@ -188,6 +191,7 @@ class Recorder:
             "rank": self.rank,
             "size": self.size,
             "host": socket.gethostname(),
+            "node": self.node,
             "pid": os.getpid(),
             "clock": "perf_counter_ns",
             "offset_ns": self.offset_ns,
@@ -279,12 +283,15 @@ def recorder() -> Recorder | None:
     return _recorder
 
 
-def start(directory: PrivateDir, rank: int, size: int, capacity: int = DEFAULT_EVENTS, offset_ns: int = 0) -> None:
-    """Turn the timeline on for this process (once; mpigpu.job.timeline_start does it at start-up)."""
+def start(
+    directory: PrivateDir, rank: int, size: int, capacity: int = DEFAULT_EVENTS, offset_ns: int = 0, node: int = -1
+) -> None:
+    """Turn the timeline on for this process (once; mpigpu.job.timeline_start does it at start-up). ``node``:
+    this rank's node (-1: not known)."""
     global on, _recorder
     if _recorder is not None:
         return
-    _recorder = Recorder(directory, rank, size, capacity, offset_ns)
+    _recorder = Recorder(directory, rank, size, capacity, offset_ns, node)
     atexit.register(flush)
     on = True
 

@@ -2,8 +2,10 @@
 
 ``init()`` builds mpigpu's context on the job's communicator (collective: it is mpigpu's start-up),
 and reads the topology from it: ``local_rank`` is the rank on its node (mpigpu binds GPUs by it),
-``cross_rank`` the index of its node. A process set is an MPI sub-communicator made collectively over
-the global set's communicator, as ``add_process_set`` is collective in Horovod with MPI."""
+``cross_rank`` its rank among the processes of its local rank, one per node (its node's index where the
+nodes hold as many processes each), all from MPI's nodes (MPI_COMM_TYPE_SHARED). A process set is an MPI
+sub-communicator made collectively over the global set's communicator, as ``add_process_set`` is collective in
+Horovod with MPI."""
 
 from __future__ import annotations
 
@@ -203,17 +205,20 @@ def local_rank() -> int:
 
 
 def cross_size() -> int:
-    """Number of nodes."""
+    """Number of nodes that hold a process of this ``local_rank`` (Horovod's cross communicator): the number
+    of nodes where every node holds as many processes; at 2+1, 2 for the first process of each node and 1
+    for the second of the first node."""
     layout = _context().layout
     assert layout is not None
-    return layout.num_nodes
+    return sum(1 for n in layout.node_sizes if n > layout.local_rank)
 
 
 def cross_rank() -> int:
-    """The index of this process's node."""
+    """This process's rank among the processes of its ``local_rank`` on every node, in node order: its node's
+    index where every node holds as many processes."""
     layout = _context().layout
     assert layout is not None
-    return layout.node_index
+    return sum(1 for n in layout.node_sizes[: layout.node_index] if n > layout.local_rank)
 
 
 def mpi_threads_supported() -> bool:

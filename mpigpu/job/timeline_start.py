@@ -29,9 +29,10 @@ __all__ = ["clock_offset", "start_timeline"]
 _ROUND_TRIPS = 8
 
 
-def start_timeline(comm: Any, settings: Settings) -> None:
+def start_timeline(comm: Any, settings: Settings, node: int) -> None:
     """Turn the timeline on for this process, agreed with every rank of ``comm`` (collective where
-    ``settings.timeline`` is set, which every rank agrees on; nothing where it is not)."""
+    ``settings.timeline`` is set, which every rank agrees on; nothing where it is not). ``node``: this
+    rank's node, which its file records so that the merged trace names it."""
     if settings.timeline is None or timeline.recorder() is not None:
         return
     directory: PrivateDir | None = None
@@ -57,7 +58,7 @@ def start_timeline(comm: Any, settings: Settings) -> None:
         )
     assert directory is not None
     offset = clock_offset(comm)
-    timeline.start(directory, comm.Get_rank(), comm.Get_size(), settings.timeline_events, offset)
+    timeline.start(directory, comm.Get_rank(), comm.Get_size(), settings.timeline_events, offset, node)
 
 
 def clock_offset(comm: Any) -> int:

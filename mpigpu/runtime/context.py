@@ -40,7 +40,7 @@ from mpigpu.job.creation import exclusive
 from mpigpu.job.detect import CudaAwareness, NcclInfo, detect_cuda_awareness, detect_nccl
 from mpigpu.job.device import GpuInfo, map_device
 from mpigpu.job.failsafe import Watchdog, install_default_handler
-from mpigpu.job.peers import NodePeers, node_peers
+from mpigpu.job.peers import NodePeers, NodeProgress, node_peers
 from mpigpu.job.timeline_start import start_timeline
 from mpigpu.job.topology import Layout, build_layout
 from mpigpu.runtime.tuning import load_tuning
@@ -86,6 +86,7 @@ class Context:
         self._calls = threading.RLock()  # held by the owner during a call; a refusal waits for it
         self._known_ids: list[int] = []  # its keys in Context._known
         self.check_board: CheckBoard | None = None
+        self.progress: NodeProgress | None = None  # calls begun by this node's ranks, where there is no board
         label = f"mpigpu start-up (the first mpigpu call on a communicator of {self.size} ranks; collective)"
         with self.watchdog.watch(label), exclusive(comm):  # one creation at a time, in the same order everywhere
             # mpigpu's own duplicate: nothing the user does on ``comm`` can pair with its collectives
@@ -99,14 +100,17 @@ class Context:
 
     def _start(self, comm: Any) -> None:
         self.rank = comm.Get_rank()
-        start_timeline(comm, self.settings)  # MPIGPU_TIMELINE (agreed): collective where set, else nothing
         self.mpi_lib: LibraryInfo = library_info()
         self.layout: Layout = build_layout(comm, self.settings.node_size)
+        # MPIGPU_TIMELINE (agreed): collective where set, else nothing; each rank's file names its node
+        start_timeline(comm, self.settings, self.layout.node_index)
         self.peers = node_peers(comm, self.layout.phys_comm)
         # The cross-rank check through node-shared memory when every rank is on one (unsplit) node;
         # otherwise (None) through MPI. Every later check on self.comm finds it (check_board.board_for).
         if self.settings.check:  # agreed on every rank: open_board is collective
             self.check_board = open_board(comm, None if self.layout.virtual else self.layout.phys_comm)
+        if self.check_board is None:  # the stall report's numbers, where no board holds them (check_board's rule)
+            self.progress = NodeProgress(comm, self.layout.phys_comm)
         self.gpu: GpuInfo | None = map_device(
             self.layout, self.settings.allow_shared_gpu, self.settings.devices_per_rank
         )
@@ -209,11 +213,15 @@ class Context:
         MismatchError instead of waiting or pairing their data with another call."""
         if _get_ident() == self.owner and self._violation is None:  # the owner's call: the usual one
             self.calls += 1
+            if self.progress is not None:
+                self.progress.counts[self.progress.slot] = self.calls
             self._calls.acquire()
             return
         if self._on_worker():  # a task queued by the owner: the queue already orders it
             return
         self.calls += 1
+        if self.progress is not None:
+            self.progress.counts[self.progress.slot] = self.calls
         ident = threading.get_ident()
         owner = self.owner
         if owner != ident and owner != ANY_THREAD:
@@ -259,10 +267,7 @@ class Context:
         if self.calls == 0:
             return f"{text} (start-up); which ranks have not reached it is not known here"
         if board is None:
-            return (
-                f"{text}; which ranks have not reached it is not known here (no node-shared check board: "
-                "MPIGPU_CHECK=0, or the ranks span nodes)"
-            )
+            return f"{text}; {self._where_on_this_node()}"
         reached = board.reached()
         numbers = ", ".join(map(str, reached))
         behind = [r for r, k in enumerate(reached) if k < board.k]
@@ -272,6 +277,21 @@ class Context:
         if not parts:
             parts = [f"every rank has reached argument check {board.k}"]
         return f"{text}; {'; '.join(parts)} (checks by rank: {numbers})"
+
+    def _where_on_this_node(self) -> str:
+        """The ranks of this node that have not reached this rank's call, from the node's call counts
+        (ranks on other nodes are named by their own node's reports)."""
+        layout, progress = self.layout, self.progress
+        if layout is None or progress is None:
+            return "which ranks have not reached it is not known here"
+        node = f"node {layout.node_index} (host {layout.hostnames[self.rank]})"
+        behind, ahead = progress.behind(self.calls), progress.ahead(self.calls)
+        parts = [f"{_ranks(behind)} not reached it"] if behind else []
+        parts += [f"{_ranks(ahead)} made more calls"] if ahead else []
+        if not parts:
+            parts = [f"every rank of this node ({_on(progress.ranks)}) has reached it"]
+        others = "; ranks on other nodes are named by their nodes' reports" if layout.num_nodes > 1 else ""
+        return f"on this rank's {node}, {', '.join(parts)}{others}"
 
     def _refuse(self, what: str) -> None:
         assert self._violation is not None
@@ -396,6 +416,11 @@ class Context:
                 if not MPI().Is_finalized():
                     self.check_board.close()
             self.check_board = None
+        if self.progress is not None:
+            with contextlib.suppress(Exception):
+                if not MPI().Is_finalized():
+                    self.progress.close()
+            self.progress = None
         if self.layout is not None:
             self.layout.close()
         comm, self.comm = self.comm, None

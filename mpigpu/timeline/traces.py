@@ -39,10 +39,17 @@ class Rank:
     recorded: int
     capacity: int
     events: list[dict[str, Any]]
+    node: int = -1  # its node (MPI_COMM_TYPE_SHARED, or MPIGPU_NODE_SIZE's); -1 in files written before it was kept
 
     def as_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "size": self.size, "host": self.host, "dropped": self.dropped,
+        return {"rank": self.rank, "size": self.size, "host": self.host, "node": self.node, "dropped": self.dropped,
                 "recorded": self.recorded, "capacity": self.capacity, "events": self.events}  # fmt: skip
+
+    @property
+    def label(self) -> str:
+        """``rank 2 (node 1, host gpu07)``: how the merged trace names this rank's process."""
+        where = f"node {self.node}, host {self.host}" if self.node >= 0 else self.host
+        return f"rank {self.rank} ({where})"
 
 
 def _rank_of(doc: dict[str, Any], where: str) -> Rank:
@@ -55,7 +62,8 @@ def _rank_of(doc: dict[str, Any], where: str) -> Rank:
         event["marks"] = {label: int(ns) + offset for label, ns in event["marks"].items()}
         events.append(event)
     return Rank(int(doc["rank"]), int(doc["size"]), str(doc.get("host", "")), int(doc.get("dropped", 0)),
-                int(doc.get("recorded", len(events))), int(doc.get("capacity", 0)), events)  # fmt: skip
+                int(doc.get("recorded", len(events))), int(doc.get("capacity", 0)), events,
+                int(doc.get("node", -1)))  # fmt: skip
 
 
 def load(directory: Path) -> list[Rank]:
@@ -127,7 +135,7 @@ def chrome_trace(ranks: list[Rank]) -> dict[str, Any]:
     out: list[dict[str, Any]] = []
     for r in ranks:
         pid = r.rank
-        out.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {r.rank} ({r.host})"}})
+        out.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": r.label}})
         out.append({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": r.rank}})
         tids: dict[int, str] = {}
         for e in r.events:

@@ -470,13 +470,14 @@ def test_one_call_more_on_one_rank_is_reported(tmp_path: Path) -> None:
     assert "mpigpu call 4 on its communicator of 2 ranks; rank 0 has not reached argument check 4" in lines[0]
 
 
-def test_without_the_check_board_the_report_says_it_does_not_know(tmp_path: Path) -> None:
+def test_without_the_check_board_the_nodes_call_counts_name_the_late_rank(tmp_path: Path) -> None:
     (tmp_path / "staller.py").write_text(STALLER)
     result, elapsed = timed(2, [str(tmp_path / "staller.py"), "skip"], env={**FAST_STALL, "MPIGPU_CHECK": "0"})
     ended_with(result, elapsed, "CollectiveTimeout", limit=30)
     lines = _stalled_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("[mpigpu rank 0]"), result.stderr
-    assert "mpigpu call 3 on its communicator of 2 ranks; which ranks have not reached it is not known here" in lines[0]
+    assert "mpigpu call 3 on its communicator of 2 ranks; on this rank's node 0 (host " in lines[0], lines[0]
+    assert "), rank 1 has not reached it. Every rank" in lines[0], lines[0]
 
 
 def test_the_stall_report_can_be_turned_off(tmp_path: Path) -> None:

@@ -51,9 +51,19 @@ def _fold(dtype: str, op: str, total: int) -> str:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_same_bits_whatever_the_layout(layout: str) -> None:
+    _same_bits(layout)
+
+
+@pytest.mark.parametrize(("layout", "hosts"), [("1,2,2,1", "nodeA:2,nodeB:2"), ("2,1,3", "nodeA:2,nodeB:1")])
+def test_same_bits_across_mpi_nodes(layout: str, hosts: str) -> None:
+    """Issue 45: several devices per process on MPI's own nodes (MPICH's fork launcher with named hosts)."""
+    _same_bits(layout, hosts)
+
+
+def _same_bits(layout: str, hosts: str | None = None) -> None:
     counts = [int(n) for n in layout.split(",")]
     total = sum(counts)
-    done = run_mpi(len(counts), [str(JOB), "bits", layout], timeout=120)
+    done = run_mpi(len(counts), [str(JOB), "bits", layout], timeout=120, hosts=hosts)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     got: dict[tuple[str, str, int], str] = {}

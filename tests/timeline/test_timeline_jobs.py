@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from conftest import ROOT, mpiexec, run_mpi
 
 from mpigpu.timeline.report import analyse, format_report
-from mpigpu.timeline.traces import load
+from mpigpu.timeline.traces import load, load_any
 
 CALLS = """
 import sys, time
@@ -52,10 +53,12 @@ avg.close()
 """
 
 
-def _job(tmp_path: Path, n: int, code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _job(
+    tmp_path: Path, n: int, code: str, env: dict[str, str], hosts: str | None = None
+) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "job.py"
     script.write_text(code)
-    done = run_mpi(n, [str(script)], timeout=120, env=env)
+    done = run_mpi(n, [str(script)], timeout=120, env=env, hosts=hosts)
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
@@ -82,6 +85,25 @@ def test_every_rank_writes_its_calls_and_the_late_rank_is_named(tmp_path: Path, 
     worst = max(report.matched, key=lambda m: sum(m.waits))
     assert worst is late
     assert "allreduce #3" in format_report(report)
+
+
+def test_across_mpi_nodes_the_merged_trace_names_each_ranks_node(tmp_path: Path) -> None:
+    """Issue 45: at 2x2 (MPI's own nodes: MPICH's fork launcher with named hosts) every rank's file
+    holds its node, and the merged trace names it beside the host."""
+    directory = tmp_path / "tl"
+    _job(tmp_path, 4, CALLS, {"MPIGPU_TIMELINE": str(directory)}, hosts="nodeA:2,nodeB:2")
+    ranks = load(directory)
+    assert [(r.rank, r.node) for r in ranks] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    trace = tmp_path / "trace.json"
+    merged = subprocess.run([sys.executable, "-m", "mpigpu.timeline", "merge", str(directory), "-o", str(trace)],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)  # fmt: skip
+    assert merged.returncode == 0, merged.stdout + merged.stderr
+    doc = json.loads(trace.read_text())
+    names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
+    host = socket.gethostname()
+    assert names == {r: f"rank {r} (node {r // 2}, host {host})" for r in range(4)}
+    assert [r["node"] for r in doc["mpigpu"]["ranks"]] == [0, 0, 1, 1]  # plot reads the merged trace too
+    assert len(analyse(load_any(trace)).matched) == 8
 
 
 def test_the_ring_bound_is_honoured_per_rank(tmp_path: Path) -> None:

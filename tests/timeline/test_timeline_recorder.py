@@ -79,7 +79,7 @@ def _start(directory: Path) -> None:
     from mpigpu.core._mpi import MPI
     from mpigpu.job.timeline_start import start_timeline
 
-    start_timeline(MPI().COMM_SELF, Settings(timeline=directory))
+    start_timeline(MPI().COMM_SELF, Settings(timeline=directory), 0)
 
 
 def test_a_symbolic_link_is_refused(tmp_path: Path) -> None:
