@@ -55,6 +55,14 @@
 #              Open MPI (tests/gpu/test_jax_gpu.py alone, so init runs before JAX starts), samples/jax_step.py
 #              under both MPIs, scripts/jax_step_bench.py (JSON with machine, versions and goals in $OUT; JAX_STEP=0
 #              skips it) (~4 min, at most 9)
+#   nodes      issue 48 goal 6 (not in the default list: name it; needs 2 GPUs, else a SKIP line): NCCL across two
+#              MPI nodes on one machine: MPICH's fork launcher with named hosts (nodeA:G/2,nodeB:G/2; the wheel
+#              .gpu-carry/mpich/*.whl unpacked into a private directory), every rank through scripts/node-rank.sh
+#              (its node's NCCL_HOSTID, its own GPU), so that NCCL takes its network transport: mpigpu.info (2 nodes,
+#              ipc unavailable, auto never ipc), NCCL_DEBUG shows NET and no P2P/SHM between the nodes,
+#              tests/gpu/test_nodes_gpu.py and test_collectives_gpu.py, mpigpu.average per backend, and a short
+#              bench (auto, nccl, host: node-shared memory then MPI between nodes, raw NCCL) on two nodes beside
+#              the same on one node; JSON in $OUT. Expected ~4 min, at most NODES_LIMIT (default 420) seconds
 # Logs go to $OUT (or ./gpu-results): summary.txt, and logs.tgz with one log per step (pytest steps: one
 # log per rank, NAME.rank<r>.log). Under each failed pytest step the summary names the failed tests
 # and, for a step that stalled, the test each rank was in.
@@ -360,6 +368,60 @@ stage_hvd_synth() {  # issue 37: Horovod's synthetic benchmark on mpigpu's layer
 stage_retest() {  # RETEST="pytest paths" under Open MPI with all GPUs and Intel MPI with 2
   step "retest-ompi-$NGPU" "${RETEST_LIMIT:-120}" 0 "export MPIGPU_TIMEOUT=120; $OMPI -n $NGPU $PY -m pytest -v -rfE --color=no --with-mpi --only-mpi --durations=12 ${RETEST:-tests/gpu} -p no:cacheprovider"
   step "retest-impi-2" "${RETEST_LIMIT:-120}" 0 "export MPIGPU_TIMEOUT=120; $IMPI -n 2 $PY -m pytest -v -rfE --color=no --with-mpi --only-mpi --durations=12 ${RETEST:-tests/gpu} -p no:cacheprovider"
+}
+
+# issue 48 goal 6: nodes that MPI sees (MPICH's fork launcher, named hosts), each its own NCCL host
+nodes_info_check() {  # nodes_info_check LOG: the info step's verdict (2 nodes, ipc refused, auto never ipc)
+  local log=$1 bad=0
+  grep -aqE 'ranks on 2 nodes' "$log" || { echo "nodes: FAIL: mpigpu.info does not report 2 nodes"; bad=1; }
+  grep -aqE '^  ipc +unavailable: the ranks span 2 nodes' "$log" || { echo "nodes: FAIL: ipc is not refused for spanning nodes"; bad=1; }
+  grep -aqE -- '-> ipc ' "$log" && { echo "nodes: FAIL: auto picks ipc across nodes"; bad=1; }
+  [ "$bad" = 0 ] && echo "nodes: 2 nodes, ipc unavailable, auto never ipc: PASS"
+  return "$bad"
+}
+nodes_transport_check() {  # nodes_transport_check LOG: NCCL connected the nodes through NET only
+  local log=$1
+  grep -aoE 'via (NET|P2P|SHM)/[A-Za-z]+' "$log" | sort | uniq -c
+  if grep -aqE 'via NET/' "$log" && ! grep -aqE 'via (P2P|SHM)/' "$log"; then
+    echo "nodes: NCCL between the nodes through its network transport: PASS"
+  else
+    echo "nodes: FAIL: NCCL did not connect the nodes through NET alone"
+    return 1
+  fi
+}
+export -f nodes_info_check nodes_transport_check
+
+stage_nodes() {
+  if [ "$NGPU" -lt 2 ]; then
+    printf '%-4s %-38s (needs 2 GPUs, this machine has %s)\n' SKIP nodes "$NGPU" | tee -a "$SUMMARY"
+    return
+  fi
+  local whl base dir per tag date one two
+  whl=$(ls .gpu-carry/mpich/mpich-*.whl 2>/dev/null | head -n 1)
+  if [ -z "$whl" ] || ! base=$(mktemp -d "${TMPDIR:-/tmp}/mpigpu-mpich.XXXXXX") || ! $PY -m zipfile -e "$whl" "$base"; then
+    printf '%-4s %-38s (no MPICH wheel in .gpu-carry/mpich, or it did not unpack)\n' FAIL nodes | tee -a "$SUMMARY"
+    failures=$((failures + 1))
+    return
+  fi
+  dir=$(echo "$base"/mpich-*.data/data)  # the wheel's bin/ and lib/, made executable (zip keeps no modes)
+  chmod +x "$dir"/bin/*
+  local DEADLINE=$DEADLINE budget=$(( $(date +%s) + ${NODES_LIMIT:-420} ))
+  [ "$budget" -lt "$DEADLINE" ] && DEADLINE=$budget
+  per=$((NGPU / 2)) tag="${GPU_TAG}x$NGPU" date=$(date -u +%F)
+  one="env PATH=$dir/bin:\$PATH MPI4PY_LIBMPI=$dir/lib/libmpi.so.12 mpiexec -launcher fork"
+  two="$one -hosts nodeA:$per,nodeB:$per -n $((2 * per)) scripts/node-rank.sh"
+  one="$one -hosts nodeA:$((2 * per)) -n $((2 * per)) scripts/node-rank.sh"
+  step nodes-info 60 0 "$two $PY -m mpigpu.info >$LOGS/nodes-info.txt 2>&1; rc=\$?; cat $LOGS/nodes-info.txt; [ \$rc = 0 ] && nodes_info_check $LOGS/nodes-info.txt"
+  step nodes-nccl-net 60 0 "NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET $two $PY -m mpigpu.average --backend nccl --size 1M >$LOGS/nodes-nccl.txt 2>&1; rc=\$?; cat $LOGS/nodes-nccl.txt; [ \$rc = 0 ] && nodes_transport_check $LOGS/nodes-nccl.txt"
+  step nodes-tests 150 0 "export MPIGPU_TIMEOUT=60; $two $PY -m pytest -v -rfE --color=no --with-mpi --only-mpi tests/gpu/test_nodes_gpu.py tests/gpu/test_collectives_gpu.py -p no:cacheprovider"
+  for b in auto nccl host; do
+    step "nodes-average-$b" 45 0 "$two $PY -m mpigpu.average --backend $b --size 16M --json $LOGS/nodes-average-$b.json"
+  done
+  step nodes-average-8B-auto 45 0 "$two $PY -m mpigpu.average --size 2 --iters 200 --warmup 20"
+  local bench="$PY -m mpigpu.bench --placement gpu --inplace --dtypes float32 --ops sum --sizes 8,64K,1M,4M,16M,256M --backends auto,nccl,host,nccl-raw --time-limit ${NODES_TIME:-3}"
+  step nodes-bench-2nodes 90 0 "$two $bench --json $OUT/nodes-2nodes-$tag-$date.json"
+  step nodes-bench-1node 90 0 "$one $bench --json $OUT/nodes-1node-$tag-$date.json"
+  rm -rf "$base"
 }
 
 stages=("$@")

@@ -12,7 +12,8 @@
    their spread (slowest rank), the cost over no communication, the fraction of the communication
    BackwardAverager hides behind backward(), and the largest parameter difference to DDP after the
    steps (exit status 1 if an mpigpu row is outside --tolerance and larger than DDP's noise; with
-   ``--deterministic``, deterministic kernels and a bitwise check).
+   ``--deterministic``, deterministic kernels and a bitwise check). On a GPU, also every step on the GPU's
+   clock, each method paired with no communication round by round (``gpu_overhead_s``: mpigpu.bench.gpu_clock).
 3. ``--accuracy``: float16 and bfloat16 compression against float32 averaging, on the same
    gradient list filled with Gaussian values whose scale differs per tensor (1e-6 .. 1e-1).
 
@@ -34,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from mpigpu.bench.gpu_clock import StepClock, gpu_figures, gpu_lines, paired_overhead, spread
 from mpigpu.cli import (
     Parser,
     header_lines,
@@ -192,6 +194,8 @@ class _Row:
             optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=self.model.named_parameters())
             self.hooked = optimizer._hvd_overlap  # its BackwardAverager (op Average, one backward per step)
         self._wrapped, self._optimizer, self._made, self._set_to_none = wrapped, optimizer, made, args.set_to_none
+        self.clock = StepClock() if on_gpu else None  # each step on the GPU's clock (mpigpu.bench.gpu_clock)
+        self.gpu_steps: list[float] = []  # the last steps() call's, one per step
 
     @property
     def buckets(self) -> int:
@@ -202,12 +206,16 @@ class _Row:
         import torch
 
         self._optimizer.zero_grad(set_to_none=self._set_to_none)
+        if self.clock is not None:
+            self.clock.start()  # before the first forward kernel
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.on_gpu):
             loss = self._made.loss(self._wrapped, self._made.inputs)
         loss.backward()  # BackwardAverager: buckets are averaged while this runs
         if self.after is not None:
             self.after()
         self._optimizer.step()  # BackwardAverager: its finish() runs first (the optimizer hook)
+        if self.clock is not None:
+            self.clock.stop()  # after the optimizer's last kernel
 
     def steps(self, n: int) -> float:
         """Run ``n`` steps with this row's random state; seconds per step on this rank (CUDA events on the
@@ -225,6 +233,8 @@ class _Row:
             end.record()
             torch.cuda.synchronize()
             seconds = start.elapsed_time(end) / 1e3
+            assert self.clock is not None
+            self.gpu_steps = self.clock.take()
         else:
             begin = time.perf_counter()
             for _ in range(n):
@@ -285,17 +295,6 @@ def _deterministic(args: argparse.Namespace) -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def _spread(values: list[float]) -> list[float]:
-    return [min(values), max(values)]
-
-
-def paired_overhead(rounds: dict[str, list[float]], base: str = "none") -> dict[str, list[float]]:
-    """Per row, each round's seconds per step minus ``base``'s in the same round: a shared machine's slow
-    spell falls on both terms of a difference, so these spread far less than the rows' own times (2 x
-    H100, ResNet-50: no communication alone read 22.0 to 32.7 ms over five rounds)."""
-    return {row: [t - b for t, b in zip(times, rounds[base], strict=True)] for row, times in rounds.items()}
-
-
 def measure_training(args: argparse.Namespace, ctx: Any, on_gpu: bool, name: str) -> dict[str, Any]:
     """One training step of model ``name`` (forward, backward, averaging, SGD with momentum; bf16
     autocast on a GPU) without communication, with DDP, with BackwardAverager, with the Averager after
@@ -320,11 +319,15 @@ def measure_training(args: argparse.Namespace, ctx: Any, on_gpu: bool, name: str
         for row in ROWS:
             rows[row].steps(args.warmup)
         rounds: dict[str, list[float]] = {row: [] for row in ROWS}
+        gpu_rounds: dict[str, list[float]] = {row: [] for row in ROWS}  # each step on the GPU's clock, the mean
         for index in range(args.rounds):
             for row in round_order(ROWS, index):
                 comm.Barrier()
                 seconds = rows[row].steps(args.iters)
-                rounds[row].append(max(comm.allgather(seconds)))  # the slowest rank's
+                gpu = statistics.fmean(rows[row].gpu_steps) if on_gpu else 0.0
+                slowest = [max(each) for each in zip(*comm.allgather((seconds, gpu)), strict=True)]
+                rounds[row].append(slowest[0])  # the slowest rank's
+                gpu_rounds[row].append(slowest[1])
         buckets = {row: rows[row].buckets for row in _AVERAGING}
         reference = [p.detach().clone() for p in rows["ddp"].model.parameters()]
         difference = {
@@ -371,12 +374,13 @@ def measure_training(args: argparse.Namespace, ctx: Any, on_gpu: bool, name: str
         "seconds": median,  # per step: the median over rounds of each round's mean, slowest rank
         "mean_seconds": mean,
         "round_seconds": rounds,
-        "spread_seconds": {row: _spread(rounds[row]) for row in ROWS},
+        "spread_seconds": {row: spread(rounds[row]) for row in ROWS},
         "overhead_s": overhead,  # per step over no communication: the median over rounds of the paired difference
         "round_overhead_s": paired,
-        "overhead_spread_s": {row: _spread(paired[row]) for row in ROWS},
+        "overhead_spread_s": {row: spread(paired[row]) for row in ROWS},
         "communication_s": communication,
         "hidden_fraction": hidden,
+        **gpu_figures(gpu_rounds if on_gpu else None, "no GPU: the steps ran on the host's clock only"),
         "overhead_vs_ddp": {
             row: (overhead[row] / overhead["ddp"] if overhead["ddp"] > 0 else None) for row in _AVERAGING
         },
@@ -532,6 +536,8 @@ def _print_training(r: dict[str, Any]) -> None:
         print(f"  {labels[row]:<38} {r['seconds'][row] * 1e3:9.3f} {low:8.3f}-{high:<8.3f} "
               f"{r['overhead_s'][row] * 1e3:+9.3f} {over_low:+8.3f}/{over_high:<+8.3f}   "
               f"{d:.2e} {verdict}")  # fmt: skip
+    for line in gpu_lines(r, labels):
+        print(line)
     hidden = r["hidden_fraction"]
     hidden_text = f"{hidden * 100:.0f}%" if hidden is not None else "n/a (no communication cost measured)"
     print(f"  communication {r['communication_s'] * 1e3:.3f} ms per step (Averager after backward - no "

@@ -240,6 +240,24 @@ def test_auto_never_picks_an_unavailable_ipc_even_when_the_table_says_so() -> No
     assert choice.backend == "nccl" and "ipc: the ranks span 2 nodes" in choice.reason
 
 
+def test_auto_never_takes_ipc_when_the_job_spans_nodes() -> None:
+    """The decision end to end, as a job over two MPI nodes meets it (gpu-check's nodes stage runs it on GPUs):
+    ipc's own probe refuses the layout, and auto then never picks ipc, for any size ipc would take on one
+    node, either reduction, or a tuning table that names ipc (measured on one node and carried over)."""
+    probed = IpcBackend.probe(_ctx(num_nodes=2))
+    table = TuningTable(signature={}, bands={"device": [(4 << 20, "ipc"), (1 << 40, "nccl")]}, source="t.json")
+    for tuning in (None, table):
+        ctx = _plan_ctx(True, tuning)
+        ctx.availability["ipc"] = probed
+        for nbytes in (4, 8, 4096, 1 << 20, IPC_MAX_BYTES):
+            for collective in ("allreduce", "reduce_scatter"):
+                choice = choose(ctx, _device_view(nbytes), Op.SUM, "auto", collective)
+                assert choice.backend == "nccl", (nbytes, collective, choice)
+        ctx.availability["nccl"] = Availability(False, "no NCCL")
+        choice = choose(ctx, _device_view(8), Op.SUM, "auto")
+        assert choice.backend == "host" and "ipc: the ranks span 2 nodes" in choice.reason, choice
+
+
 def test_auto_reduce_scatter_takes_nccl_before_ipc_and_no_allreduce_table() -> None:
     """ipc's reduce_scatter is its allreduce plus a copy (52-58 us on 2 x H100 where nccl's took 35-40), and
     the tuning table times allreduce only: a reduce_scatter follows the rules, nccl first, ipc where it cannot."""

@@ -87,6 +87,9 @@ def test_training_step_matches_ddp_and_skips_missing_models(tmp_path) -> None:
     assert step["overhead_s"]["none"] == 0.0
     assert step["communication_s"] == step["overhead_s"]["averager_after"]
     assert "hidden_fraction" in step and set(step["overhead_vs_ddp"]) == AVERAGING
+    # issue 48: the GPU-clock figures need a GPU; here the key is there, null, with the reason
+    assert step["gpu_overhead_s"] is None and "no GPU" in step["gpu_clock"], step["gpu_clock"]
+    assert "GPU clock: none (no GPU" in done.stdout
     diff, tolerance = step["max_param_difference"], step["tolerance"]
     assert tolerance == pytest.approx(1e-5 * step["param_scale"]) and step["param_scale"] > 0.05
     # gloo and the CPU kernels are deterministic: DDP trained twice is bitwise the same (noise floor 0),

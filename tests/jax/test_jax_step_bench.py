@@ -27,6 +27,12 @@ def test_step_bench_on_the_cpu(tmp_path) -> None:
     for name in ("in_jit", "in_shard_map", "jax_distributed", "leave_jit"):
         assert rows[name]["identical_on_every_rank"] is True, name
     assert set(document["goals"]) == {"in_jit_vs_pmean", "in_shard_map_vs_pmean", "handler_cpu_us_per_call"}
+    handler = document["handler"]  # issue 48: the in-jit handler per call; NCCL's enqueue beside it needs a GPU
+    assert handler["us_per_call"] == rows["in_jit"]["handler"]["us_per_call"] > 0, handler
+    assert handler["bytes_per_call"] == rows["in_jit"]["bytes_reduced_per_step"] > 0, handler
+    assert handler["nccl_enqueue_us"] is None and "no GPU (JAX on cpu)" in handler["nccl_enqueue_reason"], handler
+    goal = document["goals"]["handler_cpu_us_per_call"]
+    assert goal["over_nccl_enqueue_us"] is None and goal["met"] is (handler["cpu_us_per_call"] <= 10.0), goal
     assert document["machine"]["nodes"] == 1 and document["versions"]["jaxlib"]
     assert document["skipped"] == {}
 
