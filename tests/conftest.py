@@ -134,8 +134,10 @@ def run_mpi(
     timeout: float = 60,
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
+    hosts: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``mpiexec -n n python <args>`` as a subprocess; fails the test on timeout (a hang)."""
+    """Run ``mpiexec -n n python <args>`` as a subprocess; fails the test on timeout (a hang).
+    ``hosts`` ("nodeA:2,nodeB:1"): MPI nodes as MPICH's fork launcher makes them on this machine."""
     full_env = dict(os.environ)
     for var in list(full_env):  # a clean launch: no inherited rank variables from an outer mpiexec
         # only what identifies a rank of an outer launch: a site's own OMPI_MCA_* settings (the GPU
@@ -145,7 +147,8 @@ def run_mpi(
     full_env["PYTHONUNBUFFERED"] = "1"
     if env:
         full_env.update(env)
-    command = [mpiexec(), "-n", str(n), sys.executable, *args]
+    nodes = [] if hosts is None else ["-launcher", "fork", "-hosts", hosts]
+    command = [mpiexec(), *nodes, "-n", str(n), sys.executable, *args]
     try:
         return subprocess.run(
             command,

@@ -1,8 +1,10 @@
 """The cpu backend's tiny allreduce: the cross-rank check and the data in one post on the check board.
 
-A host allreduce of at most ``DATA_BYTES`` (mpigpu.job.check_board) on a communicator whose ranks
-share one node needs no MPI call: each rank posts its data beside its signature, and once every
-rank's signature agrees, every rank reduces every rank's posted data itself, in rank order. The same
+A host allreduce of at most ``DATA_BYTES`` (mpigpu.job.check_board) needs one exchange: each rank
+posts its data beside its signature, and once every rank's signature agrees, every rank reduces
+every rank's posted data itself, in rank order. On one node the post is a store into node-shared
+memory and no MPI call runs; across nodes it is one MPI_Allgather of the slots (mpigpu.job.mpi_board),
+in place of MPI_Allreduce(MAX) of the signature followed by MPI_Allreduce of the data. The same
 operations in the same order on every rank give the same bits on every rank by construction (NaN
 payloads and signed zeros included); a float NaN is then made the canonical NaN, as the MPI path
 makes it (mpigpu.backends.cpu), so the result does not depend on which path ran. On a mismatch no
@@ -21,7 +23,7 @@ import numpy as np
 from mpigpu.backends.cpu import Reduce, has_nan, is_plain
 from mpigpu.core.ops import Op, canonicalize_nan
 from mpigpu.job.check import Signature, raise_mismatch
-from mpigpu.job.check_board import DATA_BYTES, CheckBoard
+from mpigpu.job.check_board import DATA_BYTES, Board
 
 if TYPE_CHECKING:
     from mpigpu.core.arrays import ArrayView
@@ -35,7 +37,7 @@ def fits_board(x: ArrayView, op: Op) -> bool:
     return x.device is None and 0 < x.nbytes <= DATA_BYTES and is_plain(x.dtype, op)
 
 
-def bind_board_allreduce(board: CheckBoard, comm: Any, x: ArrayView, op: Op, sig: Signature, packed: bytes) -> Reduce:
+def bind_board_allreduce(board: Board, comm: Any, x: ArrayView, op: Op, sig: Signature, packed: bytes) -> Reduce:
     """The launch ``(stream, source, destination)`` of one record: post ``packed`` (the record's
     signature) and the source on ``board``, then, where every rank agrees, the reduction of every
     rank's row in rank order into the destination; else MismatchError on every rank (collective
