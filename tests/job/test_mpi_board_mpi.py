@@ -4,7 +4,7 @@ data, in one MPI_Allgather.
 Under mpiexec (-n 1 to 4, any layout), on a board made over a duplicate of the world: the same
 verdict and message as the MPI_Allreduce path on every rank over many random checks, every rank's
 rows read back in rank order, and one Allgather per check. As subprocess jobs across MPI nodes (MPICH's
-fork launcher: 2x2, 2+1, 1+1 and one node), a context that spans nodes takes this board; a tiny sum
+fork launcher: 2x2, 2+1, 3+1, 1+1 and one node), a context that spans nodes takes this board; a tiny sum
 gives the bits of float32 addition in rank order on every rank; a mismatch between nodes raises the
 same MismatchError on every rank with nothing written, and the next call pairs; with MPIGPU_CHECK=0
 there is no board and the sums are still exact."""
@@ -148,8 +148,8 @@ _SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize(
     ("hosts", "n"),
-    [("nodeA:2,nodeB:2", 4), ("nodeA:2,nodeB:1", 3), ("nodeA:1,nodeB:1", 2), ("nodeA:3", 3)],
-    ids=["2x2", "2+1", "1+1", "1x3"],
+    [("nodeA:2,nodeB:2", 4), ("nodeA:2,nodeB:1", 3), ("nodeA:3,nodeB:1", 4), ("nodeA:1,nodeB:1", 2), ("nodeA:3", 3)],
+    ids=["2x2", "2+1", "3+1", "1+1", "1x3"],
 )
 @pytest.mark.parametrize("check", ["1", "0"], ids=["check", "no-check"])
 def test_a_tiny_call_across_nodes_is_rank_order_bits_and_a_mismatch_raises_everywhere(

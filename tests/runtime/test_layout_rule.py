@@ -1,7 +1,7 @@
 """auto's layout rules for host arrays (mpigpu.runtime.plan.layout_rule): the backend per layout and
-size that issue 45's runs measured, and, in jobs across MPI nodes (MPICH's fork launcher: 2x2, 2+1,
-1+1, one node of 3), the choice ``mpigpu.explain`` gives on every rank, with the layout in its reason;
-a tuning table is kept per layout (an uneven one has its own signature)."""
+size that issue 45's runs measured, and, in jobs across MPI nodes (MPICH's fork launcher: 2x2,
+2+1, 3+1, 1+1, one node of 3), the choice ``mpigpu.explain`` gives on every rank, with the layout in
+its reason; a tuning table is kept per layout (an uneven one has its own signature)."""
 
 from __future__ import annotations
 
@@ -59,10 +59,11 @@ _SCRIPT = textwrap.dedent("""
     [
         ("nodeA:2,nodeB:2", 4, ["cpu", "cpu", "host", "host"]),
         ("nodeA:2,nodeB:1", 3, ["cpu"] * 4),
+        ("nodeA:3,nodeB:1", 4, ["cpu"] * 4),
         ("nodeA:1,nodeB:1", 2, ["cpu"] * 4),
         ("nodeA:3", 3, ["cpu", "host", "cpu", "host"]),  # one node of 3: the host backend's own windows
     ],
-    ids=["2x2", "2+1", "1+1", "1x3"],
+    ids=["2x2", "2+1", "3+1", "1+1", "1x3"],
 )
 def test_explain_gives_the_layouts_choice_on_every_rank(tmp_path: Path, hosts: str, n: int, want: list[str]) -> None:
     script = tmp_path / "explain.py"
@@ -75,4 +76,6 @@ def test_explain_gives_the_layouts_choice_on_every_rank(tmp_path: Path, hosts: s
     assert [backend for backend, _ in picks] == want
     if hosts.count(":") > 1:
         assert all(reason.startswith("layout ") for _, reason in picks), picks
-    assert ("node_sizes" in signature) == (hosts == "nodeA:2,nodeB:1"), signature  # rank 0's: the table's key
+    assert ("node_sizes" in signature) == (hosts in ("nodeA:2,nodeB:1", "nodeA:3,nodeB:1")), (
+        signature
+    )  # rank 0's: the table's key
