@@ -2,13 +2,13 @@
 MPI_Allgather.
 
 Where a communicator's ranks span nodes, no memory is shared among all of them, so the node-shared
-board (mpigpu.job.check_board) cannot serve. This board keeps its interface and its slot layout
-(per rank ``[k, 9 values, data]`` on 256 bytes) and moves the slots with one MPI_Allgather (in place:
-each rank writes its own slot of the receive buffer, then every rank holds every rank's slot). Every
-rank then compares every rank's values with its own, as on the node board, so every rank reaches the
-same verdict; and a tiny host allreduce (mpigpu.backends.cpu_board) reduces every rank's posted data
-in rank order: the check and the data in one MPI round instead of MPI_Allreduce(MAX) of the
-signature and then MPI_Allreduce of the data.
+board (mpigpu.job.check_board) cannot serve. This board keeps its interface and its slot layout (per
+rank ``[k, 9 values, data]`` on 256 bytes; ``k`` unused here: the Allgather is the wait) and moves
+the slots with one MPI_Allgather (in place: each rank writes its own slot of the receive buffer,
+then every rank holds every rank's slot). Every rank then compares every rank's values with its
+own, as on the node board, so every rank reaches the same verdict; and a tiny host allreduce
+(mpigpu.backends.cpu_board) reduces every rank's posted data in rank order: the check and the data
+in one MPI round instead of MPI_Allreduce(MAX) of the signature and then MPI_Allreduce of the data.
 
 Every check moves the whole slot, data area included, whatever the caller posts: the Allgather's
 count must be the same on every rank, and a rank whose call takes the fused path may meet one whose
@@ -46,8 +46,6 @@ class MpiBoard:
     Used by one thread at a time, in the same order on every rank (the callers' rule), as the node
     board. Nothing to free but its buffers: ``close`` only unregisters it."""
 
-    data_bytes = DATA_BYTES
-
     def __init__(self, comm: Any) -> None:
         self.comm = comm
         self.size = comm.Get_size()
@@ -81,7 +79,6 @@ class MpiBoard:
         self.k = k
         parity = k & 1
         self._my_values[parity][:] = packed
-        self._counters[parity][(SLOT_BYTES // 8) * self.rank] = k
         self._gather(self._in_place, self._specs[parity])
         for values in self._others[parity]:  # noqa: SIM110 - the hot path: no generator
             if values != packed:
