@@ -173,7 +173,8 @@ def choose(ctx: Context, view: ArrayView, op: Op, requested: str, collective: st
     if ctx.tuning is not None and collective == "allreduce":  # the table times allreduce only
         name = ctx.tuning.lookup(placement, view.nbytes)
         if name is not None and _usable(ctx, name, view, op, collective) is None:
-            return Choice(name, f"tuned table ({ctx.tuning.source}) for {view.nbytes} B")
+            layout = _sizes_label(ctx.layout.node_sizes)
+            return Choice(name, f"tuned table ({ctx.tuning.source}) for {view.nbytes} B, measured in layout {layout}")
     if not view.on_device and collective in _REDUCTIONS and ctx.size > 1:
         rule = layout_rule(ctx.layout.node_sizes, view.nbytes)
         if rule is not None:
