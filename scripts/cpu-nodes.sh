@@ -8,7 +8,7 @@
 # hosts: use MPICH's mpiexec, e.g. the mpich wheel's). Layouts: LAYOUTS (default "1x8 2x1 2x4 4x2 4x4";
 # "2+1" style entries too), 16 cores for 4x4. Writes $OUT/cpu-nodes-<date>.json and one log per layout;
 # about 3 minutes on 16 cores (an estimate from the calls per column; not yet timed there). ROUNDS,
-# SCALE and SIZES are passed on.
+# SCALE and SIZES are passed on; PYTHON names the interpreter (default python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MPIEXEC=${MPIEXEC:-mpiexec}
@@ -18,6 +18,7 @@ ROUNDS=${ROUNDS:-20}
 SCALE=${SCALE:-0.25}
 SIZES=${SIZES:-8,65536,1048576,8388608}
 LIMIT=${LIMIT:-240}  # seconds per layout before it counts as hung
+PY=${PYTHON:-python}
 mkdir -p "$OUT"
 json="$OUT/cpu-nodes-$(date -u +%Y-%m-%d).json"
 status=0
@@ -34,7 +35,7 @@ for layout in $LAYOUTS; do
         n=$((n + c)) i=$((i + 1))
     done
     echo "== $layout: $MPIEXEC -launcher fork -hosts $hosts -n $n" >&2
-    if ! timeout "$LIMIT" "$MPIEXEC" -launcher fork -hosts "$hosts" -n "$n" python scripts/cpu_nodes.py \
+    if ! timeout "$LIMIT" "$MPIEXEC" -launcher fork -hosts "$hosts" -n "$n" "$PY" scripts/cpu_nodes.py \
         --json "$json" --rounds "$ROUNDS" --scale "$SCALE" --sizes "$SIZES" >"$OUT/cpu-nodes-$layout.log" 2>&1; then
         echo "   $layout failed (status $?): $OUT/cpu-nodes-$layout.log" >&2
         status=1
