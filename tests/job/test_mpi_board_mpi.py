@@ -128,6 +128,13 @@ _SCRIPT = textwrap.dedent("""
         z = np.full(4, float(rank + 1))
         mpigpu.allreduce(z, "sum")
         assert np.all(z == exact), z
+    if check:  # one round: one post on the board per call, the data in it (the record's launch is fused)
+        from mpigpu.calls.pipeline import Record
+        before = board.k
+        mpigpu.allreduce(x.copy(), "sum")
+        assert board.k == before + 1, (before, board.k)
+        records = [r for r in ctx.plan_cache.values() if isinstance(r, Record) and r.x.shape == (6,)]
+        assert records and all(r.fused is not None for r in records), records
     caught = None
     if check:  # without the check, unequal counts are the user's error that MPI may not catch
         poison = np.full(3 + (rank == n - 1), -7.0)
