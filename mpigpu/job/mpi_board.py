@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from mpigpu.core._mpi import MPI
-from mpigpu.job.check_board import DATA_BYTES, FIELDS, SLOT_BYTES, pack, register
+from mpigpu.job.check_board import DATA_BYTES, FIELDS, SLOT_BYTES, board_for, pack, register
 
 __all__ = ["MAX_RANKS", "MpiBoard", "open_mpi_board"]
 
@@ -112,8 +112,9 @@ class MpiBoard:
         return None
 
     def close(self) -> None:
-        """Unregister the board (local; the buffers go with the object)."""
-        register(self.comm, None)
+        """Unregister the board (local; idempotent; the buffers go with the object)."""
+        if board_for(self.comm) is self:
+            register(self.comm, None)
 
 
 def open_mpi_board(comm: Any) -> MpiBoard | None:
