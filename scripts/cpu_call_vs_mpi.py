@@ -204,7 +204,14 @@ def measure(comm: Any, collective: str, nbytes: int, op: str, rounds: int, scale
     """The median of every round's samples per column, slowest rank, and each column's wrong
     elements summed over ranks (collective)."""
     case = Case(comm, collective, nbytes, op)
-    columns = case.columns()
+    return measure_columns(comm, case, case.columns(), rounds, scale)
+
+
+def measure_columns(
+    comm: Any, case: Case, columns: dict[str, Callable[[], Any]], rounds: int, scale: float
+) -> dict[str, Any]:
+    """``measure`` for the chosen ``columns`` of ``case`` (scripts/cpu_nodes.py takes a few)."""
+    nbytes = case.count * 4
     names = list(columns)
     wrong = {name: int(comm.allreduce(case.check(name, call), op=MPI().SUM)) for name, call in columns.items()}
     iters = _iters(nbytes, scale)

@@ -1,8 +1,10 @@
 """The cpu backend's tiny allreduce: the cross-rank check and the data in one post on the check board.
 
-A host allreduce of at most ``DATA_BYTES`` (mpigpu.job.check_board) on a communicator whose ranks
-share one node needs no MPI call: each rank posts its data beside its signature, and once every
-rank's signature agrees, every rank reduces every rank's posted data itself, in rank order. The same
+A host allreduce of at most ``DATA_BYTES`` (mpigpu.job.check_board) needs one exchange: each rank
+posts its data beside its signature, and once every rank's signature agrees, every rank reduces
+every rank's posted data itself, in rank order. On one node the post is a store into node-shared
+memory and no MPI call runs; across nodes it is one MPI_Allgather of the slots (mpigpu.job.mpi_board),
+in place of MPI_Allreduce(MAX) of the signature followed by MPI_Allreduce of the data. The same
 operations in the same order on every rank give the same bits on every rank by construction (NaN
 payloads and signed zeros included); a float NaN is then made the canonical NaN, as the MPI path
 makes it (mpigpu.backends.cpu), so the result does not depend on which path ran. On a mismatch no
@@ -17,11 +19,12 @@ import operator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from mpigpu.backends.cpu import Reduce, has_nan, is_plain
 from mpigpu.core.ops import Op, canonicalize_nan
 from mpigpu.job.check import Signature, raise_mismatch
-from mpigpu.job.check_board import DATA_BYTES, CheckBoard
+from mpigpu.job.check_board import DATA_BYTES, SLOT_BYTES, Board
 
 if TYPE_CHECKING:
     from mpigpu.core.arrays import ArrayView
@@ -35,7 +38,30 @@ def fits_board(x: ArrayView, op: Op) -> bool:
     return x.device is None and 0 < x.nbytes <= DATA_BYTES and is_plain(x.dtype, op)
 
 
-def bind_board_allreduce(board: CheckBoard, comm: Any, x: ArrayView, op: Op, sig: Signature, packed: bytes) -> Reduce:
+def _stacks(rows: tuple[tuple[np.ndarray, ...], ...], count: int, is_float: bool) -> tuple[np.ndarray, ...] | None:
+    """Per parity, every rank's row as one read-only array of shape (ranks, *row shape) over the board's
+    slots (a row every SLOT_BYTES), for one ``ufunc.reduce`` over axis 0 in place of a call per row;
+    None where that would not add the rows one after another in rank order, or gains nothing.
+
+    NumPy's reduction over axis 0 walks the other axes innermost when their stride is the smaller
+    one: each step adds a whole row to the running result, rank by rank, exactly as the loop of
+    calls does. With one element per row the reduced axis would be the inner loop, which NumPy sums
+    pairwise for floats (another order): there, and at two ranks, the loop stays. Integers give the
+    same bits in any order."""
+    n = len(rows[0])
+    if n <= 2 or (count < 2 and is_float):
+        return None
+    stacks = []
+    for parity in rows:
+        first = parity[0]
+        base = first.__array_interface__["data"][0]
+        if any(row.__array_interface__["data"][0] != base + r * SLOT_BYTES for r, row in enumerate(parity)):
+            return None  # not the board's slot layout: the loop
+        stacks.append(as_strided(first, (n, *first.shape), (SLOT_BYTES, *first.strides), writeable=False))
+    return tuple(stacks)
+
+
+def bind_board_allreduce(board: Board, comm: Any, x: ArrayView, op: Op, sig: Signature, packed: bytes) -> Reduce:
     """The launch ``(stream, source, destination)`` of one record: post ``packed`` (the record's
     signature) and the source on ``board``, then, where every rank agrees, the reduction of every
     rank's row in rank order into the destination; else MismatchError on every rank (collective
@@ -50,7 +76,16 @@ def bind_board_allreduce(board: CheckBoard, comm: Any, x: ArrayView, op: Op, sig
             raise_mismatch(comm, sig, "cpu")
         return posted
 
+    stacks = _stacks(rows, x.size, x.dtype.is_float)
+    # a float reduction starts from a value that leaves the first row as it is (-0.0 + -0.0 stays -0.0,
+    # where NumPy's identity +0.0 would not), then adds the rows as the loop does; integers (sum, prod,
+    # min, max) need none: any start NumPy takes gives the same bits
+    start = {"initial": 1.0 if op is Op.PROD else -0.0} if x.dtype.is_float else {}
+
     def fold(posted: tuple[np.ndarray, ...], dst: np.ndarray) -> None:
+        if stacks is not None:  # one ufunc call: the rows in rank order, as the loop below adds them
+            combine.reduce(stacks[0] if posted is rows[0] else stacks[1], axis=0, out=dst, **start)
+            return
         combine(posted[0], posted[1], out=dst)
         for row in posted[2:]:
             combine(dst, row, out=dst)

@@ -5,7 +5,9 @@ hang or a read past a buffer. The shape is checked too (as a 62-bit hash): ranks
 element count in different shapes are almost certainly reducing different tensors into each other.
 
 How: when every rank of the communicator is on one node (the usual GPU box), through node-shared
-memory (mpigpu/job/check_board.py): each rank posts its 9 values and reads everyone's, no MPI call; else
+memory (mpigpu/job/check_board.py): each rank posts its 9 values and reads everyone's, no MPI call;
+across nodes, one MPI_Allgather of every rank's slot (mpigpu/job/mpi_board.py, the same interface:
+a tiny allreduce's data travels in it); past its MAX_RANKS, or on a communicator that has no board,
 one MPI_Allreduce(MAX) of 18 int64 values ([v, -v]). On a difference, either way, every rank gathers
 the signatures (MPI) and raises the same message. A caller that checks the same signature on many
 calls (a call record) packs it once and posts the packed bytes (``check_packed``): the same check,
@@ -31,7 +33,7 @@ from mpigpu.core._mpi import MPI
 from mpigpu.core.dtypes import DTYPES
 from mpigpu.core.errors import MismatchError
 from mpigpu.core.ops import Op
-from mpigpu.job.check_board import FIELDS, CheckBoard, board_for, pack
+from mpigpu.job.check_board import FIELDS, Board, board_for, pack
 
 __all__ = [
     "COLLECTIVES",
@@ -178,7 +180,7 @@ def check_signature(
     _mismatch(comm, sig, mine, name, failure, backend_name)
 
 
-def check_packed(comm: Any, board: CheckBoard | None, sig: Signature, packed: bytes, backend_name: str = "") -> None:
+def check_packed(comm: Any, board: Board | None, sig: Signature, packed: bytes, backend_name: str = "") -> None:
     """``check_signature(comm, sig, backend_name=backend_name)`` for an allreduce whose signature was
     packed before (``sig.packed()``); ``board`` is ``comm``'s (``board_for(comm)``, or None: MPI). The
     hot path of a repeated call: every field is still compared on every rank, on every call."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import platform
 import struct
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -38,20 +38,40 @@ from mpigpu.core.errors import MpigpuError
 from mpigpu.core.typed import allreduce_int
 from mpigpu.job.shm import SharedSegment, wait_at_least
 
-__all__ = ["DATA_BYTES", "CheckBoard", "board_for", "open_board", "pack"]
+__all__ = ["DATA_BYTES", "SLOT_BYTES", "Board", "CheckBoard", "board_for", "open_board", "pack", "register"]
 
 FIELDS = 9  # values per signature (check._FIELDS)
 _SLOT = 32  # int64 per slot: [k, 9 values, data] = 256 bytes, four cache lines
 _VALUES = 8 * FIELDS  # bytes of a slot's values
 _DATA = 8 + _VALUES  # a slot's data: its offset in bytes (16-byte aligned) and its size
-DATA_BYTES = 8 * _SLOT - _DATA
+SLOT_BYTES = 8 * _SLOT
+DATA_BYTES = SLOT_BYTES - _DATA
 _PACK = struct.Struct(f"={FIELDS}q").pack  # native int64, as the "q" view reads them
 # x86 (total store order) never reorders a store with an earlier store, nor a load with an earlier load:
 # the values are visible before k without a fence. Elsewhere (Arm: Grace) the fences are needed.
 _FENCE = platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686")
 
+
+class Board(Protocol):
+    """What the check's callers use of a board: this node-shared one, or the Allgather one across nodes
+    (mpigpu.job.mpi_board)."""
+
+    comm: Any
+    size: int
+    rank: int
+    k: int
+
+    def agree(self, values: list[int]) -> bool: ...
+    def agree_packed(self, packed: bytes) -> bool: ...
+    def rows(self, dtype: Any, shape: tuple[int, ...]) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]: ...
+    def agree_with(self, packed: bytes, data: np.ndarray, rows: tuple[tuple[np.ndarray, ...], ...]) -> Any: ...
+    def posted(self) -> list[list[int]]: ...
+    def reached(self) -> list[int] | None: ...
+    def close(self) -> None: ...
+
+
 # id(communicator object) -> (that object, its board): check_signature looks its communicator up here
-_BOARDS: dict[int, tuple[Any, CheckBoard]] = {}
+_BOARDS: dict[int, tuple[Any, Board]] = {}
 
 
 def pack(values: list[int]) -> bytes:
@@ -165,8 +185,16 @@ class CheckBoard:
             segment.close()
 
 
-def board_for(comm: Any) -> CheckBoard | None:
-    """The board of ``comm`` (the communicator object itself), or None: check through MPI."""
+def register(comm: Any, board: Board | None) -> None:
+    """Make ``board`` the one ``board_for(comm)`` finds (None: forget ``comm``'s)."""
+    if board is None:
+        _BOARDS.pop(id(comm), None)
+    else:
+        _BOARDS[id(comm)] = (comm, board)
+
+
+def board_for(comm: Any) -> Board | None:
+    """The board of ``comm`` (the communicator object itself), or None: check through MPI_Allreduce."""
     entry = _BOARDS.get(id(comm))
     if entry is not None and entry[0] is comm:
         return entry[1]
@@ -192,5 +220,5 @@ def open_board(comm: Any, shared_comm: Any | None) -> CheckBoard | None:
             board.close()
         return None
     assert board is not None
-    _BOARDS[id(comm)] = (comm, board)
+    register(comm, board)
     return board

@@ -35,11 +35,12 @@ from mpigpu.core.config import AGREED, DEFAULT_STALL_S, DEFAULT_TIMEOUT_S, ENV_V
 from mpigpu.core.errors import BackendUnavailable, ConfigError, DeviceError, InvalidArgument, MismatchError, MpigpuError
 from mpigpu.core.typed import allgather_ints, allgather_text, allreduce_int
 from mpigpu.job.check import Signature, check_signature, mark_raised_everywhere
-from mpigpu.job.check_board import CheckBoard, open_board
+from mpigpu.job.check_board import Board, open_board
 from mpigpu.job.creation import exclusive
 from mpigpu.job.detect import CudaAwareness, NcclInfo, detect_cuda_awareness, detect_nccl
 from mpigpu.job.device import GpuInfo, map_device
 from mpigpu.job.failsafe import Watchdog, install_default_handler
+from mpigpu.job.mpi_board import open_mpi_board
 from mpigpu.job.peers import NodePeers, NodeProgress, node_peers
 from mpigpu.job.timeline_start import start_timeline
 from mpigpu.job.topology import Layout, build_layout
@@ -85,8 +86,8 @@ class Context:
         self._violation: str | None = None  # set once a second thread has called: every call is refused
         self._calls = threading.RLock()  # held by the owner during a call; a refusal waits for it
         self._known_ids: list[int] = []  # its keys in Context._known
-        self.check_board: CheckBoard | None = None
-        self.progress: NodeProgress | None = None  # calls begun by this node's ranks, where there is no board
+        self.check_board: Board | None = None
+        self.progress: NodeProgress | None = None  # calls begun by this node's ranks, where no board holds them
         label = f"mpigpu start-up (the first mpigpu call on a communicator of {self.size} ranks; collective)"
         with self.watchdog.watch(label), exclusive(comm):  # one creation at a time, in the same order everywhere
             # mpigpu's own duplicate: nothing the user does on ``comm`` can pair with its collectives
@@ -106,10 +107,14 @@ class Context:
         start_timeline(comm, self.settings, self.layout.node_index)
         self.peers = node_peers(comm, self.layout.phys_comm)
         # The cross-rank check through node-shared memory when every rank is on one (unsplit) node;
-        # otherwise (None) through MPI. Every later check on self.comm finds it (check_board.board_for).
+        # otherwise through one MPI_Allgather (mpi_board), or, past its size, MPI_Allreduce (None).
+        # Every later check on self.comm finds it (check_board.board_for).
         if self.settings.check:  # agreed on every rank: open_board is collective
             self.check_board = open_board(comm, None if self.layout.virtual else self.layout.phys_comm)
-        if self.check_board is None:  # the stall report's numbers, where no board holds them (check_board's rule)
+            if self.check_board is None and self.size > 1:
+                self.check_board = open_mpi_board(comm)
+        # the stall report's numbers, where no board holds them (the MPI board's reached() is None)
+        if self.check_board is None or self.check_board.reached() is None:
             self.progress = NodeProgress(comm, self.layout.phys_comm)
         self.gpu: GpuInfo | None = map_device(
             self.layout, self.settings.allow_shared_gpu, self.settings.devices_per_rank
@@ -266,9 +271,9 @@ class Context:
         board = getattr(self, "check_board", None)
         if self.calls == 0:
             return f"{text} (start-up); which ranks have not reached it is not known here"
-        if board is None:
+        reached = None if board is None else board.reached()
+        if board is None or reached is None:
             return f"{text}; {self._where_on_this_node()}"
-        reached = board.reached()
         numbers = ", ".join(map(str, reached))
         behind = [r for r, k in enumerate(reached) if k < board.k]
         ahead = [r for r, k in enumerate(reached) if k > board.k]

@@ -3,9 +3,13 @@ that ``python -m mpigpu.bench --tune`` measured on a matching machine, or these 
 
 GPU arrays:  ipc (one node, peer access) up to 4 MiB -> nccl -> cuda-aware MPI -> host staging
              (reduce_scatter: nccl first, as ipc makes it out of an allreduce).
-Host arrays: host (shared-memory reduce) from 32 MiB, and for allreduce and reduce_scatter also from
-             32 KiB to 64 KiB and from 2 MiB, where the host backend is available; cpu
-             (MPI_Allreduce) otherwise.
+Host arrays: by the layout (nodes, ranks per node; ``layout_rule``) for allreduce and reduce_scatter:
+             one rank per node, or a node holding one rank: cpu (the host path's node step shares
+             nothing there, it only adds copies); several nodes of at least 2 ranks: host from
+             256 KiB (its two-level path), cpu below; one node of 8 or more ranks: host from
+             32 KiB to 64 KiB and from 1 MiB. One node of 2 to 7 ranks, as measured there: host
+             (shared-memory reduce) from 32 MiB, and from 32 KiB to 64 KiB and from 2 MiB, where
+             the host backend is available; cpu (MPI_Allreduce) otherwise.
 
 The order is the registry's (``mpigpu.backends._REGISTRY``), the size limits are each backend's
 ``auto_declines``, and a backend is tried only for the collectives it lists (reduce_scatter tries
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mpigpu.backends import BACKEND_NAMES, backend_class, preference
+from mpigpu.core.config import size_label
 from mpigpu.core.errors import BackendUnavailable, InvalidArgument
 
 if TYPE_CHECKING:
@@ -28,7 +33,16 @@ if TYPE_CHECKING:
     from mpigpu.core.ops import Op
     from mpigpu.runtime.context import Context
 
-__all__ = ["Choice", "choose", "choose_cached", "log_choice", "remember"]
+__all__ = ["Choice", "choose", "choose_cached", "layout_rule", "log_choice", "remember"]
+
+# auto's layout rules for host arrays (issue 45's runs, 16 cores, MPICH, float32 sum, slowest rank's median):
+# across nodes host's two-level path lost at 64 KiB (2x4: 174 us, MPI 116) and won from 1 MiB (2x4: 798 against
+# 1259; 4x2: 925 against 1007; 8 MiB: 4x and 3x); on one node of 8 or 16 ranks host won at 1 MiB (681 against
+# 787, 735 against 842); with one rank per node it only added copies (2x1, 8 MiB: 8446 against cpu 2446).
+ACROSS_NODES_HOST_FROM = 256 << 10
+MANY_RANKS = 8  # one node of this many ranks or more takes host from ONE_NODE_HOST_FROM
+ONE_NODE_HOST_FROM = 1 << 20
+_HOST_WINDOW = (32 << 10, 64 << 10)  # host's latency route on one node (mpigpu.backends.host.AUTO_HOST_WINDOWS)
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,34 @@ def log_choice(rank: int, size: int, name: str, what: str, nbytes: int, choice: 
 
 
 _REDUCTIONS = frozenset({"allreduce", "reduce_scatter"})  # the collectives whose dtype/op support a backend states
+
+
+def _sizes_label(node_sizes: tuple[int, ...]) -> str:
+    """The layout as nodes x ranks per node ("2x4"), or each node's ranks where they differ ("2+1")."""
+    if len(set(node_sizes)) == 1:
+        return f"{len(node_sizes)}x{node_sizes[0]}"
+    return "+".join(map(str, node_sizes))
+
+
+def layout_rule(node_sizes: tuple[int, ...], nbytes: int) -> Choice | None:
+    """auto's choice for a host array's allreduce or reduce_scatter of ``nbytes`` in a job whose nodes
+    hold ``node_sizes`` ranks (the same tuple on every rank), or None where the backends' own size
+    rules apply (one node of fewer than MANY_RANKS ranks, where they were measured)."""
+    nodes, fewest, most = len(node_sizes), min(node_sizes), max(node_sizes)
+    layout = _sizes_label(node_sizes)
+    if nodes == 1 and most < MANY_RANKS:
+        return None
+    if most == 1:
+        return Choice("cpu", f"layout {layout}: one rank per node, where the host path only adds copies")
+    if nodes > 1 and fewest == 1:
+        return Choice("cpu", f"layout {layout}: a node holds one rank, where the host path only adds copies")
+    if nodes > 1:
+        if nbytes >= ACROSS_NODES_HOST_FROM:
+            return Choice("host", f"layout {layout}: host's two-level path from {size_label(ACROSS_NODES_HOST_FROM)}")
+        return Choice("cpu", f"layout {layout}: MPI_Allreduce below {size_label(ACROSS_NODES_HOST_FROM)}")
+    if nbytes >= ONE_NODE_HOST_FROM or _HOST_WINDOW[0] <= nbytes <= _HOST_WINDOW[1]:
+        return Choice("host", f"layout {layout}: host from {size_label(ONE_NODE_HOST_FROM)} and in its latency window")
+    return Choice("cpu", f"layout {layout}: MPI_Allreduce below {size_label(ONE_NODE_HOST_FROM)}")
 
 
 def _usable(ctx: Context, name: str, view: ArrayView, op: Op, collective: str = "allreduce") -> str | None:
@@ -131,7 +173,14 @@ def choose(ctx: Context, view: ArrayView, op: Op, requested: str, collective: st
     if ctx.tuning is not None and collective == "allreduce":  # the table times allreduce only
         name = ctx.tuning.lookup(placement, view.nbytes)
         if name is not None and _usable(ctx, name, view, op, collective) is None:
-            return Choice(name, f"tuned table ({ctx.tuning.source}) for {view.nbytes} B")
+            layout = _sizes_label(ctx.layout.node_sizes)
+            return Choice(name, f"tuned table ({ctx.tuning.source}) for {view.nbytes} B, measured in layout {layout}")
+    if not view.on_device and collective in _REDUCTIONS and ctx.size > 1:
+        rule = layout_rule(ctx.layout.node_sizes, view.nbytes)
+        if rule is not None:
+            problem = _usable(ctx, rule.backend, view, op, collective)
+            if problem is None:
+                return rule
     order = preference(view.on_device, collective)
     skipped = []
     for name in order:

@@ -83,19 +83,25 @@ class TuningTable:
 
 
 def machine_signature(ctx: TuningContext) -> dict[str, Any]:
-    """What a tuning table must match: GPU model and count per node, link, MPI library, ranks per node."""
+    """What a tuning table must match: GPU model and count per node, link, MPI library, and the layout
+    (nodes, ranks per node; each node's ranks where they differ, "2+1"): the crossovers move with
+    the layout (mpigpu.runtime.plan.layout_rule), so a table measured in one layout serves that one."""
     gpu = ctx.gpu
     link = "none"
     ipc = ctx.availability.get("ipc")
     if gpu is not None:
         link = "p2p" if ipc is not None and ipc.ok else "no-p2p"
-    return {
+    signature = {
         "gpu": gpu.name if gpu else "cpu",
         "ranks_per_node": ctx.layout.local_size,
         "nodes": ctx.layout.num_nodes,
         "link": link,
         "mpi": ctx.mpi_lib.name,
     }
+    sizes = ctx.layout.node_sizes
+    if len(set(sizes)) > 1:  # uneven: rank 0's ranks_per_node alone would match an even layout's table
+        signature["node_sizes"] = "+".join(map(str, sizes))
+    return signature
 
 
 def load_tuning(ctx: TuningContext) -> TuningTable | None:

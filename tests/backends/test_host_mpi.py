@@ -32,6 +32,7 @@ from mpigpu.core.ops import Op
 from mpigpu.core.patterns import fill
 from mpigpu.core.verify import count_wrong_host
 from mpigpu.runtime.context import Context
+from mpigpu.runtime.plan import layout_rule
 
 POISON = 0x7F
 # A 4 KiB latency route and 16 KiB chunks on a ring of 3: 70001 elements cross 5 to 35 chunks.
@@ -193,7 +194,9 @@ def test_integer_avg_across_nodes_is_refused(comm) -> None:
         assert np.all(x == -128)
         big = np.full(40 << 20, 7, np.uint8)  # 40 MiB: the host backend's size, but not for integer avg
         assert mpigpu.explain(big, "avg", comm=ctx.comm).backend == "cpu"
-        assert mpigpu.explain(big, "sum", comm=ctx.comm).backend == "host"
+        # one rank per (virtual) node: auto's layout rule takes cpu for a sum too, where host only adds copies
+        assert mpigpu.explain(big, "sum", comm=ctx.comm).reason.startswith("layout ")
+        assert mpigpu.explain(big, "sum", comm=ctx.comm, backend="host").backend == "host"
 
 
 @pytest.mark.mpi(min_size=1)
@@ -537,7 +540,10 @@ def test_auto_takes_host_in_its_measured_windows_with_the_same_bits_on_every_ran
     host at 64 KiB (its latency route), 2 MiB and 8 MiB (its pipeline); through either, a NaN whose
     payload differs per rank and an IEEE NaN (+inf + -inf) end as the same bits on every rank."""
     rank = comm.Get_rank()
+    sizes = Context.get(comm).layout.node_sizes  # across nodes, or 8 ranks and more: the layout's rule
     for nbytes, want in ((8, "cpu"), (64 << 10, "host"), (256 << 10, "cpu"), (2 << 20, "host"), (8 << 20, "host")):
+        rule = layout_rule(sizes, nbytes)
+        want = want if rule is None else rule.backend
         x = np.full(nbytes // 4, -0.0, np.float32)
         assert mpigpu.explain(x, "sum", comm=comm).backend == want, nbytes
         x.view("u4")[0] = 0x7F800001 + rank | (rank % 2) << 31  # a signalling NaN of this rank's own

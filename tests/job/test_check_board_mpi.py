@@ -1,8 +1,9 @@
 """The node-local check board (mpigpu/job/check_board.py), under mpiexec (-n 1 to 4): the cross-rank
 check through node-shared memory gives the same verdict and the same message on every rank as the
 MPI path, over long runs of agreeing and disagreeing calls (both parities many times), when a rank
-rejects its own arguments, and when ranks arrive far apart; and the MPI path still works where the
-board is not used (a simulated multi-node layout)."""
+rejects its own arguments, and when ranks arrive far apart; the MPI path still works where no
+board is used (a communicator of the user's own); and a simulated multi-node layout checks through
+the Allgather board (mpigpu/job/mpi_board.py), as real nodes do."""
 
 from __future__ import annotations
 
@@ -151,17 +152,18 @@ def test_no_board_without_a_shared_communicator_and_the_mpi_path_still_checks(co
         dup.Free()
 
 
-def test_simulated_multi_node_layout_checks_through_mpi(tmp_path: Path) -> None:
+def test_simulated_multi_node_layout_checks_through_the_allgather_board(tmp_path: Path) -> None:
     script = tmp_path / "multinode.py"
     script.write_text(
         textwrap.dedent("""
         import json, numpy as np, mpigpu
         from mpigpu.runtime.context import Context
         from mpigpu.core.errors import MismatchError
+        from mpigpu.job.mpi_board import MpiBoard
         ctx = Context.get()
-        assert ctx.layout.num_nodes == 2 and ctx.check_board is None, (ctx.layout.num_nodes, ctx.check_board)
+        assert ctx.layout.num_nodes == 2 and isinstance(ctx.check_board, MpiBoard), ctx.check_board
         x = np.full(3, float(ctx.rank + 1))
-        for _ in range(3):  # the first call, then its record's packed signature, through MPI
+        for _ in range(3):  # the first call, then its record's packed signature, by one MPI_Allgather
             x[:] = ctx.rank + 1
             mpigpu.allreduce(x, "sum")
             assert np.all(x == 3), x

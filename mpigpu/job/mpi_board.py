@@ -1,0 +1,128 @@
+"""The check board across nodes: the cross-rank argument check, and a tiny allreduce's data, in one
+MPI_Allgather.
+
+Where a communicator's ranks span nodes, no memory is shared among all of them, so the node-shared
+board (mpigpu.job.check_board) cannot serve. This board keeps its interface and its slot layout (per
+rank ``[k, 9 values, data]`` on 256 bytes; ``k`` unused here: the Allgather is the wait) and moves
+the slots with one MPI_Allgather (in place: each rank writes its own slot of the receive buffer,
+then every rank holds every rank's slot). Every rank then compares every rank's values with its
+own, as on the node board, so every rank reaches the same verdict; and a tiny host allreduce
+(mpigpu.backends.cpu_board) reduces every rank's posted data in rank order: the check and the data
+in one MPI round instead of MPI_Allreduce(MAX) of the signature and then MPI_Allreduce of the data.
+
+Every check moves the whole slot, data area included, whatever the caller posts: the Allgather's
+count must be the same on every rank, and a rank whose call takes the fused path may meet one whose
+call does not (its signature differs: the check fails on every rank, nothing is read). The cost
+grows with the ranks (256 bytes each), where MPI_Allreduce(MAX) of 18 int64 does not: the board is
+used up to ``MAX_RANKS`` ranks, and the check goes through MPI_Allreduce(MAX) past it
+(docs/scaling.md gives the model).
+
+No rank can run ahead: the Allgather completes on a rank only once every rank has posted, so the
+check numbers of ``reached`` are not known here (the stall report says so).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mpigpu.core._mpi import MPI
+from mpigpu.job.check_board import DATA_BYTES, FIELDS, SLOT_BYTES, board_for, pack, register
+
+__all__ = ["MAX_RANKS", "MpiBoard", "open_mpi_board"]
+
+# Up to this many ranks the check travels as an Allgather of 256-byte slots (64 KiB at 256 ranks),
+# beyond it as MPI_Allreduce(MAX) of 144 bytes, whose cost does not grow with the payload.
+MAX_RANKS = 256
+_VALUES = 8 * FIELDS
+_DATA = 8 + _VALUES  # a slot's data: its offset in bytes
+assert SLOT_BYTES - _DATA == DATA_BYTES, "the same slot layout as the node board"
+
+
+class MpiBoard:
+    """Signatures (and tiny data) of every rank of ``comm``, exchanged by one MPI_Allgather per check.
+
+    Used by one thread at a time, in the same order on every rank (the callers' rule), as the node
+    board. Nothing to free but its buffers: ``close`` only unregisters it."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
+        self.k = 0  # checks made on this board
+        # two receive buffers, alternating per check (the node board's parities): rows a caller got from
+        # check k stay intact while this rank posts check k + 1
+        self._buffers = tuple(np.zeros(SLOT_BYTES * self.size, np.uint8) for _ in (0, 1))
+        self._bytes = tuple(memoryview(b) for b in self._buffers)
+        self._counters = tuple(mv.cast("q") for mv in self._bytes)
+        mine = SLOT_BYTES * self.rank
+        self._my_values = tuple(mv[mine + 8 : mine + _DATA] for mv in self._bytes)
+        self._others = tuple(
+            tuple(mv[SLOT_BYTES * r + 8 : SLOT_BYTES * r + _DATA] for r in range(self.size) if r != self.rank)
+            for mv in self._bytes
+        )
+        mpi = MPI()
+        self._gather = comm.Allgather
+        self._in_place = mpi.IN_PLACE
+        self._specs = tuple([b, mpi.BYTE] for b in self._buffers)  # made once: the call's buffer argument
+
+    def agree(self, values: list[int]) -> bool:
+        """Post ``values`` (FIELDS int64) as check ``k + 1``; True when every rank posted the same values
+        with values[0] (the failed flag) 0 (collective)."""
+        return self.agree_packed(pack(values)) and values[0] == 0
+
+    def agree_packed(self, packed: bytes) -> bool:
+        """``agree`` for values already packed whose failed flag is 0: True when every rank posted these
+        very bytes (collective: one MPI_Allgather)."""
+        k = self.k + 1
+        self.k = k
+        parity = k & 1
+        self._my_values[parity][:] = packed
+        self._gather(self._in_place, self._specs[parity])
+        for values in self._others[parity]:  # noqa: SIM110 - the hot path: no generator
+            if values != packed:
+                return False
+        return True
+
+    def rows(self, dtype: Any, shape: tuple[int, ...]) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+        """Per parity, every rank's data area as an array of ``dtype`` and ``shape`` (at most DATA_BYTES),
+        in rank order: views into the receive buffers for ``agree_with``."""
+        return tuple(
+            tuple(np.ndarray(shape, dtype, buffer=b, offset=SLOT_BYTES * r + _DATA) for r in range(self.size))
+            for b in self._buffers
+        )  # type: ignore[return-value]
+
+    def agree_with(self, packed: bytes, data: np.ndarray, rows: tuple[tuple[np.ndarray, ...], ...]) -> Any:
+        """``agree_packed`` with ``data`` posted beside the values: every rank's rows of this check when
+        every rank posted ``packed`` (collective), else None. The rows hold until this rank's next
+        check but one."""
+        mine = rows[(self.k + 1) & 1]
+        mine[self.rank][...] = data
+        return mine if self.agree_packed(packed) else None
+
+    def posted(self) -> list[list[int]]:
+        """Every rank's values of the last check, in rank order (local)."""
+        counters = self._counters[self.k & 1]
+        step = SLOT_BYTES // 8
+        return [list(counters[step * r + 1 : step * r + 1 + FIELDS]) for r in range(self.size)]
+
+    def reached(self) -> None:
+        """Not known: the ranks meet in the Allgather, which no rank passes before every rank is in it."""
+        return None
+
+    def close(self) -> None:
+        """Unregister the board (local; idempotent; the buffers go with the object)."""
+        if board_for(self.comm) is self:
+            register(self.comm, None)
+
+
+def open_mpi_board(comm: Any) -> MpiBoard | None:
+    """The Allgather board of ``comm`` (which spans nodes: the caller found no node board), registered
+    for ``check_signature``; None past MAX_RANKS ranks, where the check goes through MPI_Allreduce.
+    Local: the decision depends on the communicator's size alone, the same on every rank."""
+    if comm.Get_size() > MAX_RANKS:
+        return None
+    board = MpiBoard(comm)
+    register(comm, board)
+    return board

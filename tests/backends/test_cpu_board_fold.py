@@ -1,0 +1,95 @@
+"""The tiny allreduce's reduction of the board's rows (mpigpu/backends/cpu_board.py), without MPI: at
+3 to 32 ranks, for every row shape the board holds, the result is bitwise that of adding (or
+multiplying) the rows one after another in rank order in the dtype, whether it takes the one-call
+reduction over the stacked slots or the loop of calls (one element a row, two ranks); signed zeros
+included. Integer min and max reduce by the stacked slots too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mpigpu.backends.cpu_board import bind_board_allreduce
+from mpigpu.core.arrays import as_view
+from mpigpu.core.ops import Op
+from mpigpu.job.check import Signature
+from mpigpu.job.check_board import DATA_BYTES
+from mpigpu.job.mpi_board import MpiBoard
+
+
+class _Ranks:
+    """A communicator of ``n`` ranks seen from rank 0 whose Allgather leaves the slots as they are:
+    the test writes every rank's slot itself."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def Get_size(self) -> int:
+        return self.n
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Allgather(self, send: Any, recv: Any) -> None:
+        return None
+
+
+SHAPES = [(1,), (2,), (5,), (11,), (44,), (2, 3), (5, 1), (1, 5), (4, 11)]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 9, 16, 17, 32])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("op", [Op.SUM, Op.PROD])
+def test_the_rows_are_combined_in_rank_order_bit_for_bit(n: int, dtype: str, op: Op) -> None:
+    rng = np.random.default_rng(n)
+    for shape in SHAPES:
+        x = np.zeros(shape, dtype)
+        if x.nbytes > DATA_BYTES:
+            continue
+        board = MpiBoard(_Ranks(n))
+        sig = Signature(x.size, 1, op.code, 1, 0, shape=shape)
+        packed = sig.packed()
+        launch = bind_board_allreduce(board, None, as_view(x), op, sig, packed)
+        for step in range(4):  # both parities, twice
+            scale = 10.0 ** rng.integers(-6, 7, size=(n, *shape)) if op is Op.SUM else 1.0
+            values = (rng.standard_normal((n, *shape)) * scale).astype(dtype)
+            values.reshape(n, -1)[:, 0] = -0.0  # signed zeros: -0.0 + -0.0 stays -0.0, -0.0 * x keeps its sign
+            values.reshape(n, -1)[n // 2, -1] = 0.0
+            for parity_rows in board.rows(np.dtype(dtype), shape):
+                for r in range(n):
+                    parity_rows[r][...] = values[r]
+            for buffer in board._buffers:  # every rank posted the same signature
+                for r in range(n):
+                    buffer[256 * r + 8 : 256 * r + 80] = np.frombuffer(packed, np.uint8)
+            want = values[0].copy()
+            for r in range(1, n):
+                op.ufunc(want, values[r], out=want)
+            out = np.full(shape, np.nan, dtype)
+            launch(None, values[0], out)
+            assert out.tobytes() == want.tobytes(), (n, dtype, op, shape, step)
+
+
+@pytest.mark.parametrize("n", [3, 8])
+@pytest.mark.parametrize("op", [Op.SUM, Op.PROD, Op.MIN, Op.MAX])
+def test_integer_rows_reduce_exactly(n: int, op: Op) -> None:
+    rng = np.random.default_rng(7)
+    shape = (6,)
+    board = MpiBoard(_Ranks(n))
+    sig = Signature(6, 3, op.code, 1, 0, shape=shape)
+    packed = sig.packed()
+    x = np.zeros(shape, np.int32)
+    launch = bind_board_allreduce(board, None, as_view(x), op, sig, packed)
+    values = rng.integers(-50, 50, size=(n, *shape)).astype(np.int32)
+    values[:, 0] = np.arange(5, 5 + n)  # all positive: min is not 0
+    for parity_rows in board.rows(np.dtype(np.int32), shape):
+        for r in range(n):
+            parity_rows[r][...] = values[r]
+    for buffer in board._buffers:
+        for r in range(n):
+            buffer[256 * r + 8 : 256 * r + 80] = np.frombuffer(packed, np.uint8)
+    out = np.full(shape, -1, np.int32)
+    launch(None, values[0], out)
+    want = op.ufunc.reduce(values.astype(np.int64), axis=0).astype(np.int32)  # int64: no wrap for these
+    assert np.array_equal(out, want), (op, out, want)
