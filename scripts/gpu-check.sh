@@ -38,6 +38,10 @@
 #              300) + HVD_CALL_LIMIT (default 90) seconds; COLL_TIME (default 4) s bounds a size
 #   retest     RETEST="pytest paths" under both MPIs (a quick re-check after a fix; RETEST_LIMIT seconds each)
 #   soak       thousands of random verified calls on GPU arrays; the cost of the argument check at 8 B
+#   soak_repeat  issue 46 (not in the default list: name it): the soak's memory. One soak with only the largest
+#              calls as warm-up and empty kernel caches (rank 0's RSS at each variant first met), then SOAK_RUNS
+#              (default 10) soaks in a row as the soak stage runs them, seed SOAK_SEED (default 1147368330),
+#              SOAK_CALLS calls; each step's line ends with its RSS growth (~2-3 min)
 #   train      scripts/training-figures.sh: bench_training for the MLP (+ fusion), ResNet-50, GPT-2 beside DDP,
 #              rows interleaved, GPT-2 checked bitwise with deterministic kernels; then the timeline of ResNet-50
 #              with BackwardAverager (scripts/timeline_step.py), and GPT-2's: checked complete, merged, one step as a PNG
@@ -280,7 +284,28 @@ stage_collectives() {  # issues 16 and 36: the five collectives in ONE job (one 
 
 stage_soak() {
   step soak-ompi 150 0 "$OMPI -n $NGPU $PY -m mpigpu.bench.soak --calls ${SOAK_CALLS:-3000} --json $LOGS/soak-ompi.json"
+  soak_rss soak-ompi
   step check-cost 60 0 "$OMPI -n $NGPU $PY -m mpigpu.bench.soak --check-cost --device gpu --iters 5000"
+}
+
+soak_rss() {  # rank 0's RSS lines of a soak (after warm-up, each variant first met later, the end) into the summary
+  grep -a '^# rss ' "$LOGS/$1.log" | cut -c1-200 | sed 's/^/       /' >>"$SUMMARY"
+}
+
+stage_soak_repeat() {  # issue 46 (not in the default list: name it): the soak's memory, one soak after another
+  # first with only the largest calls as warm-up and empty kernel caches (CuPy's and mpigpu's), so each kernel is
+  # compiled (NVRTC) at the variant that first needs it: its RSS lines show what each first-met variant costs (a
+  # diagnostic: its memory bound is lifted, its elements are still checked);
+  # then SOAK_RUNS (default 10) soaks as gpu-check runs them (every variant in the warm-up), seed SOAK_SEED
+  local seed=${SOAK_SEED:-1147368330} calls=${SOAK_CALLS:-3000} i cold
+  cold=$(mktemp -d "${TMPDIR:-/tmp}/mpigpu-soak-cold.XXXXXX") || { echo "mktemp -d failed"; return; }
+  step soak-largest-cold 60 0 "MPIGPU_CACHE_DIR=$cold/mpigpu CUPY_CACHE_DIR=$cold/cupy $OMPI -n $NGPU $PY -m mpigpu.bench.soak --calls $calls --seed $seed --warm-up largest --mem-slack 100000 --quiet"
+  soak_rss soak-largest-cold
+  rm -rf "$cold"
+  for i in $(seq 1 "${SOAK_RUNS:-10}"); do
+    step "soak-$i" 60 0 "$OMPI -n $NGPU $PY -m mpigpu.bench.soak --calls $calls --seed $seed --quiet"
+    soak_rss "soak-$i"
+  done
 }
 
 stage_train() {
