@@ -153,7 +153,8 @@ def _describe(name: str, gathered: list[Gathered], failure: str) -> str:
     if failed:
         lines = [f"rank {r}: {err}" for r, err in failed]
         return f"{name} did not run: {_ranks([r for r, _ in failed])} {failure}.\n  " + "\n  ".join(lines)
-    if len({vec[FIELD["collective"]] for vec, *_ in gathered}) > 1:  # different calls: each rank's own arguments
+    # different calls (a rank in Horovod's join stands in for any): each rank's own arguments
+    if len({vec[FIELD["collective"]] for vec, *_ in gathered} - {COLLECTIVES.index("join")}) > 1:
         calls: dict[str, list[int]] = {}
         for r, (vec, _, _, backend, own) in enumerate(gathered):
             calls.setdefault(_own_call(vec, own, backend), []).append(r)
