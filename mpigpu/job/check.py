@@ -52,7 +52,7 @@ FIELD = {name: index for index, name in enumerate(_FIELDS)}  # a field's index i
 # different collectives fail the check like any other difference.
 COLLECTIVES: tuple[str, ...] = (
     "allreduce", "broadcast", "allgather", "broadcast_object", "allgather_object", "reduce_scatter", "alltoall",
-    "allreduce over devices", "join",
+    "allreduce over devices", "join", "barrier",
 )  # fmt: skip
 _ZEROS = bytes(16 * len(_FIELDS))  # [v, -v] as int64 (array.array: cheaper per call than NumPy here)
 
@@ -127,6 +127,7 @@ _MUST_AGREE = {
     "allgather": "dtype, placement, backend and shape after the first dimension",
     "broadcast_object": "root",
     "allgather_object": "collective",
+    "barrier": "collective",
 }
 
 
