@@ -76,3 +76,58 @@ def test_another_users_file_is_never_touched(tmp_path: Path) -> None:
     os.utime(theirs, (OLD, OLD))
     assert main(["--dir", str(shm), "--min-age", "0"]) == 0
     assert theirs.exists()
+
+
+LIVE = """
+import os, sys, time
+from mpi4py import MPI
+segments = sorted({line.split()[-1] for line in open("/proc/self/maps") if "/dev/shm/mpich" in line})
+pids = MPI.COMM_WORLD.allgather(os.getpid())
+if MPI.COMM_WORLD.Get_rank() == 0:
+    os.write(1, f"segments {' '.join(segments)}\\n".encode())
+    if sys.argv[1] == "kill":  # kill -9 of every rank (this one last): none can clean up
+        for pid in pids[1:] + pids[:1]:
+            os.kill(pid, 9)
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.05)
+MPI.COMM_WORLD.Barrier()
+"""
+
+
+def test_a_killed_mpich_jobs_file_is_found_and_a_running_jobs_is_not(tmp_path: Path) -> None:
+    """Real MPICH jobs (the venv's hydra): one whose ranks were killed leaves its /dev/shm file, which
+    leftovers() finds; a running job's file is not found. Only the killed job's file is removed here
+    (other users' and other jobs' files in /dev/shm are left as they are)."""
+    from conftest import mpiexec
+
+    from mpigpu.job.mpich_shm import leftovers, remove
+
+    if "HYDRA" not in subprocess.run([mpiexec(), "--version"], capture_output=True, text=True).stdout:
+        pytest.skip("needs MPICH's hydra launcher (MPICH's /dev/shm files)")
+    script, stop = tmp_path / "live.py", tmp_path / "stop"
+    script.write_text(LIVE)
+
+    def start(mode: str) -> tuple[subprocess.Popen[str], str]:
+        job = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, str(script), mode, str(stop)],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+        assert job.stdout is not None
+        line = job.stdout.readline()
+        assert line.startswith("segments /dev/shm/mpich"), line
+        return job, line.split()[1]
+
+    killed, dead_file = start("kill")
+    killed.wait(timeout=60)
+    live, live_file = start("live")
+    try:
+        deadline = time.monotonic() + 30  # a killed rank's memory is unmapped a moment after mpiexec returns
+        while True:
+            names = {leftover.name: leftover for leftover in leftovers("/dev/shm", min_age_s=0)[0]}
+            if Path(dead_file).name in names or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert Path(dead_file).name in names, f"the killed job's {dead_file} not found"
+        assert Path(live_file).name not in names, f"the running job's {live_file} was called gone"
+        assert remove("/dev/shm", [names[Path(dead_file).name]]) and not Path(dead_file).exists()
+    finally:
+        stop.touch()
+        live.wait(timeout=60)
