@@ -389,9 +389,11 @@ stage_hvd_synth() {  # issue 37: Horovod's synthetic benchmark on mpigpu's layer
     --json $OUT/hvd-synthetic-${GPU_TAG}x2-$(date -u +%F).json"
 }
 
-stage_retest() {  # RETEST="pytest paths" under Open MPI with all GPUs and Intel MPI with 2
+stage_retest() {  # RETEST="pytest paths" under Open MPI with all GPUs and Intel MPI with 2 (1 on a one-GPU machine)
+  local n=2
+  [ "$NGPU" -lt 2 ] && n=1
   step "retest-ompi-$NGPU" "${RETEST_LIMIT:-120}" 0 "export MPIGPU_TIMEOUT=120; $OMPI -n $NGPU $PY -m pytest -v -rfE --color=no --with-mpi --only-mpi --durations=12 ${RETEST:-tests/gpu} -p no:cacheprovider"
-  step "retest-impi-2" "${RETEST_LIMIT:-120}" 0 "export MPIGPU_TIMEOUT=120; $IMPI -n 2 $PY -m pytest -v -rfE --color=no --with-mpi --only-mpi --durations=12 ${RETEST:-tests/gpu} -p no:cacheprovider"
+  step "retest-impi-$n" "${RETEST_LIMIT:-120}" 0 "export MPIGPU_TIMEOUT=120; $IMPI -n $n $PY -m pytest -v -rfE --color=no --with-mpi --only-mpi --durations=12 ${RETEST:-tests/gpu} -p no:cacheprovider"
 }
 
 stages=("$@")
