@@ -22,14 +22,19 @@ from mpigpu.calls import (
     allreduce_init,
     alltoall,
     alltoall_async,
+    barrier,
     broadcast,
     broadcast_object,
     explain,
     ipc_buffer,
     ipc_graph,
+    local_rank,
+    local_size,
+    rank,
     reduce_scatter,
     reduce_scatter_async,
     select_device,
+    size,
 )
 from mpigpu.core.errors import (
     BackendUnavailable,
@@ -82,6 +87,7 @@ __all__ = [
     "allreduce_init",
     "alltoall",
     "alltoall_async",
+    "barrier",
     "broadcast",
     "broadcast_object",
     "broadcast_optimizer_state",
@@ -92,10 +98,14 @@ __all__ = [
     "ipc_buffer",
     "ipc_graph",
     "local_devices",
+    "local_rank",
+    "local_size",
     "on_device",
+    "rank",
     "reduce_scatter",
     "reduce_scatter_async",
     "select_device",
+    "size",
 ]
 
 _failsafe.hook_at_import()

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench.soak": ("mpigpu.bench.soak", "thousands of random allreduce calls, each verified"),
     "bench.synthetic": ("mpigpu.bench.synthetic", "Horovod's synthetic benchmark's measurement, on torch DDP"),
     "timeline": ("mpigpu.timeline", "merge the ranks' MPIGPU_TIMELINE files into one trace; plot a step"),
+    "cleanup": ("mpigpu.cleanup", "remove the /dev/shm files of MPICH jobs that were killed (-9, OOM)"),
 }
 
 

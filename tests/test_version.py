@@ -31,6 +31,7 @@ COMMANDS = [
     "mpigpu.bench.soak",
     "mpigpu.bench.synthetic",
     "mpigpu.timeline",
+    "mpigpu.cleanup",
 ]
 # the old command names (mpigpu._moved.MOVED), kept working
 OLD_COMMANDS = ["mpigpu.benchmark", "mpigpu.bench_training", "mpigpu.soak"]

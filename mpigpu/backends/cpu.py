@@ -3,7 +3,9 @@ and the latency path for small host messages.
 
 Only order-independent reductions are handed to MPI as they are (MPICH combines operands in a
 different order on each rank): float min/max travel as order-preserving integer keys reduced with
-MPI's integer MIN/MAX, integer avg as 64-bit parts summed exactly (mpigpu.core.ops). Integer sum,
+MPI's integer MIN/MAX, integer avg as the sum in the narrowest integer type that cannot overflow
+(int8 at up to 256 ranks: int16), else (64-bit types) as 64-bit parts summed exactly
+(mpigpu.core.ops). Integer sum,
 prod, min and max go to MPI as they are, with no pass of mpigpu's own over the data.
 
 Float sum, avg and prod are MPI's own, but MPI's operand order differs per rank, and where two NaNs
@@ -30,7 +32,7 @@ from mpigpu.backends.base import Availability, Backend, CommContext
 from mpigpu.backends.mpi_moves import allgather_bytes, alltoall_bytes, broadcast_bytes, row_bytes
 from mpigpu.core._mpi import MPI
 from mpigpu.core.arrays import ArrayView
-from mpigpu.core.dtypes import DType
+from mpigpu.core.dtypes import DTYPES, DType
 from mpigpu.core.ops import Op, canonicalize_nan, finish_avg, from_keys, int_avg_join, int_avg_parts, to_keys
 
 if TYPE_CHECKING:
@@ -42,6 +44,10 @@ __all__ = ["INT_AVG_BLOCK", "CpuBackend", "has_nan"]
 # 32 bytes per element (24x an int8 array when done at once), so a block bounds them at ~8 MiB
 # whatever the array's size; each block is 2 MiB or more on the wire, where one more call is cheap.
 INT_AVG_BLOCK = 1 << 18
+# Elements per MPI_Allreduce of an integer average summed in a wider integer (_wide_sum): few calls
+# (each one waits for every rank), at most 32 MiB of widened block; its quotient is taken _AVG_BLOCK
+# elements at a time, in cache from the division to the narrowing.
+WIDE_AVG_BLOCK = 1 << 22
 # Elements per block of a float average's division and NaN search: the search reads what the
 # division just wrote while it is in cache (256 KiB of float32).
 _AVG_BLOCK = 1 << 16
@@ -80,6 +86,33 @@ def _divide_has_nan(values: np.ndarray, nranks: int) -> bool:
     return found
 
 
+def _wide_sum(dtype: DType, nranks: int) -> DType | None:
+    """For the exact integer average of ``dtype`` over ``nranks`` ranks: the narrowest integer type in
+    which the sum over the ranks cannot overflow (MPI sums it exactly, in any order). None: 64-bit parts."""
+    bits = 8 * dtype.itemsize
+    signed = dtype.np.kind == "i"
+    largest = nranks << (bits - 1) if signed else nranks * ((1 << bits) - 1)  # |sum| at most
+    for wide in (2 * bits, 4 * bits):
+        if wide <= 64 and largest <= (1 << (wide - 1) if signed else (1 << wide) - 1):
+            return DTYPES[f"{'' if signed else 'u'}int{wide}"]
+    return None
+
+
+def _truncated_quotient(total: np.ndarray, nranks: int, scratch: np.ndarray, out: np.ndarray) -> None:
+    """out = total / nranks, truncated toward zero as C divides (``scratch``: as many of total's type).
+    A negative total t is first raised by nranks - 1, so that NumPy's floor division (by a constant:
+    SIMD) gives ceil(t / nranks); that sum cannot overflow (t <= -1)."""
+    n = total.dtype.type(nranks)
+    if total.dtype.kind == "i":
+        np.right_shift(total, 8 * total.dtype.itemsize - 1, out=scratch)  # -1 where negative, else 0
+        np.bitwise_and(scratch, total.dtype.type(nranks - 1), out=scratch)
+        np.add(total, scratch, out=scratch)
+        np.floor_divide(scratch, n, out=scratch)
+    else:
+        np.floor_divide(total, n, out=scratch)
+    out[...] = scratch
+
+
 def is_plain(dtype: DType, op: Op) -> bool:
     """Whether MPI_Allreduce takes the call as it is: not float min/max (keys), integer avg (parts)
     or the half types (float32)."""
@@ -105,6 +138,7 @@ class CpuBackend(Backend):
         super().__init__(ctx)
         self._acc = np.empty(0, np.float32)
         self._full = np.empty(0, np.uint8)  # reduce_scatter's whole result
+        self._blocks = np.empty(0, np.uint8)  # an integer average's widened block and a part's quotient
         self._reducers: dict[tuple[str, Op, bool], Reduce] = {}
 
     @classmethod
@@ -115,6 +149,15 @@ class CpuBackend(Backend):
         if self._acc.size < size:
             self._acc = np.empty(size, np.float32)
         return self._acc[:size]
+
+    def _block_buffers(self, wide: np.dtype, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Reused arrays of ``wide``: ``size`` elements (the widened block) and _AVG_BLOCK (a part's
+        quotient)."""
+        split = _AVG_BLOCK * wide.itemsize
+        total = split + size * wide.itemsize
+        if self._blocks.size < total:
+            self._blocks = np.empty(total, np.uint8)
+        return self._blocks[split:total].view(wide), self._blocks[:split].view(wide)
 
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
         assert x.host is not None and out.host is not None
@@ -158,6 +201,23 @@ class CpuBackend(Backend):
                 from_keys(keys, dst.reshape(-1))
 
             return by_keys
+        wide = _wide_sum(dtype, nranks) if op is Op.AVG and not dtype.is_float else None
+        if wide is not None:  # exact: the wide sum cannot overflow
+            wire_type = wide.mpi
+
+            def by_wide_sum(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
+                src, dst = src.reshape(-1), dst.reshape(-1)
+                acc, scratch = self._block_buffers(wide.np, min(src.size, WIDE_AVG_BLOCK))
+                for b0 in range(0, src.size, WIDE_AVG_BLOCK):  # every rank the same blocks: they pair
+                    b1 = min(src.size, b0 + WIDE_AVG_BLOCK)
+                    block = acc[: b1 - b0]
+                    block[...] = src[b0:b1]
+                    comm.Allreduce(mpi.IN_PLACE, [block, wire_type], mpi.SUM)
+                    for c0 in range(0, block.size, _AVG_BLOCK):
+                        part = block[c0 : c0 + _AVG_BLOCK]
+                        _truncated_quotient(part, nranks, scratch[: part.size], dst[b0 + c0 : b0 + c0 + part.size])
+
+            return by_wide_sum
         if op is Op.AVG and not dtype.is_float:  # exact: 64-bit parts cannot overflow
 
             def by_parts(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:

@@ -7,11 +7,16 @@ the same sequence of calls. Inputs follow the 'exact' pattern, whose reductions 
 dtype and order, so every element is compared with its expected value; a separate output is
 poisoned before the call, and the input of an out-of-place call must come back unchanged.
 
-Memory: after a warm-up (one call at the largest size per placement, backend and in/out of place,
-then a tenth of the calls), the resident set size, CuPy's device pool and the device's free memory
-are recorded, and again at the end. The growth may not exceed ``--mem-slack`` MiB plus four times
-the largest message: backends may still allocate a few reused buffers of up to that size lazily
-(an accumulator for a dtype met late), but anything that grows with the number of calls exceeds it.
+Memory: after a warm-up (one call at the largest size per placement, backend and in/out of place;
+then, with ``--warm-up variants``, the default, each variant the random calls can meet: placement x
+backend x dtype x op, once small, misaligned and out of place and once at the largest size in place,
+so that every kernel is compiled or loaded, and NVRTC with it, before memory is measured) and half the
+calls, the resident set size, CuPy's device pool and the device's free memory are recorded, and again
+at the end. The growth may not exceed ``--mem-slack`` MiB plus four times the largest message: backends
+may still allocate a few reused buffers of up to that size lazily, but anything that grows with the
+number of calls exceeds it. Rank 0's RSS is also reported after the warm-up, after each variant first
+met in the random calls (placement, backend run, dtype, op; with the shared libraries mapped since the
+line before, e.g. NVRTC), and at the end.
 
 ``--check-cost`` measures the cross-rank argument check instead (MPIGPU_CHECK): the time per call of
 a small allreduce with the check on and off, on every backend, interleaved in one run.
@@ -59,6 +64,7 @@ from mpigpu.core.ops import Op
 __all__ = ["SoakResult", "main", "run_soak"]
 
 MAX_OFFSET = 64  # elements: random offsets in [1, 64) make misaligned buffers
+SMALL = 3  # elements of the warm-up's small misaligned call
 
 
 @dataclasses.dataclass
@@ -70,6 +76,16 @@ class Memory:
     device_used: int = 0  # CuPy's default pool: bytes in use
     device_free: int = 0  # cudaMemGetInfo: free bytes on the device
     pools: dict[str, int] = dataclasses.field(default_factory=dict)  # backends' describe() byte counts
+
+
+@dataclasses.dataclass
+class RssMark:
+    """Rank 0's resident set size at one moment of the run, and the shared libraries mapped since the
+    mark before (the first mark: their count)."""
+
+    at: str  # "after warm-up", "call 17: first float16 prod on host (GPU)", "at the end"
+    rss: int
+    new_libraries: list[str]
 
 
 @dataclasses.dataclass
@@ -89,6 +105,7 @@ class SoakResult:
     bound: int  # bytes of growth allowed
     growth: dict[str, int]  # max over ranks: rss, device
     elapsed: float
+    rss_trace: list[RssMark] = dataclasses.field(default_factory=list)  # rank 0's RSS at its marks
 
     @property
     def memory_ok(self) -> bool:
@@ -114,6 +131,15 @@ def _rss() -> int:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _libraries() -> set[str]:
+    """The shared objects mapped into this process (names; empty where /proc/self/maps is absent)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return {Path(line.split(None, 5)[5].strip()).name for line in maps if ".so" in line and "/" in line}
+    except (OSError, IndexError):
+        return set()
 
 
 def _memory(ctx: Any, on_gpu: bool, used_backends: set[str]) -> Memory:
@@ -153,6 +179,14 @@ class Call:
         )
 
 
+Variant = tuple[bool, str, str, str]  # GPU placement, backend run, dtype, op: what may load a kernel
+
+
+def _describe_variant(variant: Variant) -> str:
+    gpu, backend, dtype, op = variant
+    return f"{dtype} {op} on {backend} ({'GPU' if gpu else 'host'})"
+
+
 def _candidates(ctx: Any, work: Workload, allowed: list[str]) -> list[str]:
     """Backends (and 'auto') that take this call here: the same list on every rank."""
     from mpigpu.core.errors import MpigpuError
@@ -190,6 +224,18 @@ class _Soak:
         self.bytes_moved = 0
         self.skipped = 0
         self.nonempty = 0
+        self.seen: set[Variant] = set()
+        self.trace: list[RssMark] = []
+        self._mapped: set[str] = set()
+
+    def mark(self, at: str) -> None:
+        """Rank 0: record its RSS now and the libraries mapped since the last mark."""
+        if self.ctx.rank != 0:
+            return
+        mapped = _libraries()
+        new = sorted(mapped - self._mapped) if self.trace else [f"{len(mapped)} shared objects"]
+        self._mapped = mapped
+        self.trace.append(RssMark(at, _rss(), new))
 
     def draw(self, index: int) -> Call | None:
         """The next call, drawn identically on every rank (None: no backend takes it here)."""
@@ -238,6 +284,11 @@ class _Soak:
             sys.stderr.write(f"[mpigpu soak, rank {rank}] seed {self.seed}, {call.describe()} raised:\n")
             raise
         self.used.add(resolved)
+        variant = (call.gpu, resolved, call.dtype.name, call.op.value)
+        if variant not in self.seen:
+            self.seen.add(variant)
+            if call.index >= 0:  # a random call met it first: the warm-up missed it
+                self.mark(f"call {call.index}: first {_describe_variant(variant)}")
         self.counts["requested"][call.backend] += 1
         self.counts["ran"][resolved] += 1
         self.counts["memory"]["GPU" if call.gpu else "host"] += 1
@@ -253,13 +304,25 @@ class _Soak:
 
     def warm_up(self) -> None:
         """One call at the largest size per placement, backend and in/out of place: pools and
-        buffers reach their high-water mark before memory is first measured."""
+        buffers reach their high-water mark before memory is first measured. With ``--warm-up
+        variants``, then every placement x backend x dtype x op twice (small, misaligned, out of place;
+        largest, in place): each kernel the random calls may use, and NVRTC where one is compiled, is
+        loaded now, not between the two measurements."""
         dtype = max(self.dtypes, key=lambda d: d.itemsize)
         op = Op.SUM if Op.SUM in self.ops else self.ops[0]
+        largest = self.args.max_size
         for gpu in self.placements:
-            for name in _candidates(self.ctx, self.workload(gpu, self.args.max_size, dtype, op, True), self.backends):
+            for name in _candidates(self.ctx, self.workload(gpu, largest, dtype, op, True), self.backends):
                 for inplace in (True, False):
-                    self.execute(Call(-1, self.args.max_size, dtype, op, gpu, inplace, 0, name))
+                    self.execute(Call(-1, largest, dtype, op, gpu, inplace, 0, name))
+        if self.args.warm_up == "variants":
+            small, offset = min(SMALL, largest), 1 if self.args.offsets else 0
+            for gpu in self.placements:
+                for dtype in self.dtypes:
+                    for op in self.ops:
+                        for name in _candidates(self.ctx, self.workload(gpu, small, dtype, op, True), self.backends):
+                            self.execute(Call(-1, small, dtype, op, gpu, False, offset, name))
+                            self.execute(Call(-1, largest, dtype, op, gpu, True, 0, name))
         # Set up every backend now (collective, same order everywhere). With one rank the calls above
         # reach no backend (a copy is the whole allreduce), and the memory report, which asks each
         # used backend to describe itself, would otherwise create them between its two snapshots.
@@ -297,6 +360,7 @@ def run_soak(args: argparse.Namespace, progress: bool = True) -> SoakResult:
         sys.stdout.flush()
     start = time.monotonic()
     soak.warm_up()
+    soak.mark(f"after warm-up ({soak.nonempty} calls, {len(soak.seen)} variants)")
     # Memory is measured half-way and at the end: one-time allocations (lazy backend set-up, other
     # libraries in the same process such as JAX or NCCL) land before the middle; a leak keeps growing.
     warm = max(1, args.calls // 2)
@@ -315,6 +379,7 @@ def run_soak(args: argparse.Namespace, progress: bool = True) -> SoakResult:
     if before is None:
         before = _memory(ctx, any(placements), soak.used)
     after = _memory(ctx, any(placements), soak.used)
+    soak.mark("at the end")
     elapsed = time.monotonic() - start
     wrong = int(comm.allreduce(soak.wrong, op=MPI().SUM))
     failures = [f for per_rank in comm.allgather(soak.failures[:10]) for f in per_rank]
@@ -328,7 +393,7 @@ def run_soak(args: argparse.Namespace, progress: bool = True) -> SoakResult:
         failures=failures,
         bytes_moved=soak.bytes_moved, counts={k: dict(sorted(v.items())) for k, v in soak.counts.items()},
         before=before, after=after,
-        bound=(args.mem_slack << 20) + 4 * soak.max_bytes, growth=growth, elapsed=elapsed,
+        bound=(args.mem_slack << 20) + 4 * soak.max_bytes, growth=growth, elapsed=elapsed, rss_trace=soak.trace,
     )  # fmt: skip
 
 
@@ -355,6 +420,10 @@ def report(result: SoakResult) -> str:
             f"device free {before.device_free >> 20} -> {after.device_free >> 20} MiB"
         )
     lines.append(f"# memory    {memory}; Python objects {after.objects - before.objects:+d}")
+    first = result.rss_trace[0].rss if result.rss_trace else 0
+    for mark in result.rss_trace:
+        libraries = f"; new libraries: {', '.join(mark.new_libraries)}" if mark.new_libraries else ""
+        lines.append(f"# rss       {mark.at}: {mark.rss >> 20} MiB on rank 0 ({_mib(mark.rss - first)}){libraries}")
     growth = ", ".join(f"{k} {_mib(v)}" for k, v in result.growth.items())
     lines.append(f"# growth    max over ranks after warm-up: {growth} (bound {result.bound >> 20} MiB)")
     pools = [
@@ -365,7 +434,10 @@ def report(result: SoakResult) -> str:
     verdict = "PASS" if result.ok else "FAIL"
     why = [] if result.wrong == 0 else [f"{result.wrong} wrong elements"]
     why += [] if result.memory_ok else ["memory grew beyond the bound"]
-    lines.append(f"# {verdict}: seed {result.seed}, {result.calls} calls" + (f": {'; '.join(why)}" if why else ""))
+    lines.append(
+        f"# {verdict}: seed {result.seed}, {result.calls} calls, rss {_mib(result.growth['rss'])}"
+        + (f": {'; '.join(why)}" if why else "")
+    )
     return "\n".join(lines)
 
 
@@ -493,6 +565,13 @@ def build_parser() -> Parser:
     )
     parser.add_argument(
         "--mem-slack", type=nonneg_int, default=64, metavar="MIB", help="allowed growth besides 4 x the largest message"
+    )
+    parser.add_argument(
+        "--warm-up",
+        choices=["variants", "largest"],
+        default="variants",
+        help="variants (default): also run every placement x backend x dtype x op once before memory is "
+        "measured; largest: only the largest calls (shows what a variant first met later costs)",
     )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the result as JSON")
     parser.add_argument("--quiet", action="store_true", help="no header or progress")

@@ -9,6 +9,7 @@ from mpigpu.calls.ipc import IpcGraph, ipc_buffer, ipc_graph
 from mpigpu.calls.move import allgather, alltoall, alltoall_async, broadcast
 from mpigpu.calls.objects import allgather_object, broadcast_object
 from mpigpu.calls.persistent import Graph, Request, allreduce_init
+from mpigpu.calls.ranks import barrier, local_rank, local_size, rank, size
 from mpigpu.calls.reduce import (
     allreduce,
     allreduce_async,
@@ -30,12 +31,17 @@ __all__ = [
     "allreduce_init",
     "alltoall",
     "alltoall_async",
+    "barrier",
     "broadcast",
     "broadcast_object",
     "explain",
     "ipc_buffer",
     "ipc_graph",
+    "local_rank",
+    "local_size",
+    "rank",
     "reduce_scatter",
     "reduce_scatter_async",
     "select_device",
+    "size",
 ]

@@ -190,15 +190,15 @@ def check(ctx: Context, record: Record) -> list[int] | None:
     board = ctx.check_board
     if board is not None and board.agree_packed(record.packed):
         return [record.signature.root] * ctx.size if record.family.per_rank else None
-    family, name = record.family, record.choice.backend
+    family, name, shape = record.family, record.choice.backend, record.x.shape
     if family.per_rank:
         if board is not None:
             return _rows_posted(ctx, record)
-        return check_rows(ctx.comm, record.signature, family.name, backend_name=name)
+        return check_rows(ctx.comm, record.signature, family.name, backend_name=name, shape=shape)
     if board is None:
-        check_signature(ctx.comm, record.signature, family.name, backend_name=name)
+        check_signature(ctx.comm, record.signature, family.name, backend_name=name, shape=shape)
         return None
-    raise_mismatch(ctx.comm, record.signature, name, family.name)
+    raise_mismatch(ctx.comm, record.signature, name, family.name, shape)
 
 
 def _rows_posted(ctx: Context, record: Record) -> list[int] | None:
@@ -211,7 +211,7 @@ def _rows_posted(ctx: Context, record: Record) -> list[int] | None:
     if posted[0][0] == 0 and all(v[:root] == posted[0][:root] for v in posted):
         return [v[root] for v in posted]
     sig = record.signature._replace(root=0)  # the message names what must agree, not the first dimension
-    raise_mismatch(ctx.comm, sig, record.choice.backend, record.family.name)
+    raise_mismatch(ctx.comm, sig, record.choice.backend, record.family.name, record.x.shape)
 
 
 def go(ctx: Context, record: Record, args: tuple[Any, ...], stream: StreamRef | None, live: Any) -> Any:

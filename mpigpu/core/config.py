@@ -57,6 +57,7 @@ ENV_VARS: dict[str, str] = {
     "MPIGPU_TUNE_FILE": "path: crossover table written by `mpigpu.bench --tune` and read by backend='auto'",
     "MPIGPU_CACHE_DIR": "directory: compiled-kernel cache (default ~/.cache/mpigpu)",
     "MPIGPU_LOG": "1: print to stderr (rank 0) which backend 'auto' picked and why, once per choice",
+    "MPIGPU_DEBUG": "1: an uncaught mpigpu error's traceback keeps mpigpu's own frames (default: it ends at your call)",
     "MPIGPU_TIMELINE": "directory: every rank records its collective calls and training buckets to "
     "<directory>/rank<r>.json (created 0700; merge with `python -m mpigpu.timeline merge`); unset: off, at no cost",
     "MPIGPU_TIMELINE_EVENTS": "N: events each rank keeps for the timeline, the oldest dropped first (default 100000)",
@@ -229,6 +230,7 @@ class Settings:
     cache_dir: Path = field(default_factory=_cache_dir)
     tune_file: Path | None = None
     log: bool = False
+    debug: bool = False  # MPIGPU_DEBUG: full tracebacks (per rank: it only changes what is printed)
     timeline: Path | None = None  # MPIGPU_TIMELINE: on where set (agreed: the clock exchange is collective)
     timeline_events: int = 100_000
     jax_handler: str = "auto"  # MPIGPU_JAX_HANDLER (per rank: the ranks agree per call while compiling)
@@ -285,6 +287,7 @@ class Settings:
             cache_dir=_cache_dir(),
             tune_file=_user_path("MPIGPU_TUNE_FILE", tune) if tune else None,
             log=_bool("MPIGPU_LOG", False),
+            debug=_bool("MPIGPU_DEBUG", False),
             timeline=_user_path("MPIGPU_TIMELINE", timeline) if timeline else None,
             timeline_events=events,
             jax_handler=_word("MPIGPU_JAX_HANDLER", ("auto", "compiled", "python"), "auto"),

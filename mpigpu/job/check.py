@@ -54,7 +54,7 @@ FIELD = {name: index for index, name in enumerate(_FIELDS)}  # a field's index i
 # different collectives fail the check like any other difference.
 COLLECTIVES: tuple[str, ...] = (
     "allreduce", "broadcast", "allgather", "broadcast_object", "allgather_object", "reduce_scatter", "alltoall",
-    "allreduce over devices", "join",
+    "allreduce over devices", "join", "barrier",
 )  # fmt: skip
 _ZEROS = bytes(16 * len(_FIELDS))  # [v, -v] as int64 (array.array: cheaper per call than NumPy here)
 
@@ -129,23 +129,49 @@ _MUST_AGREE = {
     "allgather": "dtype, placement, backend and shape after the first dimension",
     "broadcast_object": "root",
     "allgather_object": "collective",
+    "barrier": "collective",
 }
 
 
-def _describe(name: str, gathered: list[tuple[list[int], str | None, tuple[int, ...], str]], failure: str) -> str:
-    failed = [(r, err) for r, (_, err, _, _) in enumerate(gathered) if err]
+Gathered = tuple[list[int], str | None, tuple[int, ...], str, tuple[int, ...]]  # values, error, shape, backend, own
+
+
+def _own_call(vec: list[int], own: tuple[int, ...], backend: str) -> str:
+    """One rank's call as its caller wrote it: the collective, x's own shape, dtype, op where it has one,
+    root, placement and backend (the signature's fields stand for other things in other collectives)."""
+    field = dict(zip(_FIELDS, vec, strict=True))
+    collective = _label("collective", field["collective"])
+    args = [f"x {_label('shape', own)} {_label('dtype', field['dtype'])}"]
+    if field["op"]:
+        args.append(f"op={_label('op', field['op'])}")
+    if collective == "broadcast":
+        args.append(f"root={field['root']}")
+    args.append(_label("placement", field["placement"]))
+    args.append(f"backend {backend or field['backend']}")
+    return f"{collective}({', '.join(args)})"
+
+
+def _describe(name: str, gathered: list[Gathered], failure: str) -> str:
+    failed = [(r, err) for r, (_, err, _, _, _) in enumerate(gathered) if err]
     if failed:
         lines = [f"rank {r}: {err}" for r, err in failed]
         return f"{name} did not run: {_ranks([r for r, _ in failed])} {failure}.\n  " + "\n  ".join(lines)
+    # different calls (a rank in Horovod's join stands in for any): each rank's own arguments
+    if len({vec[FIELD["collective"]] for vec, *_ in gathered} - {COLLECTIVES.index("join")}) > 1:
+        calls: dict[str, list[int]] = {}
+        for r, (vec, _, _, backend, own) in enumerate(gathered):
+            calls.setdefault(_own_call(vec, own, backend), []).append(r)
+        shown = "; ".join(f"{_ranks(rs)} {call}" for call, rs in calls.items())
+        return f"{name}: ranks called different collectives ({shown}). Every rank must make the same call."
     parts = []
     for index, field in enumerate(_FIELDS):
         if field == "failed":
             continue
         by_value: dict[Any, list[int]] = {}
-        for r, (vec, _, shape, _) in enumerate(gathered):
+        for r, (vec, _, shape, _, _) in enumerate(gathered):
             by_value.setdefault(shape if field == "shape" else vec[index], []).append(r)
         if len(by_value) > 1:
-            labels = {vec[index]: backend for vec, _, _, backend in gathered} if field == "backend" else {}
+            labels = {vec[index]: backend for vec, _, _, backend, _ in gathered} if field == "backend" else {}
             shown = "; ".join(f"{labels.get(v) or _label(field, v)} on {_ranks(rs)}" for v, rs in by_value.items())
             parts.append(f"{field}: {shown}")
     if not parts:
@@ -162,22 +188,25 @@ def check_signature(
     name: str = "allreduce",
     failure: str = "rejected the arguments",
     backend_name: str = "",
+    shape: tuple[int, ...] | None = None,
 ) -> None:
     """Raise MismatchError (the same text on every rank) unless all ranks fail_together and none failed.
 
     ``failure`` completes "<name> did not run: rank 1 ..." when a rank reports an error;
-    ``backend_name`` names ``sig.backend`` in that message (this module sits below the backends)."""
+    ``backend_name`` names ``sig.backend`` in that message (this module sits below the backends);
+    ``shape``: x's own shape, which the message shows where ranks called different collectives
+    (default ``sig.shape``)."""
     mine = sig.values()
     board = board_for(comm)
     if board is not None:
         if board.agree(mine):
             return
-        _mismatch(comm, sig, mine, name, failure, backend_name)
+        _mismatch(comm, sig, mine, name, failure, backend_name, shape)
     result = _max_and_min(comm, mine)
     # max - min >= 0 per field, so all fields agree iff the results sum to 0; result[0] is 1 if any rank failed
     if result[0] == 0 and sum(result) == 0:
         return
-    _mismatch(comm, sig, mine, name, failure, backend_name)
+    _mismatch(comm, sig, mine, name, failure, backend_name, shape)
 
 
 def check_packed(comm: Any, board: Board | None, sig: Signature, packed: bytes, backend_name: str = "") -> None:
@@ -191,10 +220,13 @@ def check_packed(comm: Any, board: Board | None, sig: Signature, packed: bytes, 
     check_signature(comm, sig, backend_name=backend_name)
 
 
-def raise_mismatch(comm: Any, sig: Signature, backend_name: str = "", name: str = "allreduce") -> NoReturn:
+def raise_mismatch(
+    comm: Any, sig: Signature, backend_name: str = "", name: str = "allreduce", shape: tuple[int, ...] | None = None
+) -> NoReturn:
     """After the board found that the ranks' signatures of collective ``name`` differ (every rank
-    found it): gather them and raise the same MismatchError on every rank (collective)."""
-    _mismatch(comm, sig, sig.values(), name, "rejected the arguments", backend_name)
+    found it): gather them and raise the same MismatchError on every rank (collective). ``shape``: as
+    in check_signature."""
+    _mismatch(comm, sig, sig.values(), name, "rejected the arguments", backend_name, shape)
 
 
 def _max_and_min(comm: Any, mine: list[int]) -> array:
@@ -209,12 +241,15 @@ def _max_and_min(comm: Any, mine: list[int]) -> array:
 _ROOT = _FIELDS.index("root")
 
 
-def check_rows(comm: Any, sig: Signature, name: str = "allgather", backend_name: str = "") -> list[int] | None:
+def check_rows(
+    comm: Any, sig: Signature, name: str = "allgather", backend_name: str = "", shape: tuple[int, ...] | None = None
+) -> list[int] | None:
     """check_signature for allgather, whose ``root`` field carries this rank's first dimension, which
     may differ between ranks (collective). MismatchError on every rank as check_signature raises it
     when a rank failed or any other field differs; else every rank's first dimension, in rank order,
     when this one exchange tells it (all equal, or read from the check board), or None when they
-    differ and must be gathered. Every rank returns alike: they all read the same exchange."""
+    differ and must be gathered. Every rank returns alike: they all read the same exchange. ``shape``:
+    as in check_signature."""
     mine = sig.values()
     board = board_for(comm)
     if board is not None:
@@ -230,14 +265,19 @@ def check_rows(comm: Any, sig: Signature, name: str = "allgather", backend_name:
         if result[0] == 0 and sum(spread) == spread[_ROOT]:
             return [sig.root] * comm.Get_size() if spread[_ROOT] == 0 else None
     sig = sig._replace(root=0)  # the message names the fields that must agree, not the first dimension
-    _mismatch(comm, sig, sig.values(), name, "rejected the arguments", backend_name)
+    _mismatch(comm, sig, sig.values(), name, "rejected the arguments", backend_name, shape)
 
 
-def _mismatch(comm: Any, sig: Signature, mine: list[int], name: str, failure: str, backend_name: str) -> NoReturn:
+def _mismatch(
+    comm: Any, sig: Signature, mine: list[int], name: str, failure: str, backend_name: str,
+    shape: tuple[int, ...] | None = None,
+) -> NoReturn:  # fmt: skip
     """Every rank found a difference: gather the signatures and raise the same message everywhere (collective)."""
-    gathered = comm.allgather((mine, sig.error, tuple(int(d) for d in sig.shape), backend_name))
+    checked = tuple(int(d) for d in sig.shape)
+    own = checked if shape is None else tuple(int(d) for d in shape)
+    gathered = comm.allgather((mine, sig.error, checked, backend_name, own))
     error = MismatchError(_describe(name, gathered, failure))
-    error.posted = tuple(tuple(vec) for vec, _, _, _ in gathered)
+    error.posted = tuple(tuple(vec) for vec, *_ in gathered)
     raise mark_raised_everywhere(comm, error)
 
 

@@ -145,12 +145,45 @@ def exit_code_of(exc: BaseException) -> int:
     return 1
 
 
+_PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")  # .../mpigpu/
+
+
+def user_traceback(value: BaseException, tb: TracebackType | None) -> tuple[TracebackType | None, int]:
+    """An mpigpu error's traceback as NumPy's and torch's read: ending at the caller's own line, the
+    last frame outside mpigpu, and how many of mpigpu's frames below it were left out (none with
+    MPIGPU_DEBUG=1, for other exceptions, or where no frame is the caller's). The exception's own
+    traceback and its causes are not changed."""
+    from mpigpu.core.config import settings
+    from mpigpu.core.errors import MpigpuError
+
+    frames = []
+    entry = tb
+    while entry is not None:
+        frames.append(entry)
+        entry = entry.tb_next
+    outside = [i for i, e in enumerate(frames) if not e.tb_frame.f_code.co_filename.startswith(_PACKAGE)]
+    if not isinstance(value, MpigpuError) or not outside or outside[-1] == len(frames) - 1:
+        return tb, 0
+    try:
+        if settings().debug:
+            return tb, 0
+    except Exception:  # a bad setting elsewhere: the traceback as it is
+        return tb, 0
+    last = outside[-1]
+    kept: TracebackType | None = None
+    for entry in reversed(frames[: last + 1]):
+        kept = TracebackType(kept, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return kept, len(frames) - 1 - last
+
+
 def _format(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> str:
     from mpigpu.core.errors import MpigpuError
 
     if _brief and isinstance(value, MpigpuError):  # a user-facing error: its message says it all
         return f"error: {kind.__name__}: {value}"
-    return "".join(traceback.format_exception(kind, value, tb)).rstrip()
+    tb, hidden = user_traceback(value, tb)
+    text = "".join(traceback.format_exception(kind, value, tb)).rstrip()
+    return text + (f"\n({hidden} frames inside mpigpu not shown: MPIGPU_DEBUG=1 shows them)" if hidden else "")
 
 
 def _raised_everywhere(exc: BaseException) -> bool:
@@ -261,7 +294,16 @@ def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackTy
     if isinstance(value, SystemExit) and exit_code_of(value) == 0:
         return
     if not _aborts():
-        (_previous_hook or sys.__excepthook__)(kind, value, tb)
+        shown, hidden = user_traceback(value, tb) if value is not None else (tb, 0)
+        if hidden:  # the hook may print value.__traceback__ rather than its argument (CPython's does)
+            value.__traceback__ = shown
+        try:
+            (_previous_hook or sys.__excepthook__)(kind, value, shown)
+        finally:
+            if hidden:
+                value.__traceback__ = tb
+        if hidden:
+            sys.stderr.write(f"({hidden} frames inside mpigpu not shown: MPIGPU_DEBUG=1 shows them)\n")
         return
     abort_for_exception(value if value is not None else kind(), tb)
 

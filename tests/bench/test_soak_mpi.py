@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import run_mpi
 
-from mpigpu.bench.soak import _agree_seed, build_parser, run_soak
+from mpigpu.bench.soak import _agree_seed, build_parser, report, run_soak
 
 
 @pytest.mark.mpi(min_size=1)
@@ -28,6 +28,30 @@ def test_soak_random_calls_all_verified(comm) -> None:
     assert result.seed == 2024
     # every rank drew the same calls and saw the same totals
     assert len(set(comm.allgather((result.calls, result.wrong, json.dumps(result.counts))))) == 1
+
+
+@pytest.mark.mpi(min_size=1)
+def test_every_variant_runs_in_the_warm_up_and_rank_0_reports_its_rss(comm) -> None:
+    """Memory is measured only after each variant (placement x backend run x dtype x op) has run once:
+    a kernel loaded (NVRTC with it) for a variant first met later is not counted as growth. Rank 0
+    reports its RSS after the warm-up, at each variant a random call meets first, and at the end."""
+    argv = ["--calls", "120", "--max-size", "1K", "--seed", "7", "--dtypes", "float32,int8", "--ops", "sum,max"]
+    full = run_soak(build_parser().parse_args(argv), progress=False)
+    assert full.ok, full.failures
+    assert full.warm_up >= 2 + 2 * 2 * 2, "two calls per dtype x op besides the largest ones"
+    only_largest = run_soak(build_parser().parse_args([*argv, "--warm-up", "largest"]), progress=False)
+    assert only_largest.ok, only_largest.failures
+    if comm.Get_rank() != 0:
+        assert full.rss_trace == [] and only_largest.rss_trace == []
+        return
+    marks = [mark.at for mark in full.rss_trace]
+    assert marks[0].startswith("after warm-up") and marks[-1] == "at the end" and len(marks) == 2, marks
+    assert all(mark.rss > 0 for mark in full.rss_trace)
+    firsts = [mark.at for mark in only_largest.rss_trace[1:-1]]
+    assert firsts and all(": first " in at for at in firsts), "the random calls meet int8 and max first"
+    assert any("int8" in at for at in firsts) and any(" max " in at for at in firsts), firsts
+    text = report(only_largest)
+    assert text.count("# rss       ") == len(only_largest.rss_trace) and "# rss       after warm-up" in text
 
 
 @pytest.mark.mpi(min_size=1)

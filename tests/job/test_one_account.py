@@ -81,3 +81,26 @@ def test_average_with_different_sizes_per_rank_reports_it_once() -> None:
     assert "[mpigpu rank 1] stopped by the same MismatchError (printed by rank 0)" in output, output
     assert "Traceback" not in output
     _no_banner(output)
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["default", "MPIGPU_DEBUG"])
+def test_a_mismatch_traceback_ends_at_the_users_own_call(tmp_path: Path, debug: bool) -> None:
+    """As NumPy's and torch's errors do: the printed traceback's last frame is the script's line that
+    called mpigpu (its internal frames are counted, not shown); MPIGPU_DEBUG=1 shows them all. Both
+    under a plain ``python script.py`` and ``python -m mpigpu.run script.py``, 2 ranks."""
+    script = tmp_path / "counts.py"
+    script.write_text(textwrap.dedent(COUNTS_DIFFER))
+    env = {"MPIGPU_DEBUG": "1"} if debug else {}
+    for argv in ([str(script)], ["-m", "mpigpu.run", str(script)]):
+        result = run_mpi(2, argv, timeout=60, env=env)
+        output = result.stdout + result.stderr
+        assert result.returncode == 1, output
+        frames = [line.strip() for line in output.splitlines() if line.strip().startswith("File ")]
+        assert frames, output
+        if debug:
+            assert "mpigpu/job/check.py" in frames[-1] and "frames inside mpigpu" not in output, output
+        else:
+            assert frames[-1].startswith(f'File "{script}", line 4'), output
+            assert all(str(ROOT / "mpigpu") not in f or "run.py" in f or "runpy" in f for f in frames), frames
+            assert "frames inside mpigpu not shown: MPIGPU_DEBUG=1 shows them" in output, output
+        assert "MismatchError: allreduce: ranks passed different arguments" in output, output
