@@ -53,6 +53,7 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
         self._comm = comm  # ours: freed by shutdown
         self._store = store
         self._timeout = timeout
+        self._name = ""
         self._others: dict[str, Any] = {}  # device type -> the backend a split backend string gives it
         ctx = Context.get(comm)  # collective: mpigpu's start-up on this group's communicator
         ctx.owner = ANY_THREAD  # DDP's reducer calls from autograd's threads; the queue keeps the order
@@ -62,9 +63,13 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return "mpigpu"
 
+    def _set_group_name(self, name: str) -> None:
+        self._name = name  # torch names the group once made; the functional collectives find it by name
+        super()._set_group_name(name)
+
     @property
     def group_name(self) -> str:
-        return dist.distributed_c10d._world.pg_names[self]
+        return self._name
 
     # -- what the backend itself refuses, and calls another backend takes ----------------------------------
     def _refused(self, what: str, why: str) -> InvalidArgument:
