@@ -5,13 +5,14 @@
 ``import mpigpu.torch`` registers the backend "mpigpu"; ``dist.init_process_group("mpigpu")`` then
 takes rank, world size and the rendezvous from MPI (no MASTER_ADDR, MASTER_PORT, RANK or WORLD_SIZE).
 The script trains an MLP with DDP over the default group, trains it again from the same start over a
-gloo group of the same ranks (NCCL on GPUs), and prints PASS when the parameters agree (the same bits
+gloo group of the same ranks (NCCL on GPUs of their own), and prints PASS when the parameters agree (the same bits
 on CPU at 2 ranks, within float rounding otherwise), are one model on every rank, and the loss fell.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         gpu = mpigpu.select_device()  # the GPU mpigpu binds this rank to (node-local rank modulo GPUs)
         torch.cuda.set_device(gpu.index)
         device = torch.device("cuda", gpu.index)
-    reference = dist.new_group(backend="nccl" if use_cuda else "gloo")
+    shared = os.environ.get("MPIGPU_ALLOW_SHARED_GPU") == "1"  # ranks sharing a GPU: NCCL refuses them
+    reference = dist.new_group(backend="nccl" if use_cuda and not shared else "gloo")
     ours, first, last = train(dist.group.WORLD, device, args)
     theirs, _, _ = train(reference, device, args)
 
