@@ -4,11 +4,14 @@ A call starts on mpigpu's async road (``mpigpu.calls.pipeline.call_async``: the 
 and queue as ``mpigpu.allreduce_async``). Its ``around`` hook runs where the call runs (the
 communicator's background thread, or this thread below MPI_THREAD_MULTIPLE) and completes the
 torch Future there, with the call's outputs or its error, so DDP's comm hooks chain on it without
-anyone calling ``wait()``. ``finish`` (optional) copies the road's result into the caller's
+anyone calling ``wait()``. CUDA outputs: a call run on the caller's thread (an enqueuing path) is in
+its stream's order, which the Future records; one run on the background thread (on a stream of its
+own) is synchronised before the Future completes. ``finish`` (optional) copies the road's result into the caller's
 tensors before the Future completes (the list forms of allgather and reduce_scatter)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -71,10 +74,14 @@ def start(family: Family, comm: Any, args: tuple[Any, ...], outputs: Sequence[to
     """Start ``family``'s call with ``args`` on ``comm`` and return its Work (its Future completes with
     ``outputs`` after ``finish(result)``). Arguments this rank rejects raise here, on every rank."""
     work = MpigpuWork(outputs)
+    gpu = next((t.device for t in work.outputs if t.is_cuda), None)
+    caller = threading.get_ident()
 
     def around(attempt: Callable[[], Any]) -> Any:
         try:
             result = attempt()
+            if gpu is not None and threading.get_ident() != caller:
+                torch.cuda.synchronize(gpu)  # the worker's stream: complete before torch's streams read it
             if finish is not None:
                 finish(result)
         except BaseException as exc:
