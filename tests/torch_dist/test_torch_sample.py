@@ -9,7 +9,7 @@ from conftest import ROOT, run_mpi
 pytest.importorskip("torch", reason="torch is not installed (the CI test script installs it)")
 
 
-@pytest.mark.parametrize(("n", "flags"), [(2, []), (2, ["--static-graph", "--fp16-hook"]), (3, [])])
+@pytest.mark.parametrize(("n", "flags"), [(2, []), (3, ["--static-graph", "--fp16-hook"])])
 def test_ddp_sample_matches_ddp_over_gloo(n: int, flags: list[str]) -> None:
     result = run_mpi(n, [str(ROOT / "samples" / "ddp_mpigpu.py"), "--device", "cpu", *flags], timeout=300)
     text = result.stdout + result.stderr
