@@ -31,7 +31,7 @@ from mpigpu.calls.reduce import ALLREDUCE, REDUCE_SCATTER
 from mpigpu.core._mpi import MPI
 from mpigpu.core.errors import InvalidArgument, MismatchError
 from mpigpu.runtime.context import ANY_THREAD, Context
-from mpigpu.torch._work import done_work, start
+from mpigpu.torch._work import done_work, joined, start
 
 __all__ = ["ProcessGroupMpigpu", "create"]
 
@@ -175,8 +175,7 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:  # fmt: skip
-        works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return works[-1] if works else done_work([])
+        return joined([self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)])
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         """mpigpu's allreduce (the same bits on every rank); the root keeps the result."""
@@ -213,8 +212,7 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:  # fmt: skip
-        works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return works[-1] if works else done_work([])
+        return joined([self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)])
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         """Every rank's input (its own size) gathered flat, then copied into the output list."""
@@ -228,6 +226,13 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
         flat = torch.empty(sum(p.numel() for p in parts), dtype=t.dtype, device=t.device)
         return start(ALLGATHER, self._comm, (t.contiguous().reshape(-1), flat, "auto"), parts,
                      lambda _: _unpack(flat, parts))  # fmt: skip
+
+    def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None) -> Any:  # fmt: skip
+        """all_gather_coalesced: one list-form allgather per input (``outputs[r][j]``: rank r's j-th)."""
+        if len(outputs) != self.size() or any(len(o) != len(inputs) for o in outputs):
+            raise self._refused("all_gather_coalesced", f"pass {self.size()} output lists of {len(inputs)} tensors")
+        return joined([self.allgather([[o[j] for o in outputs]], [t], opts) for j, t in enumerate(inputs)])
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         """mpigpu's allgather; the root copies the rows into its output list."""

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from mpigpu.calls.handles import Handle
 from mpigpu.calls.pipeline import Family, call_async
 
-__all__ = ["MpigpuWork", "done_work", "start"]
+__all__ = ["MpigpuWork", "done_work", "joined", "start"]
 
 
 def _future(outputs: Sequence[torch.Tensor]) -> torch.futures.Future:
@@ -40,15 +40,18 @@ class MpigpuWork(dist.Work):
         super().__init__()
         self.outputs = list(outputs)
         self.future = _future(self.outputs)
-        self.handle: Handle | None = None  # None: complete when made
+        self.handle: Handle | None = None  # None: complete when made (or made of ``parts``)
+        self.parts: list[MpigpuWork] = []  # the calls of a coalesced form (``joined``)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        for part in self.parts:
+            part.wait()
         if self.handle is not None:
             self.handle.wait()
         return True
 
     def is_completed(self) -> bool:
-        return self.handle is None or self.handle.done()
+        return all(p.is_completed() for p in self.parts) and (self.handle is None or self.handle.done())
 
     def is_success(self) -> bool:
         self.wait()
@@ -66,6 +69,16 @@ def done_work(outputs: Sequence[torch.Tensor]) -> MpigpuWork:
     """A Work complete when made (a call that needed no communication)."""
     work = MpigpuWork(outputs)
     work.future.set_result(work.outputs)
+    return work
+
+
+def joined(works: Sequence[MpigpuWork]) -> MpigpuWork:
+    """One Work for several started calls (a coalesced form): ``wait()`` waits for each and raises
+    the first error; its Future completes with every output once all have completed."""
+    work = MpigpuWork([t for w in works for t in w.outputs])
+    work.parts = list(works)
+    every = torch.futures.collect_all([w.future for w in works])
+    work.future = every.then(lambda done: [t for f in done.value() for t in f.value()])
     return work
 
 

@@ -260,3 +260,21 @@ def test_functional_collectives() -> None:
     assert torch.equal(funcol.wait_tensor(gathered), _all(3).reshape(-1))
     scattered = funcol.reduce_scatter_tensor(_mine(r, 2 * n, torch.float64), "sum", 0, world)
     assert torch.equal(funcol.wait_tensor(scattered), _all(2 * n).sum(0)[2 * r : 2 * r + 2])
+
+
+def test_all_gather_coalesced_and_coalesced_all_gather_into_tensor() -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    inputs = [_mine(r, 3, torch.float64), _mine(r, 5, torch.float64).reshape(5, 1)]
+    outputs = [[_poison(tuple(t.shape), torch.float64) for t in inputs] for _ in range(n)]
+    with pytest.warns(FutureWarning):
+        dist.all_gather_coalesced(outputs, inputs)
+    for k in range(n):
+        assert torch.equal(outputs[k][0], _mine(k, 3, torch.float64))
+        assert torch.equal(outputs[k][1].reshape(-1), _mine(k, 5, torch.float64))
+    flats = [_poison((n * 4,), torch.float64), _poison((n * 2,), torch.float64)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for flat in flats:
+            dist.all_gather_into_tensor(flat, _mine(r, flat.numel() // n, torch.float64))
+    cm.wait()
+    for flat in flats:
+        assert torch.equal(flat, _all(flat.numel() // n).reshape(-1))
