@@ -2,12 +2,14 @@
 
     mpiexec -n 2 python scripts/ddp_bench.py [--rounds 15] [--steps 5] [--out bench/results/ddp-cpu-DATE.json]
 
-An MLP of a few million parameters (``--width``) trains on CPU with SGD, three ways in one job: DDP
-over the default group (mpigpu), DDP over a gloo group of the same ranks, and the bare model (no
-communication). Each round times ``--steps`` steps of each, in an order that rotates by round, every
-rank starting together; a step's time is the slowest rank's. The overhead of a backend in a round is
-its step time minus the bare step time of the same round (paired, so a machine loaded by others
-weighs on both alike); the figures are medians over rounds. The JSON holds the overheads, the step
+An MLP of a few million parameters (``--width``) trains on CPU with SGD, four ways in one job: DDP
+over the default group (mpigpu), DDP over a gloo group of the same ranks, the bare model (no
+communication), and DDP over a group of this rank alone (DDP's own work per step: its bucket copies
+and scaling, with calls that move nothing). Each round times ``--steps`` steps of each, in an order
+that rotates by round, every rank starting together; a step's time is the slowest rank's. The
+overhead of a backend in a round is its step time minus the bare step time of the same round
+(paired, so a machine loaded by others weighs on both alike); the figures are medians over rounds. ``communication_s`` is the same against
+DDP alone (what the backend's calls add beyond DDP's own work). The JSON holds the overheads, the step
 times, their ratio (the goal: mpigpu's overhead at most 0.5x gloo's), the machine and the versions."""
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import mpigpu
 import mpigpu.torch  # registers the backend
 from mpigpu.core._mpi import MPI
 
-KINDS = ("none", "gloo", "mpigpu")
+KINDS = ("none", "alone", "gloo", "mpigpu")
 
 
 def _model(width: int) -> torch.nn.Module:
@@ -62,12 +64,14 @@ def main(argv: list[str] | None = None) -> int:
 
     dist.init_process_group("mpigpu")
     gloo = dist.new_group(backend="gloo")
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]  # collective: every rank
     comm = MPI().COMM_WORLD.Dup()  # the timing's own exchanges: on neither group measured
     rank, size = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
     models = {
         "none": _model(args.width),
+        "alone": DDP(_model(args.width), process_group=alone),
         "gloo": DDP(_model(args.width), process_group=gloo),
         "mpigpu": DDP(_model(args.width), process_group=dist.group.WORLD),
     }
@@ -76,18 +80,24 @@ def main(argv: list[str] | None = None) -> int:
         _steps(models[kind], opts[kind], x, y, 3)
     times: dict[str, list[float]] = {k: [] for k in KINDS}
     for r in range(args.rounds):
-        for kind in KINDS[r % 3 :] + KINDS[: r % 3]:
+        for kind in KINDS[r % len(KINDS) :] + KINDS[: r % len(KINDS)]:
             comm.Barrier()
             start = time.perf_counter()
             _steps(models[kind], opts[kind], x, y, args.steps)
             mine = (time.perf_counter() - start) / args.steps
             times[kind].append(comm.allreduce(mine, op=MPI().MAX))
     params = sum(p.numel() for p in models["none"].parameters())
-    overhead = {k: statistics.median(a - b for a, b in zip(times[k], times["none"], strict=True)) for k in KINDS[1:]}
+
+    def paired(kind: str, base: str) -> float:
+        return statistics.median(a - b for a, b in zip(times[kind], times[base], strict=True))
+
+    overhead = {k: paired(k, "none") for k in ("gloo", "mpigpu")}
     result: dict[str, Any] = {
         "overhead_s": overhead,
         "ratio_mpigpu_to_gloo": overhead["mpigpu"] / overhead["gloo"] if overhead["gloo"] > 0 else None,
         "goal": "mpigpu's overhead at most 0.5x gloo's",
+        "ddp_alone_overhead_s": paired("alone", "none"),
+        "communication_s": {k: paired(k, "alone") for k in ("gloo", "mpigpu")},
         "step_s": {k: statistics.median(v) for k, v in times.items()},
         "per_round_step_s": times,
         "model": {"kind": "MLP", "width": args.width, "parameters": params, "gradient_bytes": 4 * params},
