@@ -8,9 +8,10 @@ communication), and DDP over a group of this rank alone (DDP's own work per step
 and scaling, with calls that move nothing). Each round times ``--steps`` steps of each, in an order
 that rotates by round, every rank starting together; a step's time is the slowest rank's. The
 overhead of a backend in a round is its step time minus the bare step time of the same round
-(paired, so a machine loaded by others weighs on both alike); the figures are medians over rounds. ``communication_s`` is the same against
-DDP alone (what the backend's calls add beyond DDP's own work). The JSON holds the overheads, the step
-times, their ratio (the goal: mpigpu's overhead at most 0.5x gloo's), the machine and the versions."""
+(paired, so a machine loaded by others weighs on both alike); the figures are medians over rounds.
+``communication_s`` is the same against DDP alone (what the backend's calls add beyond DDP's own
+work). The JSON holds the overheads, the step times, their ratio (the goal: mpigpu's overhead at
+most 0.5x gloo's), the machine and the versions."""
 
 from __future__ import annotations
 
