@@ -469,10 +469,8 @@ class Watchdog:
         where: Callable[[], str] | None = None,
         gone: Callable[[], str] | None = None,
     ) -> None:
-        self.timeout = timeout
         self.stall = stall
-        self.on = timeout > 0 or stall > 0
-        self.period = min([1.0] + [max(0.05, t / 10) for t in (timeout, stall) if t > 0])
+        self.set_timeout(timeout)
         self._where = where
         self._gone = gone
         self._gone_in: dict[int, tuple[Any, ...]] = {}  # thread id -> the wait in which a rank was first seen gone
@@ -480,6 +478,12 @@ class Watchdog:
         self._sources: list[Callable[[], dict[int, tuple[Any, ...]]]] = []  # waits Python cannot see (add_source)
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+
+    def set_timeout(self, timeout: float) -> None:
+        """Abort after ``timeout`` seconds in one call from now on (a torch process group's timeout)."""
+        self.timeout = timeout
+        self.on = timeout > 0 or self.stall > 0
+        self.period = min([1.0] + [max(0.05, t / 10) for t in (timeout, self.stall) if t > 0])
 
     def _expired(self, what: tuple[Any, ...], thread_id: int, waited: float) -> NoReturn:
         frame = sys._current_frames().get(thread_id)
