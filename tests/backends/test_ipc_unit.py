@@ -222,7 +222,8 @@ def _plan_ctx(ipc_ok: bool, tuning: TuningTable | None = None) -> SimpleNamespac
         "host": Availability(True, "ok"),
         "cpu": Availability(True, "ok"),
     }
-    return SimpleNamespace(availability=availability, tuning=tuning)
+    layout = SimpleNamespace(node_sizes=(2,))  # one node of 2 ranks: the layout the table's reason names
+    return SimpleNamespace(availability=availability, tuning=tuning, size=2, layout=layout)
 
 
 def test_auto_uses_ipc_up_to_the_crossover_then_nccl() -> None:
