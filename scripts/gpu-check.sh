@@ -17,7 +17,7 @@
 #              both GPUs; JSON in $OUT; JAX_STEP=0 skips it). At most PER_PROCESS_LIMIT seconds (default 420)
 #   average    python -m mpigpu.average with every backend, each MPI; forced cuda-aware under Open MPI must
 #              fail cleanly (non-zero exit, no core dump)
-#   shared     two ranks sharing one GPU (MPIGPU_ALLOW_SHARED_GPU=1): host staging and training tests,
+#   shared     two ranks sharing one GPU (MPIGPU_ALLOW_SHARED_GPU=1): host staging, training and torch.distributed tests, DDP's sample,
 #              the multi-rank GPU coverage a one-GPU machine can give
 #   serial     GPU tests that start their own mpirun (bad input, failures) and the samples
 #   sanitize   compute-sanitizer memcheck/racecheck/synccheck over the ipc kernel (2 ranks)
@@ -233,8 +233,10 @@ stage_average() {
 
 stage_shared() {
   for mpi in ompi impi; do
-    step "shared-$mpi-2" 400 0 "export MPIGPU_ALLOW_SHARED_GPU=1; ${LAUNCH[$mpi]} -n 2 $PY -m pytest -v -rfE --color=no --with-mpi --only-mpi tests/gpu/test_host_gpu.py tests/gpu/test_gpu_paths.py tests/gpu/test_training_gpu.py -p no:cacheprovider"
+    step "shared-$mpi-2" 400 0 "export MPIGPU_ALLOW_SHARED_GPU=1; ${LAUNCH[$mpi]} -n 2 $PY -m pytest -v -rfE --color=no --with-mpi --only-mpi tests/gpu/test_host_gpu.py tests/gpu/test_gpu_paths.py tests/gpu/test_training_gpu.py tests/gpu/test_torch_dist_gpu.py -p no:cacheprovider"
   done
+  # issue 47's one-GPU sanity run: DDP over the torch.distributed backend, two ranks on the one GPU, against gloo
+  step "shared-ddp-sample" 120 0 "MPIGPU_ALLOW_SHARED_GPU=1 $OMPI -n 2 $PY samples/ddp_mpigpu.py --device cuda --static-graph --fp16-hook"
   step "shared-average-host-16M" 120 0 "MPIGPU_ALLOW_SHARED_GPU=1 $OMPI -n 2 $PY -m mpigpu.average --backend host --size 16M"
   step "shared-average-host-8B" 120 0 "MPIGPU_ALLOW_SHARED_GPU=1 $OMPI -n 2 $PY -m mpigpu.average --backend host --size 2 --iters 500"
 }
