@@ -102,6 +102,15 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
             if not t.is_contiguous():
                 raise self._refused(what, "the tensor is not contiguous; pass t.contiguous()")
 
+    @staticmethod
+    def _apart(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``x``, or a copy of it where it shares memory with ``out``: torch lets an input be a view of the
+        output (FSDP2 gathers in place, its shard at this rank's place in the output), which mpigpu
+        refuses as an overlap."""
+        if x.numel() and x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+            return x.clone()
+        return x
+
     def _other(self, tensor: torch.Tensor) -> Any:
         """The backend that takes ``tensor``'s device where the group's backend string gives it to
         another one (None: mpigpu's)."""
@@ -160,7 +169,7 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
         if input.numel() != output.numel() * self.size() or input.dtype != output.dtype:
             why = f"input {input.numel()} x {input.dtype} must be world size ({self.size()}) x output's"
             raise self._refused("reduce_scatter_tensor", f"{why} {output.numel()} x {output.dtype}")
-        rows = input.reshape(self.size(), -1)  # one row per rank: mpigpu's reduce_scatter gives rank r row r
+        rows = self._apart(input, output).reshape(self.size(), -1)  # one row per rank: mpigpu's reduce_scatter gives rank r row r
         return start(REDUCE_SCATTER, self._comm, (rows, op, output.reshape(1, -1), "auto"), [output])
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
@@ -208,7 +217,8 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
         if (other := self._other(input)) is not None:
             return other._allgather_base(output, input, opts)
         self._dense("all_gather_into_tensor", output, input)
-        return start(ALLGATHER, self._comm, (input.reshape(-1), output.reshape(-1), "auto"), [output])
+        x = self._apart(input, output).reshape(-1)
+        return start(ALLGATHER, self._comm, (x, output.reshape(-1), "auto"), [output])
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:  # fmt: skip
@@ -278,7 +288,8 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
             if expected is not None and received != expected:
                 raise MismatchError(f"all_to_all_single: output_split_sizes {expected} but the ranks sent {received}")
 
-        return start(ALLTOALL, self._comm, (input, splits, output, "auto", True), [output], agree)
+        x = self._apart(input, output)
+        return start(ALLTOALL, self._comm, (x, splits, output, "auto", True), [output], agree)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         """all_to_all (lists): the inputs sent flat (tensor i to rank i), the rows received unpacked."""

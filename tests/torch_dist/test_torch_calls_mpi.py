@@ -129,6 +129,22 @@ def test_all_gather_list_form_and_into_tensor() -> None:
     assert torch.equal(stacked, _all(6))
 
 
+def test_all_gather_into_tensor_in_place_as_fsdp_calls_it() -> None:
+    """FSDP2 passes its shard as a view of the output, at this rank's place: an in-place gather (as MPI_IN_PLACE),
+    not an overlap to refuse. Found on the GPU (two ranks sharing one H200, 2026-11-29)."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    flat = _poison((n * 6,), torch.float64)
+    shard = flat[6 * r : 6 * r + 6]
+    shard.copy_(_mine(r, 6, torch.float64))
+    dist.all_gather_into_tensor(flat, shard)
+    assert torch.equal(flat, _all(6).reshape(-1))
+    rows = _mine(r, 4 * n, torch.float64)  # reduce_scatter into a view of its own input
+    out = rows[4 * r : 4 * r + 4]
+    expected = _all(4 * n).sum(0)[4 * r : 4 * r + 4]
+    dist.reduce_scatter_tensor(out, rows)
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize(("op", "fold"), [(dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "mean")])
 def test_reduce_scatter_tensor_and_list_form(op: object, fold: str) -> None:
     r, n = dist.get_rank(), dist.get_world_size()
