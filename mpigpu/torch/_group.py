@@ -169,7 +169,8 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
         if input.numel() != output.numel() * self.size() or input.dtype != output.dtype:
             why = f"input {input.numel()} x {input.dtype} must be world size ({self.size()}) x output's"
             raise self._refused("reduce_scatter_tensor", f"{why} {output.numel()} x {output.dtype}")
-        rows = self._apart(input, output).reshape(self.size(), -1)  # one row per rank: mpigpu's reduce_scatter gives rank r row r
+        # one row per rank: mpigpu's reduce_scatter gives rank r row r
+        rows = self._apart(input, output).reshape(self.size(), -1)
         return start(REDUCE_SCATTER, self._comm, (rows, op, output.reshape(1, -1), "auto"), [output])
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
