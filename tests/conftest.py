@@ -104,6 +104,45 @@ def fresh_context(comm: Any) -> Iterator[Any]:
         dup.Free()
 
 
+@contextlib.contextmanager
+def context_with(comm: Any, env: dict[str, str]) -> Iterator[Any]:
+    """mpigpu's Context of a fresh duplicate of ``comm``, created while the variables ``env`` are set
+    (collective; settings are read at start-up), closed and freed afterwards."""
+    from mpigpu.runtime.context import Context
+
+    saved = {name: os.environ.get(name) for name in env}
+    dup = comm.Dup()
+    try:
+        os.environ.update(env)
+        try:
+            ctx = Context.get(dup)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        yield ctx
+    finally:
+        with contextlib.suppress(NameError):
+            ctx.close()
+        dup.Free()
+
+
+def mpi_nodes(comm: Any) -> list[list[int]]:
+    """The ranks of ``comm`` on each MPI node (MPI_COMM_TYPE_SHARED: under MPICH's fork launcher
+    with named hosts, each host is a node), nodes ordered by their lowest rank, ranks in rank order
+    (collective). One entry under a plain ``mpiexec -n N``; what a test expects across nodes follows it."""
+    from mpigpu.core._mpi import MPI
+
+    node = comm.Split_type(MPI().COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        mine = node.allgather(comm.Get_rank())
+    finally:
+        node.Free()
+    return [list(ranks) for ranks in sorted({tuple(ranks) for ranks in comm.allgather(mine)}, key=min)]
+
+
 def load_script(path: Path | str, name: str | None = None) -> Any:
     """A script or sample (not a package module) imported as a module, to call its functions."""
     import importlib.util
