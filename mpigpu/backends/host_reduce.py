@@ -162,6 +162,12 @@ def _int_avg_partial(rows: Sequence[np.ndarray] | np.ndarray, nranks: int, dst: 
     of dst and the partials of several nodes add up word by word (modulo 2**64, as the parts allow)."""
     count = len(rows[0])
     words = dst.reshape(count, -1)
+    if words.shape[1] == 1:  # 8..32-bit: the parts are the values, sign-extended; added in place
+        acc = dst.view(np.int64)
+        np.copyto(acc, rows[0])
+        for row in rows[1:]:
+            np.add(acc, row, out=acc)
+        return
     for b0 in range(0, count, INT_AVG_BLOCK):
         b1 = min(count, b0 + INT_AVG_BLOCK)
         total = int_avg_parts(np.asarray(rows[0][b0:b1]), nranks)
