@@ -425,8 +425,6 @@ def test_gpu_schedule_on_a_lazy_runtime(comm, lazy_gpu: LazyRuntime, env: dict[s
         for name in ["float16", "bfloat16", "float32", "float64", "int8", "uint64"]:
             dtype = DTYPES[name]
             for op in Op:
-                if op is Op.AVG and not dtype.is_float and ctx.layout.num_nodes > 1:
-                    continue  # refused: test_integer_avg_across_nodes_is_refused
                 for count in COUNTS:
                     x = np.empty(count, dtype.np)
                     fill(x, "exact", op, rank, n)
