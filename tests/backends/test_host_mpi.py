@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import context_with
+from conftest import context_with, mpi_nodes
 
 import mpigpu
 from mpigpu.backends.host_layout import PAGE, SegmentLayout, split_even
@@ -134,11 +134,13 @@ def test_every_dtype_and_op_both_routes(tiny: Context, dtype: str) -> None:
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("node_size", [1, 2, 3, 4])
 def test_virtual_nodes(comm, node_size: int) -> None:
-    """Ranks split into nodes of ``node_size`` (the last one smaller when it does not divide)."""
-    if node_size >= comm.Get_size():
+    """Each MPI node's ranks split into nodes of ``node_size`` (its last one smaller when it does not
+    divide): across MPI nodes of 3 and 1, node size 2 makes 2+1+1."""
+    nodes = sum(-(-len(ranks) // node_size) for ranks in mpi_nodes(comm))
+    if nodes == 1:
         pytest.skip(f"{comm.Get_size()} rank(s) make a single node of size {node_size}")
     with context_with(comm, dict(VIRTUAL, MPIGPU_NODE_SIZE=str(node_size))) as ctx:
-        assert ctx.layout.num_nodes == -(-comm.Get_size() // node_size)
+        assert ctx.layout.num_nodes == nodes
         problems = _check_matrix(ctx, ["float16", "bfloat16", "float32", "float64", "int8", "uint64"], COUNTS)
         assert not problems, "; ".join(problems)
         phases = ctx.backend("host").last_phases
