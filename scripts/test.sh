@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up a virtual environment and run mpigpu's whole test suite, as CI does:
 #   serial tests, then the MPI tests under mpiexec with 1, 2, 3 and 4 ranks (3: an odd count, where
-#   MPI takes its non-power-of-two algorithms and averages do not divide evenly).
+#   MPI takes its non-power-of-two algorithms and averages do not divide evenly), then across MPI's own
+#   nodes (MPICH's fork launcher with named hosts, docs/nodes.md): the whole MPI suite on 2 nodes of 2
+#   ranks, and the reductions' files on uneven nodes of 2 and 1.
 # Needs only Python 3.10+ and pip; MPI comes from the mpich wheel (the `mpi` extra).
 # Usage: scripts/test.sh [extra pytest arguments]      (VENV=path to choose the environment)
 set -euo pipefail
@@ -40,6 +42,17 @@ run serial python -m pytest -q "$@"
 for n in 1 2 3 4; do
   run "mpi-$n" mpiexec -n "$n" python -m pytest -q --with-mpi --only-mpi "$@"
 done
+# Across nodes: MPICH's launcher (Hydra) starts one proxy per named host; with the fork launcher they run
+# here, and MPI_COMM_TYPE_SHARED splits the ranks by host, as on a cluster. Other launchers have no such mode.
+# At 2+1 the files of the reductions whose steps depend on node sizes (the host backend's users); 2x2 runs all.
+uneven=(tests/backends tests/test_allreduce_mpi.py tests/test_exchange_mpi.py tests/test_persistent_mpi.py)
+if mpiexec --version 2>&1 | grep -q HYDRA; then
+  run "mpi-2x2" mpiexec -launcher fork -hosts nodeA:2,nodeB:2 -n 4 python -m pytest -q --with-mpi --only-mpi "$@"
+  run "mpi-2+1" mpiexec -launcher fork -hosts nodeA:2,nodeB:1 -n 3 python -m pytest -q --with-mpi --only-mpi \
+    "${uneven[@]}" "$@"
+else
+  echo "== across nodes: skipped (mpiexec is not MPICH's Hydra, which alone starts named hosts here)"
+fi
 # One closing line over all runs (each pytest run above printed its own summary).
 python - "$results" <<'PY'
 import sys, glob, xml.etree.ElementTree as ET

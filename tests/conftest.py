@@ -2,8 +2,9 @@
 
 Layout: tests without an ``mpi`` marker run serially (``python -m pytest``); tests marked
 ``@pytest.mark.mpi`` run under ``mpiexec -n N python -m pytest --with-mpi --only-mpi`` (scripts/test.sh
-runs the serial tests, then N = 1, 2, 3 and 4). Tests marked ``gpu`` are skipped, with the reason, where
-no GPU is visible; MPIGPU_REQUIRE_GPU=1 (set by scripts/gpu-check.sh) turns that skip into a failure.
+runs the serial tests, then N = 1, 2, 3 and 4, then across MPI nodes: 2x2 and 2+1, see ``mpi_nodes``).
+Tests marked ``gpu`` are skipped, with the reason, where no GPU is visible; MPIGPU_REQUIRE_GPU=1 (set by
+scripts/gpu-check.sh) turns that skip into a failure.
 """
 
 from __future__ import annotations
@@ -102,6 +103,45 @@ def fresh_context(comm: Any) -> Iterator[Any]:
         yield Context.get(dup)
     finally:
         dup.Free()
+
+
+@contextlib.contextmanager
+def context_with(comm: Any, env: dict[str, str]) -> Iterator[Any]:
+    """mpigpu's Context of a fresh duplicate of ``comm``, created while the variables ``env`` are set
+    (collective; settings are read at start-up), closed and freed afterwards."""
+    from mpigpu.runtime.context import Context
+
+    saved = {name: os.environ.get(name) for name in env}
+    dup = comm.Dup()
+    try:
+        os.environ.update(env)
+        try:
+            ctx = Context.get(dup)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        yield ctx
+    finally:
+        with contextlib.suppress(NameError):
+            ctx.close()
+        dup.Free()
+
+
+def mpi_nodes(comm: Any) -> list[list[int]]:
+    """The ranks of ``comm`` on each MPI node (MPI_COMM_TYPE_SHARED: under MPICH's fork launcher
+    with named hosts, each host is a node), nodes ordered by their lowest rank, ranks in rank order
+    (collective). One entry under a plain ``mpiexec -n N``; what a test expects across nodes follows it."""
+    from mpigpu.core._mpi import MPI
+
+    node = comm.Split_type(MPI().COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        mine = node.allgather(comm.Get_rank())
+    finally:
+        node.Free()
+    return [list(ranks) for ranks in sorted({tuple(ranks) for ranks in comm.allgather(mine)}, key=min)]
 
 
 def load_script(path: Path | str, name: str | None = None) -> Any:

@@ -16,10 +16,15 @@ Two routes:
   message itself, copy out; slots alternate between two sets by call parity, so one barrier per
   call is enough.
 
-Several nodes (real, or virtual through ``MPIGPU_NODE_SIZE``): the node's partial result (float32
-for float16/bfloat16, unfinished) crosses nodes over MPI between ranks of equal local rank, each on
-its own slice; with unequal node sizes the node leaders exchange whole chunks. The exchange is a
-gather or reduce-scatter, never a plain MPI_Allreduce, so every element is again computed once.
+Several nodes (real, or virtual through ``MPIGPU_NODE_SIZE``), of any sizes: the node's partial
+result (unfinished: float32 for float16/bfloat16, the exact average's 64-bit parts for integer avg)
+crosses nodes over MPI between ranks of equal local rank, each on its own slice of the chunk. The
+chunk is split into as many slices as the smallest node has ranks, so every member of an exchange
+holds the same slice; on a node of that size each rank exchanges the slice it reduced, on a larger
+one the first ranks exchange after a barrier. Every node cuts the same chunks (the pool cap is the
+smallest node's). The exchange folds the node partials in node order (host_reduce.internode), never
+through a plain MPI_Allreduce: a float sum is rank order within each node, then node order, and
+every element is again computed once.
 """
 
 from __future__ import annotations
@@ -37,10 +42,10 @@ from mpigpu.backends.host_engine import DeviceEngine, Engine, GpuStaging, HostEn
 from mpigpu.backends.host_layout import ALIGN, PAGE, ChunkPlan, SegmentLayout, round_up, split_even
 from mpigpu.backends.host_reduce import (
     CPU_BLOCK,
-    INT_AVG_NODES,
     Stacked,
     finish,
     internode,
+    partial_type,
     reduce_stacked,
     stacked_reducer,
 )
@@ -120,7 +125,7 @@ class HostBackend(Backend):
         self._n = layout.local_size
         self._local = layout.local_rank
         self._nodes = layout.num_nodes
-        self._equal = layout.equal_nodes
+        self._across = min(layout.node_sizes)  # ranks per node in the exchange across nodes
         self._inter = layout.inter_comm
         self._inter_size = 1 if self._inter is None else self._inter.Get_size()
         s = ctx.settings  # equal on every rank: agreed at start-up (config.Settings.agreed)
@@ -130,17 +135,20 @@ class HostBackend(Backend):
         self._small_limit = s.host_small
         self._small = round_up(self._small_limit, PAGE)
         partial = self._nodes > 1
-        self._max_stride = SegmentLayout.max_stride(self._n, self._small, partial, self._pool)
+        # The smallest node's cap (a node of fewer ranks has less pool): every node then cuts the same
+        # chunks, so their exchanges across nodes pair, and every rank reaches the same verdict below.
+        n = min(layout.node_sizes, key=lambda size: SegmentLayout.max_stride(size, self._small, partial, self._pool))
+        self._max_stride = SegmentLayout.max_stride(n, self._small, partial, self._pool)
         rings = max(DeviceEngine.ring_for(self), HostEngine.ring_for(self))
         self._min_stride = rings * PAGE
         if self._max_stride < self._min_stride:
-            areas = self._n + 1 + (2 if partial else 0)
-            need = -(-(4 * self._n * self._small + rings * areas * PAGE) // (self._n << 20))
+            areas = n + 1 + (2 if partial else 0)
+            need = -(-(4 * n * self._small + rings * areas * PAGE) // (n << 20))
             small_mb = -(-4 * self._small // (1 << 20))
-            ring_mb = -(-rings * areas * PAGE // (self._n << 20))
+            ring_mb = -(-rings * areas * PAGE // (n << 20))
             raise ConfigError(
                 f"MPIGPU_HOST_POOL_MB={self._pool >> 20} is too small for the host path's shared segment with "
-                f"{self._n} ranks per node: MPIGPU_HOST_SMALL={self._small_limit} takes {small_mb} MiB per rank "
+                f"{n} ranks per node: MPIGPU_HOST_SMALL={self._small_limit} takes {small_mb} MiB per rank "
                 f"and MPIGPU_HOST_DEPTH={self._depth} (a ring of {rings} chunk slots) {ring_mb} MiB per rank. Give "
                 f"MPIGPU_HOST_POOL_MB at least {need}, or lower MPIGPU_HOST_DEPTH or MPIGPU_HOST_SMALL"
             )
@@ -174,12 +182,6 @@ class HostBackend(Backend):
             f", {layout.num_nodes} nodes (MPI between nodes)" if layout.num_nodes > 1 else ""
         )
         return Availability(True, f"node-shared memory (MPI-3 window), {where}")
-
-    @classmethod
-    def supports_on(cls, ctx: CommContext, dtype: DType, op: Op) -> str | None:
-        if op is Op.AVG and not dtype.is_float and ctx.layout.num_nodes > 1:
-            return INT_AVG_NODES
-        return cls.supports(dtype, op)
 
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
         self._reduce(x, out, op, stream, (0, x.size))
@@ -233,8 +235,10 @@ class HostBackend(Backend):
             self._latency(x, out, op, stream, window)
             return
         ring = (DeviceEngine if x.on_device else HostEngine).ring_for(self)
-        chunk = self._chunk_bytes(nbytes, x.on_device, ring)
-        self._ensure_segment(ring * chunk, x.on_device)
+        acc, words = partial_type(x.dtype, op)
+        widen = acc.itemsize * words // x.dtype.itemsize if self._nodes > 1 else 1  # partial bytes per byte
+        chunk = self._chunk_bytes(nbytes, x.on_device, ring, widen)
+        self._ensure_segment(ring * chunk * max(2, widen) // 2, x.on_device)  # a partial area that holds it
         plan = ChunkPlan(count=x.size, chunk=chunk // x.dtype.itemsize, ranks=self._n, align=ALIGN // x.dtype.itemsize)
         if x.on_device:
             assert stream is not None
@@ -262,7 +266,7 @@ class HostBackend(Backend):
             "transport": "node-shared memory (MPI-3 window)",
             "ranks_per_node": self._n,
             "nodes": self._nodes,
-            "internode": "none" if self._nodes == 1 else ("per slice" if self._equal else "node leaders"),
+            "internode": "none" if self._nodes == 1 else f"per slice, {self._across} slices per chunk",
             "latency_route_max_bytes": self._small_limit,
             "chunk_bytes": self._chunk_setting or f"default (GPU {GPU_CHUNK}, NumPy {CPU_CHUNK})",
             "depth": self._depth,
@@ -434,16 +438,18 @@ class HostBackend(Backend):
                 self._gpu = None
             raise
 
-    def _chunk_bytes(self, nbytes: int, on_device: bool, ring: int) -> int:
+    def _chunk_bytes(self, nbytes: int, on_device: bool, ring: int, widen: int) -> int:
         """Pipeline chunk for a message: the setting if given, else the default (GPU: split for mid
-        sizes), never above what ``ring`` positions within the pool cap can hold."""
+        sizes), never above what ``ring`` positions within the pool cap can hold, nor above what the
+        partial area (twice a position) holds of a partial ``widen`` times the message's bytes."""
         if self._chunk_setting:
             chunk = self._chunk_setting
         elif on_device:
             chunk = min(GPU_CHUNK, max(GPU_MIN_CHUNK, -(-nbytes // GPU_MIN_CHUNKS)))
         else:
             chunk = CPU_CHUNK
-        return min(round_up(min(chunk, nbytes), PAGE), self._max_stride // ring // PAGE * PAGE)
+        position = self._max_stride // ring // PAGE * PAGE
+        return min(round_up(min(chunk, nbytes), PAGE), position * 2 // max(2, widen))
 
     def _ensure_segment(self, stride: int, on_device: bool) -> None:
         """A segment whose slots hold at least ``stride`` bytes (collective; grows by reallocating,
@@ -571,15 +577,17 @@ class HostBackend(Backend):
         if self._nodes == 1:
             reduce_stacked(views.rows, op, dtype, self.ctx.size, result, final=True, scratch=self._block)
             phases["reduce"] += time.perf_counter() - t2
-        elif self._equal:  # every rank exchanges the node's partial with its peers on the other nodes
+        elif self._n == self._across:  # every rank exchanges the node's partial with its peers on the other nodes
             self._latency_internode(views.rows, op, dtype, result, t2)
-        else:  # node leaders exchange; the others take the leader's result from its shared slot
-            if me == 0:
-                self._latency_internode(views.rows, op, dtype, views.shared, t2)
+        else:  # a larger node: its first ranks exchange, as the smallest node's do; the others (and rank
+            # 0, which exchanges into its shared slot) take rank 0's result from that slot
+            taker = me == 0 or me >= self._across
+            if me < self._across:
+                self._latency_internode(views.rows, op, dtype, views.shared if me == 0 else result, t2)
             self._barrier()
-            if x.on_device:
+            if taker and x.on_device:
                 result_ptr = views.shared_ptr
-            else:
+            elif taker:
                 np.copyto(result, views.shared)
         t3 = time.perf_counter()
         if gpu is not None and x.on_device:
@@ -614,8 +622,8 @@ class HostBackend(Backend):
 
     def _latency_internode(self, rows: np.ndarray, op: Op, dtype: DType, dst: np.ndarray, t0: float) -> None:
         """dst = the node's partial over ``rows``, reduced across nodes, finished."""
-        acc_np = np.dtype(np.float32) if dtype.is_half else dtype.np
-        nbytes = rows.shape[1] * acc_np.itemsize
+        acc_np, words = partial_type(dtype, op)
+        nbytes = rows.shape[1] * words * acc_np.itemsize
         acc = self._scratch("partial", nbytes)[:nbytes].view(acc_np)
         reduce_stacked(rows, op, dtype, self.ctx.size, acc, final=False, scratch=self._block)
         t1 = time.perf_counter()
@@ -641,7 +649,9 @@ class HostBackend(Backend):
                 engine.put(staged)
                 staged += 1
 
-        several, by_slice = self._nodes > 1, self._equal
+        # A node of the smallest size exchanges the very slice each rank reduced, right after reducing it;
+        # a larger node's slices differ from the exchange's, so its first ranks exchange after a barrier.
+        several, by_slice = self._nodes > 1, self._n == self._across
         stage(ahead + 1)  # every slot position is free: the last call ended with a barrier
         for k in range(chunks + 1):
             if k > 0:
@@ -653,9 +663,7 @@ class HostBackend(Backend):
                 engine.wait_get(k - ring)
             self._barrier()
             if k > 0 and several and not by_slice:
-                if self._local == 0:
-                    lo, hi = engine.plan.span(k - 1)
-                    engine.internode(k - 1, 0, hi - lo)
+                engine.internode(k - 1, *engine.across_slice(k - 1))
                 self._barrier()
             if k > 0:
                 engine.get(k - 1)

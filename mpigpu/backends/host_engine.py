@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from mpigpu.backends.host_layout import PAGE, ChunkPlan, SegmentLayout
-from mpigpu.backends.host_reduce import finish, internode, reduce_rows
+from mpigpu.backends.host_layout import PAGE, ChunkPlan, SegmentLayout, split_even
+from mpigpu.backends.host_reduce import finish, internode, partial_type, reduce_rows
+from mpigpu.core.ops import Op
 
 if TYPE_CHECKING:
     from mpigpu.backends.base import CommContext
     from mpigpu.core.arrays import ArrayView
-    from mpigpu.core.ops import Op
     from mpigpu.job.shm import SharedSegment
 
 __all__ = ["DeviceEngine", "Engine", "GpuStaging", "HostEngine", "StagingBackend"]
@@ -34,6 +34,7 @@ class StagingBackend(Protocol):
     _n: int  # ranks on this node
     _local: int  # this rank's place on it
     _nodes: int
+    _across: int  # ranks per node that exchange slices across nodes: the smallest node's
     _inter: Any  # the communicator across nodes (None on one node)
     _inter_size: int
     _depth: int  # chunks a GPU copy out runs ahead
@@ -145,10 +146,11 @@ class Engine(abc.ABC):
         self.layout = backend._layout
         assert self.segment is not None and self.layout is not None
         self.final = backend._nodes == 1
-        self.acc_np = np.dtype(np.float32) if self.dtype.is_half else self.dtype.np
+        self.acc_np, self.words = partial_type(self.dtype, op)  # the node partial's type, per element
         self.ring = self.ring_for(backend)
         self.position_bytes = self.layout.stride // self.ring // PAGE * PAGE
         assert plan.chunk * self.dtype.itemsize <= self.position_bytes
+        assert self.final or plan.chunk * self.words * self.acc_np.itemsize <= 2 * self.position_bytes
 
     @staticmethod
     @abc.abstractmethod
@@ -167,9 +169,23 @@ class Engine(abc.ABC):
     def my_slice(self, k: int) -> tuple[int, int]:
         return self.plan.slices(k)[self.backend._local]
 
+    def across_slice(self, k: int) -> tuple[int, int]:
+        """This rank's slice of chunk k in the exchange across nodes (empty where its local rank is
+        not below ``_across``): chunk k split as the smallest node splits it, so that every member
+        of an exchange holds the same slice whatever the size of its node."""
+        backend = self.backend
+        if backend._local >= backend._across:
+            return 0, 0
+        e0, e1 = self.plan.span(k)
+        return split_even(e1 - e0, backend._across, self.plan.align)[backend._local]
+
+    def slot_view(self, rank: int, k: int, lo: int, hi: int) -> np.ndarray:
+        offset = self.layout.slot(rank, self.at(k)) + lo * self.dtype.itemsize
+        return self.segment.view(offset, hi - lo, self.dtype.np)
+
     def partial_view(self, k: int, lo: int, hi: int) -> np.ndarray:
-        offset = self.layout.partial_at(self.at(k)) + lo * self.acc_np.itemsize
-        return self.segment.view(offset, hi - lo, self.acc_np)
+        width = self.words * self.acc_np.itemsize
+        return self.segment.view(self.layout.partial_at(self.at(k)) + lo * width, (hi - lo) * self.words, self.acc_np)
 
     def result_view(self, k: int, lo: int, hi: int) -> np.ndarray:
         offset = self.layout.result(self.at(k)) + lo * self.dtype.itemsize
@@ -229,10 +245,6 @@ class HostEngine(Engine):
         self.src = x.host.reshape(-1)
         self.dst = out.host.reshape(-1)
         self.scratch = backend._block
-
-    def slot_view(self, rank: int, k: int, lo: int, hi: int) -> np.ndarray:
-        offset = self.layout.slot(rank, self.at(k)) + lo * self.dtype.itemsize
-        return self.segment.view(offset, hi - lo, self.dtype.np)
 
     def put(self, k: int) -> None:
         """Only the other ranks' slices: they are all anyone reads from this rank's slot."""
@@ -299,7 +311,10 @@ class DeviceEngine(Engine):
         self.gpu, self.rt = gpu, gpu.rt
         self.dev = self.segment.register()  # the segment's device address (cached)
         kind = "final" if self.final else "partial"
-        self.kernel = gpu.module.kernel(f"reduce_{kind}_{self.dtype.name}")
+        # integer avg across nodes: the exact parts (host_reduce.partial_type) are summed by NumPy on the
+        # host, from the slots (host memory), as HostEngine sums them; the kernels keep the element type
+        self.on_host = not self.final and op is Op.AVG and not self.dtype.is_float
+        self.kernel = None if self.on_host else gpu.module.kernel(f"reduce_{kind}_{self.dtype.name}")
         self.caller = stream
         self.done: dict[tuple[str, int], int] = {}
         # Copies out of x and into out start after the caller's work already on its stream.
@@ -323,6 +338,13 @@ class DeviceEngine(Engine):
 
         lo, hi = self.my_slice(k)
         if hi <= lo:
+            return
+        if self.on_host:  # the slots were filled before the barrier that precedes this step
+            t0 = time.perf_counter()
+            rows = [self.slot_view(r, k, lo, hi) for r in range(self.backend._n)]
+            nranks, dst = self.backend.ctx.size, self.partial_view(k, lo, hi)
+            reduce_rows(rows, self.op, self.dtype, nranks, dst, final=False, scratch=self.backend._block)
+            self.backend._add_phase("reduce", time.perf_counter() - t0)
             return
         size = self.dtype.itemsize
         at = self.at(k)

@@ -1,6 +1,11 @@
 """The host backend's NumPy reductions: rows of the node's slots reduced in rank order (both routes,
 and the finishing step after a GPU partial), the semantics NumPy's ufuncs lack (float min/max,
-exact integer avg: mpigpu.core.ops), and the exchange of node partials across nodes."""
+exact integer avg: mpigpu.core.ops), and the exchange of node partials across nodes.
+
+Across nodes the order is fixed by the layout: each node reduces its ranks in rank order into a
+partial (``partial_type``: float32 for the half types, the exact integer average's 64-bit parts for
+integer avg), and the partials are combined in node order, each element once or identically on
+every member, so every rank ends with the same bits."""
 
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mpigpu.backends.host_layout import split_even
-from mpigpu.core.ops import Op, finish_avg, from_keys, int_avg_rows, minmax_rows, to_keys
+from mpigpu.core._mpi import MPI
+from mpigpu.core.ops import Op, finish_avg, from_keys, int_avg_join, int_avg_parts, int_avg_rows, minmax_rows, to_keys
 
 if TYPE_CHECKING:
     from mpigpu.core.dtypes import DType
@@ -19,10 +25,10 @@ if TYPE_CHECKING:
 __all__ = [
     "CPU_BLOCK",
     "GATHER_MAX",
-    "INT_AVG_NODES",
     "Stacked",
     "finish",
     "internode",
+    "partial_type",
     "reduce_rows",
     "reduce_stacked",
     "stacked_reducer",
@@ -138,11 +144,45 @@ def _final_stacked(
 
 
 # -- semantics NumPy's ufuncs lack (mpigpu.core.ops): float min/max, exact integer avg ----------------
-INT_AVG_NODES = (
-    "integer avg across several nodes is not supported by the host backend (its per-node partial is held "
-    "in the element type, where the exact sum does not fit); use backend 'cpu' for NumPy arrays, 'nccl' "
-    "or 'cuda-aware' for GPU arrays, or backend='auto', which picks one of them"
-)
+INT_AVG_BLOCK = 1 << 16  # elements per block of the integer average's 64-bit parts (they stay in cache)
+
+
+def partial_type(dtype: DType, op: Op) -> tuple[np.dtype, int]:
+    """A node partial's element type and how many of them one element takes: the exact integer
+    average's uint64 parts (``int_avg_parts``: one word, two for the 64-bit types), float32 for the
+    half types, else the dtype itself (one)."""
+    if op is Op.AVG and not dtype.is_float:
+        return np.dtype(np.uint64), 2 if dtype.itemsize == 8 else 1
+    return (np.dtype(np.float32) if dtype.is_half else dtype.np), 1
+
+
+def _int_avg_partial(rows: Sequence[np.ndarray] | np.ndarray, nranks: int, dst: np.ndarray) -> None:
+    """dst = the sum over ``rows`` (this node's ranks) of ``int_avg_parts``, element by element: one
+    uint64 word per element, or two (q then r) for 64-bit types, so that a slice of elements is a slice
+    of dst and the partials of several nodes add up word by word (modulo 2**64, as the parts allow)."""
+    count = len(rows[0])
+    words = dst.reshape(count, -1)
+    if words.shape[1] == 1:  # 8..32-bit: the parts are the values, sign-extended; added in place
+        acc = dst.view(np.int64)
+        np.copyto(acc, rows[0])
+        for row in rows[1:]:
+            np.add(acc, row, out=acc)
+        return
+    for b0 in range(0, count, INT_AVG_BLOCK):
+        b1 = min(count, b0 + INT_AVG_BLOCK)
+        total = int_avg_parts(np.asarray(rows[0][b0:b1]), nranks)
+        for row in rows[1:]:
+            total += int_avg_parts(np.asarray(row[b0:b1]), nranks)
+        words[b0:b1] = total.reshape(words.shape[1], b1 - b0).T
+
+
+def _int_avg_final(acc: np.ndarray, nranks: int, dst: np.ndarray) -> None:
+    """dst = the exact integer average from every node's ``_int_avg_partial``, summed."""
+    count = dst.size
+    words = acc.reshape(count, -1)
+    for b0 in range(0, count, INT_AVG_BLOCK):
+        b1 = min(count, b0 + INT_AVG_BLOCK)
+        int_avg_join(np.ascontiguousarray(words[b0:b1].T).reshape(-1), nranks, dst[b0:b1])
 
 
 def _by_semantics(
@@ -152,9 +192,11 @@ def _by_semantics(
     if dtype.is_float and op in (Op.MIN, Op.MAX):
         minmax_rows(rows, op, dst)  # NaN propagates, -0.0 < +0.0, canonical NaN
         return True
-    if op is Op.AVG and not dtype.is_float:
-        assert final, INT_AVG_NODES
-        int_avg_rows(rows, nranks, dst)  # exact: no wrap-around
+    if op is Op.AVG and not dtype.is_float:  # exact: no wrap-around
+        if final:
+            int_avg_rows(rows, nranks, dst)
+        else:
+            _int_avg_partial(rows, nranks, dst)
         return True
     return False
 
@@ -165,8 +207,12 @@ def _start(op: Op, acc: np.dtype) -> dict[str, Any]:
 
 
 def finish(acc: np.ndarray, op: Op, dtype: DType, nranks: int, dst: np.ndarray) -> None:
-    """dst = acc finished: avg divided by ``nranks`` (C truncation for integers), rounded once to
-    ``dtype``. ``acc`` may be ``dst`` itself (same type) or a float32 accumulator."""
+    """dst = acc (a node partial reduced across nodes) finished: avg divided by ``nranks`` (for
+    integers the exact average of the parts, truncated as C does), rounded once to ``dtype``. ``acc``
+    may be ``dst`` itself (same type) or the wider partial of ``partial_type``."""
+    if op is Op.AVG and not dtype.is_float:
+        _int_avg_final(acc, nranks, dst)
+        return
     with np.errstate(all="ignore"):
         _finish(acc, op, dtype, nranks, dst)
 
@@ -183,12 +229,14 @@ def _finish(acc: np.ndarray, op: Op, dtype: DType, nranks: int, dst: np.ndarray)
 
 # -- across nodes ---------------------------------------------------------------------------------
 def internode(comm: Any, buf: np.ndarray, op: Op, gather: np.ndarray) -> None:
-    """Reduce ``buf`` over the members of ``comm`` (one per node, ordered by node), in place.
+    """Reduce ``buf`` over the members of ``comm`` (one per node, ordered by node), in place, the
+    members' rows combined in member (node) order.
 
-    Small messages: every member gathers every partial and folds them in member order. Larger:
-    MPI_Reduce_scatter gives each member one block, reduced once, then MPI_Allgatherv. Either way
-    each element is computed once or identically everywhere, so all members hold the same bits.
-    ``gather`` is scratch of at least ``comm size * buf.nbytes`` bytes (uint8) for the first form.
+    Small messages: every member gathers every partial and folds them all. Larger: an all-to-all
+    hands each member one block of every member's partial, which it folds, then MPI_Allgatherv
+    spreads the folded blocks (the traffic of MPI_Reduce_scatter, whose operand order would be the
+    MPI library's). Either way each element is computed once or identically everywhere, so all
+    members hold the same bits. ``gather`` is scratch of at least ``comm size * buf.nbytes`` bytes.
     """
     members = comm.Get_size()
     if members == 1:
@@ -201,13 +249,19 @@ def internode(comm: Any, buf: np.ndarray, op: Op, gather: np.ndarray) -> None:
     if members <= 2 or buf.nbytes * members <= GATHER_MAX or buf.size < members:
         rows = gather[: members * buf.nbytes].view(buf.dtype).reshape(members, buf.size)
         comm.Allgather(buf, rows)
-        with np.errstate(all="ignore"):
-            op.ufunc.reduce(rows, axis=0, dtype=buf.dtype, out=buf, **_start(op, buf.dtype))  # node order
+        _fold(rows, op, buf)
         return
     ranges = split_even(buf.size, members)
     counts = [b - a for a, b in ranges]
     displs = [a for a, _ in ranges]
-    mine = ranges[comm.Get_rank()]
-    block = buf[mine[0] : mine[1]].copy()
-    comm.Reduce_scatter(buf, block, counts, op=op.mpi)
-    comm.Allgatherv(block, [buf, (counts, displs)])
+    lo, hi = ranges[comm.Get_rank()]
+    rows = gather[: members * (hi - lo) * buf.itemsize].view(buf.dtype).reshape(members, hi - lo)
+    comm.Alltoallv([buf, (counts, displs)], [rows, ([hi - lo] * members, [m * (hi - lo) for m in range(members)])])
+    _fold(rows, op, buf[lo:hi])
+    comm.Allgatherv(MPI().IN_PLACE, [buf, (counts, displs)])
+
+
+def _fold(rows: np.ndarray, op: Op, dst: np.ndarray) -> None:
+    """dst = rows[0] op rows[1] op ..., in row order, in dst's type (integer words wrap)."""
+    with np.errstate(all="ignore"):
+        op.ufunc.reduce(rows, axis=0, dtype=dst.dtype, out=dst, **_start(op, dst.dtype))

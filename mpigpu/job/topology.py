@@ -35,10 +35,6 @@ class Layout:
     hostnames: tuple[str, ...]  # per world rank of comm
     virtual: bool  # MPIGPU_NODE_SIZE split the physical nodes
 
-    @property
-    def equal_nodes(self) -> bool:
-        return len(set(self.node_sizes)) == 1
-
     def close(self) -> None:
         """Free the communicators this layout created (idempotent)."""
         for name in ("inter_comm", "node_comm", "phys_comm"):

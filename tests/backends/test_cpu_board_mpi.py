@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import mpi_nodes
 
 import mpigpu
 from mpigpu.calls.pipeline import Record
@@ -175,22 +176,41 @@ def test_a_rank_rejecting_its_arguments_fails_every_tiny_call(comm) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("op", ["sum", "avg", "prod"])
 @pytest.mark.parametrize("shape", [(5,), (2, 3)], ids=["1-D", "2-D"])
-def test_rounding_is_the_dtypes_own_in_rank_order(comm, dtype: str, op: str, shape: tuple[int, ...]) -> None:
-    """Inputs whose sums and products round: the result is NumPy's arithmetic in the dtype, rank after
-    rank (1-D rows combine as Python floats where that is exact, 2-D ones in NumPy), with no warning."""
+def test_rounding_is_the_dtypes_own_in_the_order_of_the_path(comm, dtype: str, op: str, shape: tuple[int, ...]) -> None:
+    """Inputs whose sums and products round: the result is the dtype's own arithmetic, with no warning,
+    the same bits on every rank, in the order of the path that carries the call (docs/nodes.md). On the
+    board (one node) rank after rank: NumPy's arithmetic in rank order (1-D rows combine as Python
+    floats where that is exact, 2-D ones in NumPy). Where no board carries the data (across MPI nodes)
+    the call is MPI_Allreduce's own, in the MPI library's order (MPICH's at two nodes: node by node),
+    which mpigpu leaves as it is: MPI_Allreduce's bits on the same rows, avg divided in the dtype."""
     rank, n = comm.Get_rank(), comm.Get_size()
     np_type = np.dtype(dtype).type
     inputs = [np.random.default_rng(r).uniform(-3, 3, shape).astype(np_type) for r in range(n)]
-    want = inputs[0].copy()
-    for row in inputs[1:]:
-        want = want * row if op == "prod" else want + row
-    if op == "avg":
-        want = want / np_type(n)
     x = inputs[rank].copy()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mpigpu.allreduce(x, op, comm=comm)
+    board = n == 1 or _took_the_board(comm, x)
+    assert board or len(mpi_nodes(comm)) > 1, "on one node a tiny call takes the board"
+    if board:
+        want = inputs[0].copy()
+        for row in inputs[1:]:
+            want = want * row if op == "prod" else want + row
+    else:
+        want = inputs[rank].copy()
+        comm.Allreduce(MPI().IN_PLACE, want, op=MPI().PROD if op == "prod" else MPI().SUM)
+    if op == "avg":
+        want = want / np_type(n)
     assert x.tobytes() == want.astype(np_type).tobytes(), (x, want)
+    assert len(set(comm.allgather(x.tobytes()))) == 1
+
+
+def _took_the_board(comm: Any, x: np.ndarray) -> bool:
+    """Whether the calls made on arrays like ``x`` take the check board (their records' fused path)."""
+    records = [r for r in Context.get(comm).plan_cache.values() if isinstance(r, Record)]
+    mine = [r for r in records if r.x.shape == x.shape and r.x.dtype.np == x.dtype]
+    assert mine, "the call has a record"
+    return all(r.fused is not None for r in mine)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

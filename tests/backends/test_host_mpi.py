@@ -11,18 +11,17 @@ MPIGPU_* variables are set, so one mpiexec run covers many configurations.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import itertools
 import json
-import os
 import types
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import context_with, mpi_nodes
 
 import mpigpu
 from mpigpu.backends.host_layout import PAGE, SegmentLayout, split_even
@@ -39,34 +38,6 @@ POISON = 0x7F
 TINY = {"MPIGPU_HOST_CHUNK": "16K", "MPIGPU_HOST_SMALL": "4K", "MPIGPU_HOST_DEPTH": "1"}
 VIRTUAL = dict(TINY, MPIGPU_HOST_CHUNK="64K")
 COUNTS = [1, 7, 1000, 70001]  # 1000 x 4 B fits the latency route; 1000 x 8 B does not
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-@contextlib.contextmanager
-def _context(comm, env: dict[str, str]) -> Iterator[Context]:
-    """A Context on a duplicate communicator, created while ``env`` is set (collective)."""
-    dup = comm.Dup()
-    try:
-        with _environment(env):
-            ctx = Context.get(dup)
-        yield ctx
-    finally:
-        with contextlib.suppress(NameError):
-            ctx.close()
-        dup.Free()
 
 
 def _digest(arr: np.ndarray) -> str:
@@ -86,8 +57,6 @@ def _check_matrix(ctx: Context, dtypes: list[str], counts: list[int]) -> list[st
     for name in dtypes:
         dtype = DTYPES[name]
         for op in Op:
-            if op is Op.AVG and not dtype.is_float and ctx.layout.num_nodes > 1:
-                continue  # refused: test_integer_avg_across_nodes_is_refused
             for count in counts:
                 x = np.empty(count, dtype.np)
                 fill(x, "exact", op, rank, n)
@@ -152,7 +121,7 @@ def test_max_stride_respects_the_pool() -> None:
 # -- MPI tests --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(comm) -> Iterator[Context]:
-    with _context(comm, TINY) as ctx:
+    with context_with(comm, TINY) as ctx:
         yield ctx
 
 
@@ -166,44 +135,40 @@ def test_every_dtype_and_op_both_routes(tiny: Context, dtype: str) -> None:
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("node_size", [1, 2, 3, 4])
 def test_virtual_nodes(comm, node_size: int) -> None:
-    """Ranks split into nodes of ``node_size`` (the last one smaller when it does not divide)."""
-    if node_size >= comm.Get_size():
+    """Each MPI node's ranks split into nodes of ``node_size`` (its last one smaller when it does not
+    divide): across MPI nodes of 3 and 1, node size 2 makes 2+1+1."""
+    nodes = sum(-(-len(ranks) // node_size) for ranks in mpi_nodes(comm))
+    if nodes == 1:
         pytest.skip(f"{comm.Get_size()} rank(s) make a single node of size {node_size}")
-    with _context(comm, dict(VIRTUAL, MPIGPU_NODE_SIZE=str(node_size))) as ctx:
-        assert ctx.layout.num_nodes == -(-comm.Get_size() // node_size)
+    with context_with(comm, dict(VIRTUAL, MPIGPU_NODE_SIZE=str(node_size))) as ctx:
+        assert ctx.layout.num_nodes == nodes
         problems = _check_matrix(ctx, ["float16", "bfloat16", "float32", "float64", "int8", "uint64"], COUNTS)
         assert not problems, "; ".join(problems)
         phases = ctx.backend("host").last_phases
         assert len(set(comm.allgather(tuple(sorted(phases))))) == 1, "the same phase names on every rank"
         assert {"copy_out", "reduce", "copy_in", "barrier", "internode"} <= set(phases), phases
-        if ctx.layout.equal_nodes or ctx.layout.local_rank == 0:  # who exchanges between nodes
+        if ctx.layout.local_rank < min(ctx.layout.node_sizes):  # who exchanges between nodes
             assert phases["internode"] > 0, phases
 
 
 @pytest.mark.mpi(min_size=2)
-def test_integer_avg_across_nodes_is_refused(comm) -> None:
-    """The per-node partial is held in the element type, where an exact integer sum does not fit:
-    refused on every rank alike (no collective runs), and auto takes cpu instead."""
-    with _context(comm, dict(VIRTUAL, MPIGPU_NODE_SIZE="1")) as ctx:
-        x = np.full(70001, -128, np.int8)
-        with pytest.raises(mpigpu.InvalidArgument, match="integer avg across several nodes"):
-            mpigpu.allreduce(x, "avg", comm=ctx.comm, backend="host")
-        assert np.all(x == -128)
-        assert mpigpu.explain(x, "avg", comm=ctx.comm).backend == "cpu"
-        mpigpu.allreduce(x, "avg", comm=ctx.comm)
-        assert np.all(x == -128)
-        big = np.full(40 << 20, 7, np.uint8)  # 40 MiB: the host backend's size, but not for integer avg
-        assert mpigpu.explain(big, "avg", comm=ctx.comm).backend == "cpu"
-        # one rank per (virtual) node: auto's layout rule takes cpu for a sum too, where host only adds copies
+def test_one_rank_per_node_auto_takes_cpu_and_host_still_runs_integer_avg(comm) -> None:
+    """One rank per (virtual) node: auto's layout rule takes cpu (the host path only adds copies there), a
+    request for host is honoured, and its integer avg across the nodes is the exact mean."""
+    with context_with(comm, dict(VIRTUAL, MPIGPU_NODE_SIZE="1")) as ctx:
+        big = np.full(40 << 20, 7, np.uint8)  # 40 MiB: the host backend's size on one node
         assert mpigpu.explain(big, "sum", comm=ctx.comm).reason.startswith("layout ")
         assert mpigpu.explain(big, "sum", comm=ctx.comm, backend="host").backend == "host"
+        x = np.full(70001, -128, np.int8)
+        mpigpu.allreduce(x, "avg", comm=ctx.comm, backend="host")
+        assert np.all(x == -128)
 
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 def test_seed_pattern_default_settings(comm, dtype: str) -> None:
     """A million elements through the default pipeline, against the float64 reference."""
-    with _context(comm, {}) as ctx:
+    with context_with(comm, {}) as ctx:
         x = np.empty(1000003, DTYPES[dtype].np)
         fill(x, "seed", Op.AVG, comm.Get_rank(), comm.Get_size())
         mpigpu.allreduce(x, "avg", comm=ctx.comm, backend="host")
@@ -231,7 +196,7 @@ def test_multidimensional_views_reduce_whole_array(tiny: Context) -> None:
 
 @pytest.mark.mpi(min_size=2)
 def test_segment_reused_then_grown_within_the_cap(comm) -> None:
-    with _context(comm, {"MPIGPU_HOST_SMALL": "4K", "MPIGPU_HOST_POOL_MB": "4"}) as ctx:
+    with context_with(comm, {"MPIGPU_HOST_SMALL": "4K", "MPIGPU_HOST_POOL_MB": "4"}) as ctx:
         backend = ctx.backend("host")
         x = np.ones(40000, np.float32)  # 160 KB: one chunk
         mpigpu.allreduce(x, "sum", comm=ctx.comm, backend="host")
@@ -261,7 +226,7 @@ def test_phases_are_reported(tiny: Context) -> None:
 @pytest.mark.mpi(min_size=2)  # one rank never reaches a backend
 def test_pool_too_small_is_a_config_error(comm) -> None:
     env = {"MPIGPU_HOST_POOL_MB": "1", "MPIGPU_HOST_SMALL": "1M"}
-    with _context(comm, env) as ctx, pytest.raises(mpigpu.ConfigError, match="MPIGPU_HOST_POOL_MB=1 is too small"):
+    with context_with(comm, env) as ctx, pytest.raises(mpigpu.ConfigError, match="MPIGPU_HOST_POOL_MB=1 is too small"):
         mpigpu.allreduce(np.ones(4, np.float32), comm=ctx.comm, backend="host")
 
 
@@ -270,7 +235,7 @@ def test_settings_must_agree_on_every_rank(comm) -> None:
     chunk = "8K" if comm.Get_rank() == 1 else "16K"
     with (
         pytest.raises(mpigpu.ConfigError, match="differ between ranks") as info,
-        _context(comm, {"MPIGPU_HOST_CHUNK": chunk}),
+        context_with(comm, {"MPIGPU_HOST_CHUNK": chunk}),
     ):
         pass  # agreed at start-up, with the other settings that change which collectives run
     assert "MPIGPU_HOST_CHUNK: 16384 on rank" in str(info.value)
@@ -278,7 +243,7 @@ def test_settings_must_agree_on_every_rank(comm) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("count", [3, 1000, 300007])  # fewer items than members; gather; reduce-scatter
+@pytest.mark.parametrize("count", [3, 1000, 300007])  # fewer items than members; gather; all-to-all
 def test_internode_exchange_is_exact_and_identical(comm, count: int) -> None:
     """The exchange between nodes, with the world as the 'nodes'."""
     rank, n = comm.Get_rank(), comm.Get_size()
@@ -469,15 +434,13 @@ def test_gpu_schedule_on_a_lazy_runtime(comm, lazy_gpu: LazyRuntime, env: dict[s
     if "MPIGPU_NODE_SIZE" in env and int(env["MPIGPU_NODE_SIZE"]) >= comm.Get_size():
         pytest.skip("a single node")
     caller = 7  # the caller's stream
-    with _context(comm, env) as ctx:
+    with context_with(comm, env) as ctx:
         ctx.gpu = GpuInfo(0, "fake", "0000:00:00.0", "", (9, 0), 1, None)
         backend, rank, n = ctx.backend("host"), ctx.rank, ctx.size
         problems = []
         for name in ["float16", "bfloat16", "float32", "float64", "int8", "uint64"]:
             dtype = DTYPES[name]
             for op in Op:
-                if op is Op.AVG and not dtype.is_float and ctx.layout.num_nodes > 1:
-                    continue  # refused: test_integer_avg_across_nodes_is_refused
                 for count in COUNTS:
                     x = np.empty(count, dtype.np)
                     fill(x, "exact", op, rank, n)
