@@ -39,7 +39,17 @@ def test_topology() -> None:
     assert hvd.size() == MPI.COMM_WORLD.Get_size() and hvd.rank() == MPI.COMM_WORLD.Get_rank()
     assert 0 <= hvd.local_rank() < hvd.local_size() <= hvd.size()
     assert 0 <= hvd.cross_rank() < hvd.cross_size()
-    assert hvd.local_size() * hvd.cross_size() == hvd.size()  # one machine, equal nodes
+    # Horovod's numbers from MPI's own nodes, at any layout (2+1 too): local = the node, cross = the ranks of
+    # every node with this local rank, in node order
+    world = MPI.COMM_WORLD
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    cross = world.Split(color=node.Get_rank(), key=world.Get_rank())
+    try:
+        assert (hvd.local_rank(), hvd.local_size()) == (node.Get_rank(), node.Get_size())
+        assert (hvd.cross_rank(), hvd.cross_size()) == (cross.Get_rank(), cross.Get_size())
+    finally:
+        node.Free()
+        cross.Free()
     assert hvd.mpi_built() and hvd.mpi_enabled() and not hvd.gloo_built() and not hvd.gloo_enabled()
     assert isinstance(hvd.mpi_threads_supported(), bool) and isinstance(hvd.nccl_built(), int)  # NCCL version code
     assert hvd.cuda_built() == torch.cuda.is_available()
