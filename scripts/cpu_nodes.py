@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         row["ok"] = not any(found["wrong"].values())
         rows.append(row)
     if comm.Get_rank() == 0:
-        header = {"machine": args.machine, "mpi": library_info().name, "versions": versions(),
+        mpi_version = MPI().Get_library_version().splitlines()[0].strip()
+        header = {"machine": args.machine, "cores": os.cpu_count(), "mpi": library_info().name,
+                  "mpi_version": mpi_version, "versions": versions(),
                   "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                   "method": f"float32 sum in place, {args.rounds} rounds interleaved, median per rank, slowest rank",
                   "load": round(os.getloadavg()[0], 1)}  # fmt: skip
