@@ -40,8 +40,9 @@ def fits_board(x: ArrayView, op: Op) -> bool:
 
 def _stacks(rows: tuple[tuple[np.ndarray, ...], ...], count: int, is_float: bool) -> tuple[np.ndarray, ...] | None:
     """Per parity, every rank's row as one read-only array of shape (ranks, *row shape) over the board's
-    slots (a row every SLOT_BYTES), for one ``ufunc.reduce`` over axis 0 in place of a call per row;
-    None where that would not add the rows one after another in rank order, or gains nothing.
+    slots (rows at one stride: SLOT_BYTES on the MPI board, 2 * SLOT_BYTES on the node board, whose
+    rank holds both parities' slots side by side), for one ``ufunc.reduce`` over axis 0 in place of a
+    call per row; None where that would not add the rows one after another in rank order, or gains nothing.
 
     NumPy's reduction over axis 0 walks the other axes innermost when their stride is the smaller
     one: each step adds a whole row to the running result, rank by rank, exactly as the loop of
@@ -55,9 +56,11 @@ def _stacks(rows: tuple[tuple[np.ndarray, ...], ...], count: int, is_float: bool
     for parity in rows:
         first = parity[0]
         base = first.__array_interface__["data"][0]
-        if any(row.__array_interface__["data"][0] != base + r * SLOT_BYTES for r, row in enumerate(parity)):
-            return None  # not the board's slot layout: the loop
-        stacks.append(as_strided(first, (n, *first.shape), (SLOT_BYTES, *first.strides), writeable=False))
+        step = parity[1].__array_interface__["data"][0] - base  # MpiBoard: a slot; the node board: two
+        addresses = [row.__array_interface__["data"][0] for row in parity]
+        if step < SLOT_BYTES or addresses != [base + r * step for r in range(n)]:
+            return None  # not slots at one stride, one after another: the loop
+        stacks.append(as_strided(first, (n, *first.shape), (step, *first.strides), writeable=False))
     return tuple(stacks)
 
 
