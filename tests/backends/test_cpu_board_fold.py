@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mpigpu.backends.cpu_board import _stacks, bind_board_allreduce
+from mpigpu.backends import cpu_board
+from mpigpu.backends.cpu_board import _stacks, bind_board_allreduce, quietly
 from mpigpu.core.arrays import as_view
 from mpigpu.core.ops import Op
 from mpigpu.job.check import Signature
@@ -115,6 +116,7 @@ def test_integer_rows_reduce_exactly(n: int, op: Op) -> None:
     assert np.array_equal(out, want), (op, out, want)
 
 
+@pytest.mark.filterwarnings("error")  # overflow and inf - inf: IEEE results, never a warning
 @pytest.mark.parametrize("n", [3, 8, 16])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_the_node_boards_rows_reduce_in_one_call_in_rank_order(n: int, dtype: str) -> None:
@@ -131,6 +133,8 @@ def test_the_node_boards_rows_reduce_in_one_call_in_rank_order(n: int, dtype: st
         for step in range(4):  # both parities, twice
             values = (rng.standard_normal((n, *shape)) * 10.0 ** rng.integers(-6, 7, size=(n, *shape))).astype(dtype)
             values.reshape(n, -1)[:, 0] = -0.0  # -0.0 + -0.0 stays -0.0
+            if step == 2:  # overflow: the rank-order sum's inf
+                values.reshape(n, -1)[0, -1] = values.reshape(n, -1)[1, -1] = np.finfo(dtype).max
             if step == 3:
                 values.reshape(n, -1)[1, -1] = np.inf  # a result's inf, then the canonical NaN of inf - inf
                 values.reshape(n, -1)[2, -1] = -np.inf
@@ -138,7 +142,7 @@ def test_the_node_boards_rows_reduce_in_one_call_in_rank_order(n: int, dtype: st
             for r in range(1, n):
                 parity[r][...] = values[r]
             want = values[0].copy()
-            with np.errstate(invalid="ignore"):
+            with np.errstate(over="ignore", invalid="ignore"):
                 for r in range(1, n):
                     np.add(want, values[r], out=want)
             out = np.full(shape, 7.0, dtype)
@@ -147,3 +151,21 @@ def test_the_node_boards_rows_reduce_in_one_call_in_rank_order(n: int, dtype: st
                 assert np.isnan(out.reshape(-1)[-1])
                 want.reshape(-1)[-1] = out.reshape(-1)[-1]  # the canonical NaN (checked bitwise elsewhere)
             assert out.tobytes() == want.tobytes(), (n, dtype, shape, step)
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("context_errstate", [True, False])  # NumPy 2's context variable; NumPy 1's errstate
+def test_quietly_silences_overflow_and_invalid_inside_only(
+    monkeypatch: pytest.MonkeyPatch, context_errstate: bool
+) -> None:
+    monkeypatch.setattr(cpu_board, "_CONTEXT_ERRSTATE", context_errstate and cpu_board._CONTEXT_ERRSTATE)
+    before = np.geterr()
+    run = quietly()
+    big = np.array([np.finfo(np.float32).max, np.inf], np.float32)
+    out = np.empty(2, np.float32)
+    for _ in range(2):  # entered again after leaving
+        run(np.add, big, big * np.array([1, -1], np.float32), out=out)
+        assert out[0] == np.inf and np.isnan(out[1])
+    assert np.geterr() == before  # the caller's settings untouched
+    with pytest.raises(RuntimeWarning):
+        np.add(big, big, out=out)  # outside: the caller's "warn", raised as an error here
