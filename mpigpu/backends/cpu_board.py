@@ -34,23 +34,24 @@ if TYPE_CHECKING:
 __all__ = ["bind_board_allreduce", "fits_board", "quietly"]
 
 # NumPy 2 keeps its floating-point error settings in a context variable: a Context of our own that holds
-# "ignore" is entered for ~0.3 us, where ``np.errstate`` costs ~1 us a call. NumPy 1 keeps them per thread.
+# them is entered for ~0.3 us, where ``np.errstate`` costs ~1 us a call. NumPy 1 keeps them per thread.
 _CONTEXT_ERRSTATE = int(np.__version__.split(".")[0]) >= 2
+# inside the reduction: overflow and inf - inf give IEEE results with no warning; the rest as NumPy's defaults
+_QUIET = {"divide": "warn", "over": "ignore", "under": "ignore", "invalid": "ignore"}
 
 
 def quietly() -> Callable[..., Any]:
-    """``run(f, *args, **kwargs)``: ``f(*args, **kwargs)`` with NumPy's overflow and invalid-operation
-    warnings off (inf - inf, overflow: IEEE results, no warning), the caller's settings as they were
-    outside it. One per bound
-    launch: a Context cannot be entered twice at once, and a launch never runs twice at once (the
-    one-thread rule)."""
+    """``run(f, *args, **kwargs)``: ``f(*args, **kwargs)`` under _QUIET's settings whatever the caller
+    set (the same on every rank), the caller's own untouched outside it. One per bound launch: a
+    Context cannot be entered twice at once, and a launch never runs twice at once (the one-thread
+    rule)."""
     if _CONTEXT_ERRSTATE:
         quiet = contextvars.Context()
-        quiet.run(np.seterr, over="ignore", invalid="ignore")  # only inside ``quiet``
+        quiet.run(np.seterr, **_QUIET)  # only inside ``quiet``
         return quiet.run
 
     def run(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        with np.errstate(over="ignore", invalid="ignore"):
+        with np.errstate(**_QUIET):
             return f(*args, **kwargs)
 
     return run

@@ -146,7 +146,8 @@ def test_the_node_boards_rows_reduce_in_one_call_in_rank_order(n: int, dtype: st
                 for r in range(1, n):
                     np.add(want, values[r], out=want)
             out = np.full(shape, 7.0, dtype)
-            launch(None, values[0], out)
+            with np.errstate(all="raise"):  # a caller's settings change nothing: the same on every rank
+                launch(None, values[0], out)
             if step == 3:
                 assert np.isnan(out.reshape(-1)[-1])
                 want.reshape(-1)[-1] = out.reshape(-1)[-1]  # the canonical NaN (checked bitwise elsewhere)
@@ -159,13 +160,16 @@ def test_quietly_silences_overflow_and_invalid_inside_only(
     monkeypatch: pytest.MonkeyPatch, context_errstate: bool
 ) -> None:
     monkeypatch.setattr(cpu_board, "_CONTEXT_ERRSTATE", context_errstate and cpu_board._CONTEXT_ERRSTATE)
-    before = np.geterr()
-    run = quietly()
-    big = np.array([np.finfo(np.float32).max, np.inf], np.float32)
-    out = np.empty(2, np.float32)
-    for _ in range(2):  # entered again after leaving
-        run(np.add, big, big * np.array([1, -1], np.float32), out=out)
-        assert out[0] == np.inf and np.isnan(out[1])
-    assert np.geterr() == before  # the caller's settings untouched
-    with pytest.raises(RuntimeWarning):
-        np.add(big, big, out=out)  # outside: the caller's "warn", raised as an error here
+    with np.errstate(all="raise"):  # a caller's settings: the reduction runs under its own all the same
+        before = np.geterr()
+        run = quietly()
+        big = np.array([np.finfo(np.float32).max, np.inf], np.float32)
+        out = np.empty(2, np.float32)
+        for _ in range(2):  # entered again after leaving
+            run(np.add, big, big * np.array([1, -1], np.float32), out=out)
+            assert out[0] == np.inf and np.isnan(out[1])
+        assert np.geterr() == before  # the caller's settings untouched
+        tiny = np.array([np.finfo(np.float32).tiny], np.float32)
+        run(np.multiply, tiny, tiny, out=out[:1])  # underflow: ignored inside too
+        with pytest.raises(FloatingPointError):
+            np.add(big, big, out=out)  # outside: the caller's "raise"
