@@ -15,7 +15,9 @@ MPI_Allreduce: a call costs the check alone.
 
 from __future__ import annotations
 
+import contextvars
 import operator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,7 +31,30 @@ from mpigpu.job.check_board import DATA_BYTES, SLOT_BYTES, Board
 if TYPE_CHECKING:
     from mpigpu.core.arrays import ArrayView
 
-__all__ = ["bind_board_allreduce", "fits_board"]
+__all__ = ["bind_board_allreduce", "fits_board", "quietly"]
+
+# NumPy 2 keeps its floating-point error settings in a context variable: a Context of our own that holds
+# them is entered for ~0.3 us, where ``np.errstate`` costs ~1 us a call. NumPy 1 keeps them per thread.
+_CONTEXT_ERRSTATE = int(np.__version__.split(".")[0]) >= 2
+# inside the reduction: overflow and inf - inf give IEEE results with no warning; the rest as NumPy's defaults
+_QUIET = {"divide": "warn", "over": "ignore", "under": "ignore", "invalid": "ignore"}
+
+
+def quietly() -> Callable[..., Any]:
+    """``run(f, *args, **kwargs)``: ``f(*args, **kwargs)`` under _QUIET's settings whatever the caller
+    set (the same on every rank), the caller's own untouched outside it. One per bound launch: a
+    Context cannot be entered twice at once, and a launch never runs twice at once (the one-thread
+    rule)."""
+    if _CONTEXT_ERRSTATE:
+        quiet = contextvars.Context()
+        quiet.run(np.seterr, **_QUIET)  # only inside ``quiet``
+        return quiet.run
+
+    def run(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with np.errstate(**_QUIET):
+            return f(*args, **kwargs)
+
+    return run
 
 
 def fits_board(x: ArrayView, op: Op) -> bool:
@@ -40,8 +65,9 @@ def fits_board(x: ArrayView, op: Op) -> bool:
 
 def _stacks(rows: tuple[tuple[np.ndarray, ...], ...], count: int, is_float: bool) -> tuple[np.ndarray, ...] | None:
     """Per parity, every rank's row as one read-only array of shape (ranks, *row shape) over the board's
-    slots (a row every SLOT_BYTES), for one ``ufunc.reduce`` over axis 0 in place of a call per row;
-    None where that would not add the rows one after another in rank order, or gains nothing.
+    slots (rows at one stride: SLOT_BYTES on the MPI board, 2 * SLOT_BYTES on the node board, whose
+    rank holds both parities' slots side by side), for one ``ufunc.reduce`` over axis 0 in place of a
+    call per row; None where that would not add the rows one after another in rank order, or gains nothing.
 
     NumPy's reduction over axis 0 walks the other axes innermost when their stride is the smaller
     one: each step adds a whole row to the running result, rank by rank, exactly as the loop of
@@ -55,9 +81,11 @@ def _stacks(rows: tuple[tuple[np.ndarray, ...], ...], count: int, is_float: bool
     for parity in rows:
         first = parity[0]
         base = first.__array_interface__["data"][0]
-        if any(row.__array_interface__["data"][0] != base + r * SLOT_BYTES for r, row in enumerate(parity)):
-            return None  # not the board's slot layout: the loop
-        stacks.append(as_strided(first, (n, *first.shape), (SLOT_BYTES, *first.strides), writeable=False))
+        step = parity[1].__array_interface__["data"][0] - base  # MpiBoard: a slot; the node board: two
+        addresses = [row.__array_interface__["data"][0] for row in parity]
+        if step < SLOT_BYTES or addresses != [base + r * step for r in range(n)]:
+            return None  # not slots at one stride, one after another: the loop
+        stacks.append(as_strided(first, (n, *first.shape), (step, *first.strides), writeable=False))
     return tuple(stacks)
 
 
@@ -96,10 +124,17 @@ def bind_board_allreduce(board: Board, comm: Any, x: ArrayView, op: Op, sig: Sig
     divisor = x.dtype.np.type(n) if op is Op.AVG else None
     # Python's float arithmetic is float64's own, and for float32 one addition or product rounded once
     # to float32 is float32's own (53 >= 2 * 24 + 2 bits): where it is exact, 1-D rows combine as
-    # Python floats, with no errstate (~1 us a call); a result out of range or NaN takes NumPy's path.
+    # Python floats, with no NumPy call; a result out of range or NaN takes NumPy's path.
     in_python = len(shape) == 1 and (x.dtype.np == np.float64 or n == 2)
     top = float(np.finfo(x.dtype.np).max)
     pair = operator.mul if op is Op.PROD else operator.add
+
+    quiet = quietly()
+
+    def reduce_rows(posted: tuple[np.ndarray, ...], dst: np.ndarray) -> None:
+        fold(posted, dst)
+        if divisor is not None:
+            np.divide(dst, divisor, out=dst)
 
     def floats(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
         posted = agreed(src)
@@ -112,10 +147,7 @@ def bind_board_allreduce(board: Board, comm: Any, x: ArrayView, op: Op, sig: Sig
                 if divisor is not None:
                     np.divide(dst, divisor, out=dst)  # IEEE division, as the MPI path's avg
                 return
-        with np.errstate(over="ignore", invalid="ignore"):  # inf - inf, overflow: IEEE results, no warning
-            fold(posted, dst)
-            if divisor is not None:
-                np.divide(dst, divisor, out=dst)
+        quiet(reduce_rows, posted, dst)
         if has_nan(dst):
             canonicalize_nan(dst)
 

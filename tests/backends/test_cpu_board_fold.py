@@ -6,16 +6,18 @@ included. Integer min and max reduce by the stacked slots too."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
-from mpigpu.backends.cpu_board import bind_board_allreduce
+from mpigpu.backends import cpu_board
+from mpigpu.backends.cpu_board import _stacks, bind_board_allreduce, quietly
 from mpigpu.core.arrays import as_view
 from mpigpu.core.ops import Op
 from mpigpu.job.check import Signature
-from mpigpu.job.check_board import DATA_BYTES
+from mpigpu.job.check_board import DATA_BYTES, SLOT_BYTES, CheckBoard
 from mpigpu.job.mpi_board import MpiBoard
 
 
@@ -34,6 +36,25 @@ class _Ranks:
 
     def Allgather(self, send: Any, recv: Any) -> None:
         return None
+
+
+class _NodeLayout:
+    """The node board's rows (CheckBoard.rows: each rank's two parity slots side by side, so a rank's
+    row of one parity is two slots after the previous rank's) seen from rank 0, whose every post is
+    agreed at once: the test writes every other rank's row itself."""
+
+    rows = CheckBoard.rows
+
+    def __init__(self, n: int) -> None:
+        self.size, self.k = n, 0
+        self._segment = SimpleNamespace(array=np.zeros(2 * SLOT_BYTES * n, np.uint8))
+        self._all = tuple(tuple((2 * r + p) * SLOT_BYTES // 8 for r in range(n)) for p in (0, 1))
+
+    def agree_with(self, packed: bytes, data: np.ndarray, rows: tuple[tuple[np.ndarray, ...], ...]) -> Any:
+        self.k += 1
+        mine = rows[self.k & 1]
+        mine[0][...] = data
+        return mine
 
 
 SHAPES = [(1,), (2,), (5,), (11,), (44,), (2, 3), (5, 1), (1, 5), (4, 11)]
@@ -93,3 +114,62 @@ def test_integer_rows_reduce_exactly(n: int, op: Op) -> None:
     launch(None, values[0], out)
     want = op.ufunc.reduce(values.astype(np.int64), axis=0).astype(np.int32)  # int64: no wrap for these
     assert np.array_equal(out, want), (op, out, want)
+
+
+@pytest.mark.filterwarnings("error")  # overflow and inf - inf: IEEE results, never a warning
+@pytest.mark.parametrize("n", [3, 8, 16])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_node_boards_rows_reduce_in_one_call_in_rank_order(n: int, dtype: str) -> None:
+    """The node board's rows, two slots apart, take the one-call reduction too (at 8 ranks it replaced
+    seven ufunc calls), with the rank-order loop's bits, signed zeros, infinities and NaN included."""
+    rng = np.random.default_rng(n)
+    for shape in [(2,), (5,), (2, 3)]:
+        board = _NodeLayout(n)
+        rows = board.rows(np.dtype(dtype), shape)
+        assert _stacks(rows, int(np.prod(shape)), True) is not None, "the node board's layout takes the loop"
+        x = np.zeros(shape, dtype)
+        sig = Signature(x.size, 1, Op.SUM.code, 1, 0, shape=shape)
+        launch = bind_board_allreduce(board, None, as_view(x), Op.SUM, sig, sig.packed())
+        for step in range(4):  # both parities, twice
+            values = (rng.standard_normal((n, *shape)) * 10.0 ** rng.integers(-6, 7, size=(n, *shape))).astype(dtype)
+            values.reshape(n, -1)[:, 0] = -0.0  # -0.0 + -0.0 stays -0.0
+            if step == 2:  # overflow: the rank-order sum's inf
+                values.reshape(n, -1)[0, -1] = values.reshape(n, -1)[1, -1] = np.finfo(dtype).max
+            if step == 3:
+                values.reshape(n, -1)[1, -1] = np.inf  # a result's inf, then the canonical NaN of inf - inf
+                values.reshape(n, -1)[2, -1] = -np.inf
+            parity = rows[(board.k + 1) & 1]
+            for r in range(1, n):
+                parity[r][...] = values[r]
+            want = values[0].copy()
+            with np.errstate(over="ignore", invalid="ignore"):
+                for r in range(1, n):
+                    np.add(want, values[r], out=want)
+            out = np.full(shape, 7.0, dtype)
+            with np.errstate(all="raise"):  # a caller's settings change nothing: the same on every rank
+                launch(None, values[0], out)
+            if step == 3:
+                assert np.isnan(out.reshape(-1)[-1])
+                want.reshape(-1)[-1] = out.reshape(-1)[-1]  # the canonical NaN (checked bitwise elsewhere)
+            assert out.tobytes() == want.tobytes(), (n, dtype, shape, step)
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("context_errstate", [True, False])  # NumPy 2's context variable; NumPy 1's errstate
+def test_quietly_silences_overflow_and_invalid_inside_only(
+    monkeypatch: pytest.MonkeyPatch, context_errstate: bool
+) -> None:
+    monkeypatch.setattr(cpu_board, "_CONTEXT_ERRSTATE", context_errstate and cpu_board._CONTEXT_ERRSTATE)
+    with np.errstate(all="raise"):  # a caller's settings: the reduction runs under its own all the same
+        before = np.geterr()
+        run = quietly()
+        big = np.array([np.finfo(np.float32).max, np.inf], np.float32)
+        out = np.empty(2, np.float32)
+        for _ in range(2):  # entered again after leaving
+            run(np.add, big, big * np.array([1, -1], np.float32), out=out)
+            assert out[0] == np.inf and np.isnan(out[1])
+        assert np.geterr() == before  # the caller's settings untouched
+        tiny = np.array([np.finfo(np.float32).tiny], np.float32)
+        run(np.multiply, tiny, tiny, out=out[:1])  # underflow: ignored inside too
+        with pytest.raises(FloatingPointError):
+            np.add(big, big, out=out)  # outside: the caller's "raise"

@@ -24,7 +24,8 @@ KiB, MiB = 1 << 10, 1 << 20
         ((2, 1), 8 * MiB, "cpu"), ((3, 1), 8 * MiB, "cpu"),  # a node of one rank
         ((4, 4), 8, "cpu"), ((4, 4), 64 * KiB, "cpu"), ((4, 4), ACROSS_NODES_HOST_FROM - 1, "cpu"),
         ((4, 4), ACROSS_NODES_HOST_FROM, "host"), ((2, 2, 2, 2), 8 * MiB, "host"), ((3, 2), 1 * MiB, "host"),
-        ((8,), 8, "cpu"), ((8,), 48 * KiB, "host"), ((8,), 256 * KiB, "cpu"), ((16,), ONE_NODE_HOST_FROM, "host"),
+        ((8,), 8, "cpu"), ((8,), 48 * KiB, "cpu"), ((8,), 64 * KiB, "cpu"), ((16,), 32 * KiB, "cpu"),
+        ((8,), 256 * KiB, "cpu"), ((8,), ONE_NODE_HOST_FROM - 1, "cpu"), ((16,), ONE_NODE_HOST_FROM, "host"),
     ],
 )  # fmt: skip
 def test_the_backend_per_layout_and_size(sizes: tuple[int, ...], nbytes: int, want: str) -> None:
