@@ -30,9 +30,11 @@ assert torch.equal(t, torch.arange(5, dtype=torch.float64) * n + n * (n - 1) / 2
 store = dist.distributed_c10d._get_default_store()
 while isinstance(store, dist.PrefixStore):
     store = store.underlying_store
-print(f"store {type(store).__name__}", flush=True)
+sys.stdout.write(f"store {type(store).__name__}\\n")  # one write each: the two ranks' lines never interleave
+sys.stdout.flush()
 dist.destroy_process_group()
-print("OK", r, flush=True)
+sys.stdout.write(f"OK {r}\\n")
+sys.stdout.flush()
 """
 
 
