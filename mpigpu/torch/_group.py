@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d  # the options structs: torch 2.11 exports fewer of them
 from torch.distributed import ReduceOp
 
 from mpigpu.calls.handles import reject
@@ -133,7 +134,7 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
 
     # -- the reductions --------------------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        opts = dist.AllreduceOptions() if opts is None else opts
+        opts = c10d.AllreduceOptions() if opts is None else opts
         if tensors and (other := self._other(tensors[0])) is not None:
             return other.allreduce(tensors, opts)
         t = self._one("all_reduce", tensors)
@@ -143,7 +144,7 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         """One allreduce of the tensors packed flat (they share a dtype and a device), unpacked after."""
-        opts = dist.AllreduceCoalescedOptions() if opts is None else opts
+        opts = c10d.AllreduceCoalescedOptions() if opts is None else opts
         if not tensors:
             return done_work([])
         if (other := self._other(tensors[0])) is not None:
@@ -161,7 +162,7 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
         return start(ALLREDUCE, self._comm, (flat, op, None, "auto"), tensors, unpack)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        opts = dist.ReduceScatterOptions() if opts is None else opts
+        opts = c10d.ReduceScatterOptions() if opts is None else opts
         if (other := self._other(input)) is not None:
             return other._reduce_scatter_base(output, input, opts)
         op = self._op("reduce_scatter_tensor", opts.reduceOp)
@@ -174,7 +175,7 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
         return start(REDUCE_SCATTER, self._comm, (rows, op, output.reshape(1, -1), "auto"), [output])
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
-        opts = dist.ReduceScatterOptions() if opts is None else opts
+        opts = c10d.ReduceScatterOptions() if opts is None else opts
         output = self._one("reduce_scatter", outputs)
         if (other := self._other(output)) is not None:
             return other.reduce_scatter(outputs, inputs, opts)
@@ -189,7 +190,7 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         """mpigpu's allreduce (the same bits on every rank); the root keeps the result."""
-        opts = dist.ReduceOptions() if opts is None else opts
+        opts = c10d.ReduceOptions() if opts is None else opts
         if tensors and (other := self._other(tensors[0])) is not None:
             return other.reduce(tensors, opts)
         t = self._one("reduce", tensors)
@@ -206,7 +207,7 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
 
     # -- data movement -------------------------------------------------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        opts = dist.BroadcastOptions() if opts is None else opts
+        opts = c10d.BroadcastOptions() if opts is None else opts
         if tensors and (other := self._other(tensors[0])) is not None:
             return other.broadcast(tensors, opts)
         t = self._one("broadcast", tensors)
@@ -214,7 +215,7 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
         return start(BROADCAST, self._comm, (t, opts.rootRank, "auto"), [t])
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        opts = dist.AllgatherOptions() if opts is None else opts
+        opts = c10d.AllgatherOptions() if opts is None else opts
         if (other := self._other(input)) is not None:
             return other._allgather_base(output, input, opts)
         self._dense("all_gather_into_tensor", output, input)
@@ -227,7 +228,7 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         """Every rank's input (its own size) gathered flat, then copied into the output list."""
-        opts = dist.AllgatherOptions() if opts is None else opts
+        opts = c10d.AllgatherOptions() if opts is None else opts
         t = self._one("all_gather", inputs)
         if (other := self._other(t)) is not None:
             return other.allgather(outputs, inputs, opts)
@@ -247,7 +248,7 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         """mpigpu's allgather; the root copies the rows into its output list."""
-        opts = dist.GatherOptions() if opts is None else opts
+        opts = c10d.GatherOptions() if opts is None else opts
         t = self._one("gather", inputs)
         if (other := self._other(t)) is not None:
             return other.gather(outputs, inputs, opts)
@@ -257,7 +258,7 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
         """mpigpu's alltoall in which only the root sends: its i-th tensor to rank i."""
-        opts = dist.ScatterOptions() if opts is None else opts
+        opts = c10d.ScatterOptions() if opts is None else opts
         out = self._one("scatter", outputs)
         if (other := self._other(out)) is not None:
             return other.scatter(outputs, inputs, opts)
@@ -277,7 +278,7 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
         """all_to_all_single: rows of the first dimension, as mpigpu's alltoall sends them. The rows
         received are checked against ``output_splits`` where given (a rank whose splits disagree raises
         MismatchError after the call; every rank has made it, so the next call pairs)."""
-        opts = dist.AllToAllOptions() if opts is None else opts
+        opts = c10d.AllToAllOptions() if opts is None else opts
         if (other := self._other(input)) is not None:
             return other.alltoall_base(output, input, output_splits, input_splits, opts)
         self._dense("all_to_all_single", output, input)
@@ -294,7 +295,7 @@ class ProcessGroupMpigpu(dist.ProcessGroup):
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         """all_to_all (lists): the inputs sent flat (tensor i to rank i), the rows received unpacked."""
-        opts = dist.AllToAllOptions() if opts is None else opts
+        opts = c10d.AllToAllOptions() if opts is None else opts
         if inputs and (other := self._other(inputs[0])) is not None:
             return other.alltoall(outputs, inputs, opts)
         if len(inputs) != self.size() or len(outputs) != self.size():
