@@ -105,6 +105,18 @@ def fresh_context(comm: Any) -> Iterator[Any]:
         dup.Free()
 
 
+def check_outcome(comm: Any, sig: Any) -> str | None:
+    """None if the cross-rank argument check of ``sig`` on ``comm`` passed, else its MismatchError's message."""
+    from mpigpu.core.errors import MismatchError
+    from mpigpu.job.check import check_signature
+
+    try:
+        check_signature(comm, sig)
+    except MismatchError as exc:
+        return str(exc)
+    return None
+
+
 @contextlib.contextmanager
 def context_with(comm: Any, env: dict[str, str]) -> Iterator[Any]:
     """mpigpu's Context of a fresh duplicate of ``comm``, created while the variables ``env`` are set

@@ -9,13 +9,12 @@ MPIGPU_* variables are set (see tests/backends/test_host_mpi.py).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from conftest import context_with
 
 import mpigpu
 from mpigpu.bench.workload import POISON_BYTE, count_wrong_device, fill_device
@@ -29,27 +28,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1)]
 
 TINY = {"MPIGPU_HOST_CHUNK": "16K", "MPIGPU_HOST_SMALL": "4K", "MPIGPU_HOST_DEPTH": "1"}
 COUNTS = [1, 7, 1000, 70001]  # latency route up to 4 KiB; then 5 to 35 chunks on a ring of 3
-
-
-@contextlib.contextmanager
-def _context(comm, env: dict[str, str]) -> Iterator[Context]:
-    """A Context on a duplicate communicator, created while ``env`` is set (collective)."""
-    saved = {name: os.environ.get(name) for name in env}
-    dup = comm.Dup()
-    os.environ.update(env)
-    try:
-        ctx = Context.get(dup)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-    try:
-        yield ctx
-    finally:
-        ctx.close()
-        dup.Free()
 
 
 class Buffers:
@@ -112,7 +90,7 @@ def _check(ctx: Context, dtypes: list[str], ops: list[Op], counts: list[int]) ->
 
 @pytest.fixture(scope="module")
 def tiny(comm) -> Iterator[Context]:
-    with _context(comm, TINY) as ctx:
+    with context_with(comm, TINY) as ctx:
         yield ctx
 
 
@@ -135,7 +113,7 @@ def test_default_pipeline_large(comm, dtype: str) -> None:
 def test_virtual_nodes(comm, node_size: int) -> None:
     if node_size >= comm.Get_size():
         pytest.skip(f"{comm.Get_size()} rank(s) make a single node of size {node_size}")
-    with _context(comm, dict(TINY, MPIGPU_HOST_CHUNK="256K", MPIGPU_NODE_SIZE=str(node_size))) as ctx:
+    with context_with(comm, dict(TINY, MPIGPU_HOST_CHUNK="256K", MPIGPU_NODE_SIZE=str(node_size))) as ctx:
         assert ctx.layout.num_nodes > 1
         dtypes = ["float32", "float16", "bfloat16", "float64"]
         problems = _check(ctx, dtypes, [Op.SUM, Op.AVG, Op.MAX], [7, 70001, 1000003])

@@ -11,25 +11,15 @@ import json
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from conftest import fresh_context, run_mpi
+from conftest import check_outcome, fresh_context, run_mpi
 
 import mpigpu
 from mpigpu.core.errors import InvalidArgument, MismatchError
 from mpigpu.job.check import Signature, check_signature
 from mpigpu.job.check_board import board_for, open_board
-
-
-def _outcome(comm: Any, sig: Signature) -> str | None:
-    """None if the check passed, else the MismatchError's message."""
-    try:
-        check_signature(comm, sig)
-    except MismatchError as exc:
-        return str(exc)
-    return None
 
 
 @pytest.mark.mpi(min_size=1)
@@ -72,8 +62,8 @@ def test_a_thousand_random_checks_agree_with_the_mpi_path_on_every_rank(comm) ->
                         shape = (shape[1], shape[0])  # same count, another shape
                 error = "ValueError: refused" if rank == odd and field == 4 else None
                 sig = Signature(count, dtype, op, 1, 0, error=error, shape=shape)
-                on_board = _outcome(ctx.comm, sig)
-                assert on_board == _outcome(plain, sig), f"check {i}: the board and MPI differ"
+                on_board = check_outcome(ctx.comm, sig)
+                assert on_board == check_outcome(plain, sig), f"check {i}: the board and MPI differ"
                 differs = field == 4 or (n > 1 and not (field == 3 and shape[0] == shape[1]))
                 if odd < n and differs:
                     assert on_board is not None, f"check {i}: rank {odd} differs in field {field}, not caught"

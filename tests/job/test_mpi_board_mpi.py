@@ -14,24 +14,14 @@ from __future__ import annotations
 import json
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from conftest import run_mpi
+from conftest import check_outcome, run_mpi
 
-from mpigpu.core.errors import MismatchError
-from mpigpu.job.check import Signature, check_signature
+from mpigpu.job.check import Signature
 from mpigpu.job.check_board import DATA_BYTES, board_for, pack
 from mpigpu.job.mpi_board import MAX_RANKS, MpiBoard, open_mpi_board
-
-
-def _outcome(comm: Any, sig: Signature) -> str | None:
-    try:
-        check_signature(comm, sig)
-    except MismatchError as exc:
-        return str(exc)
-    return None
 
 
 @pytest.mark.mpi(min_size=1)
@@ -51,8 +41,8 @@ def test_random_checks_give_the_mpi_paths_verdict_and_message_on_every_rank(comm
             sig = Signature(
                 count + (rank == odd and field == 0), 1, 1 + (rank == odd and field == 1), 1, 0, error=error
             )
-            verdict = _outcome(on_board, sig)
-            assert verdict == _outcome(plain, sig), f"check {i}: the Allgather board and MPI_Allreduce differ"
+            verdict = check_outcome(on_board, sig)
+            assert verdict == check_outcome(plain, sig), f"check {i}: the Allgather board and MPI_Allreduce differ"
             if odd < n and (n > 1 or field == 2):
                 assert verdict is not None and f"rank {odd}" in verdict, (i, verdict)
             else:
