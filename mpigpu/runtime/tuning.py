@@ -91,15 +91,15 @@ def machine_signature(ctx: TuningContext) -> dict[str, Any]:
     ipc = ctx.availability.get("ipc")
     if gpu is not None:
         link = "p2p" if ipc is not None and ipc.ok else "no-p2p"
+    sizes = ctx.layout.node_sizes
     signature = {
         "gpu": gpu.name if gpu else "cpu",
-        "ranks_per_node": ctx.layout.local_size,
+        "ranks_per_node": max(sizes),  # the same on every rank (its own node's size is not, at 2+1)
         "nodes": ctx.layout.num_nodes,
         "link": link,
         "mpi": ctx.mpi_lib.name,
     }
-    sizes = ctx.layout.node_sizes
-    if len(set(sizes)) > 1:  # uneven: rank 0's ranks_per_node alone would match an even layout's table
+    if len(set(sizes)) > 1:  # uneven: ranks_per_node alone would match an even layout's table
         signature["node_sizes"] = "+".join(map(str, sizes))
     return signature
 
