@@ -47,7 +47,15 @@ def _file_store(world: Any, timeout: timedelta) -> Any:
     path = world.bcast(path, root=0)
     if world.Get_rank() == 0:
         atexit.register(shutil.rmtree, path, True)
-    store = dist.FileStore(os.path.join(_private_dir(path), "store"), world.Get_size())
+    try:
+        _private_dir(path)
+        problem = ""
+    except (OSError, ValueError) as exc:
+        problem = str(exc)
+    problems = [p for p in world.allgather(problem) if p]  # a rank that refuses the directory: every rank raises
+    if problems:
+        raise ValueError(f"mpigpu.torch's rendezvous did not start: {problems[0]}")
+    store = dist.FileStore(os.path.join(path, "store"), world.Get_size())
     store.set_timeout(timeout)
     return store
 
