@@ -118,23 +118,30 @@ def check_outcome(comm: Any, sig: Any) -> str | None:
 
 
 @contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """The variables ``values`` set inside the block; each restored (or removed) after it."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
 def context_with(comm: Any, env: dict[str, str]) -> Iterator[Any]:
     """mpigpu's Context of a fresh duplicate of ``comm``, created while the variables ``env`` are set
     (collective; settings are read at start-up), closed and freed afterwards."""
     from mpigpu.runtime.context import Context
 
-    saved = {name: os.environ.get(name) for name in env}
     dup = comm.Dup()
     try:
-        os.environ.update(env)
-        try:
+        with environment(env):
             ctx = Context.get(dup)
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
         yield ctx
     finally:
         with contextlib.suppress(NameError):

@@ -6,13 +6,13 @@ abort when broken start their own mpiexec (tests/job/test_isolation_jobs.py)."""
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import environment
 
 import mpigpu
 from mpigpu.calls.reduce import allreduce_async
@@ -216,20 +216,6 @@ def test_a_freed_communicator_is_refused_clearly(comm) -> None:
 
 
 # -- settings that must agree --------------------------------------------------------------------
-@contextlib.contextmanager
-def _env(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize(
     ("variable", "mine", "others", "shown"),
@@ -246,7 +232,7 @@ def test_a_setting_that_differs_fails_start_up_on_every_rank(
     rank = comm.Get_rank()
     with (
         _fresh(comm) as user,
-        _env({variable: mine if rank == 1 else others}),
+        environment({variable: mine if rank == 1 else others}),
         pytest.raises(ConfigError, match="settings differ between ranks") as info,
     ):
         mpigpu.allreduce(np.ones(3), comm=user, backend="cpu")
