@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from mpigpu.bench.workload import count_changed_device
 from mpigpu.calls.reduce import scatter_choice, scatter_rows
 from mpigpu.core.arrays import ArrayView, as_view
 from mpigpu.core.dtypes import DType
@@ -263,8 +264,8 @@ class CollectiveWorkload:
                 mine = got[at * item : (at + count) * item]
                 if self.gpu is None:
                     wrong += int((mine.reshape(count, item) != want.reshape(count, item)).any(axis=1).sum())
-                elif count:
-                    wrong += _device_wrong(xp, mine, want, item, count)  # waits for the stream
+                elif count:  # one mpigpu kernel for every size: no CuPy reduction compiled per size
+                    wrong += count_changed_device(mine.data.ptr, want.data.ptr, count, item, self.gpu, self.stream)
         return wrong
 
     def _expected(self, xp: Any) -> list[tuple[int, Any, int]]:
@@ -304,34 +305,6 @@ def _xp(gpu: Any) -> Any:
     from mpigpu.core._cuda import cupy
 
     return cupy()
-
-
-_wrong_kernel: Any = None  # the CuPy kernel of _device_wrong, compiled on first use
-
-
-def _device_wrong(cp: Any, got: Any, want: Any, item: int, count: int) -> int:
-    """How many of ``count`` elements of ``item`` bytes differ between the CuPy uint8 arrays ``got``
-    and ``want``, on the current stream (the int read back waits for it).
-
-    One elementwise kernel, compiled once for every size: CuPy's reductions (``any``, ``sum``) go
-    through CUB kernels compiled per block size, and the block size follows the array size up to
-    2048 elements, so the check of the second size compiled new ones (3.3 s on 2 x H200 at 64 KiB,
-    which stopped the sweep of the raw NCCL broadcast anchor)."""
-    global _wrong_kernel
-    if _wrong_kernel is None:
-        _wrong_kernel = cp.ElementwiseKernel(
-            "raw uint8 got, raw uint8 want, int64 item",
-            "raw uint64 wrong",
-            """
-            bool bad = false;
-            for (long long k = 0; k < item; ++k) bad |= got[i * item + k] != want[i * item + k];
-            if (bad) atomicAdd(&wrong[0], 1ULL);
-            """,
-            "mpigpu_count_wrong",
-        )
-    wrong = cp.zeros(1, cp.uint64)
-    _wrong_kernel(got, want, np.int64(item), wrong, size=count)
-    return int(wrong.get()[0])
 
 
 # -- the calls --------------------------------------------------------------------------------------

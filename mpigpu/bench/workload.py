@@ -21,7 +21,7 @@ from mpigpu.core.ops import Op
 from mpigpu.core.patterns import check_pattern, fill, pattern_code
 from mpigpu.core.verify import count_wrong_host
 
-__all__ = ["POISON_BYTE", "Buffers", "Workload", "count_wrong_device", "fill_device"]
+__all__ = ["POISON_BYTE", "Buffers", "Workload", "count_changed_device", "count_wrong_device", "fill_device"]
 
 POISON_BYTE = 0x7F  # NaN or a huge value in every dtype; never an expected result
 
@@ -187,15 +187,9 @@ class Workload:
         return wrong
 
     def _changed_on_device(self) -> int:
-        """Input elements that differ from the snapshot, compared as bytes on the GPU."""
-        from mpigpu.core._cuda import cupy, cupy_stream
-
-        cp = cupy()
-        start, nbytes = self.offset * self.dtype.itemsize, self.x.nbytes
-        with cupy_stream(self.stream.handle):
-            x = self.buffers.x[start : start + nbytes].reshape(self.count, self.dtype.itemsize)
-            snap = self.buffers.snap[start : start + nbytes].reshape(self.count, self.dtype.itemsize)
-            return int(cp.count_nonzero((x != snap).any(axis=1)))
+        """Input elements that differ from the snapshot, compared as bytes on the GPU (one mpigpu kernel
+        for every dtype: no library compiles a kernel per shape or dtype while memory is measured)."""
+        return count_changed_device(self.x.ptr, self._snap.ptr, self.count, self.dtype.itemsize, self.gpu, self.stream)
 
     def free(self) -> None:
         self.buffers.free()
@@ -233,19 +227,33 @@ def count_wrong_device(
     ptr: int, count: int, dtype: DType, pattern: str, op: Op, nranks: int, gpu: Any, stream: Any
 ) -> int:
     """Wrong elements among ``count`` results at device pointer ``ptr`` (verified on the GPU)."""
-    from mpigpu.core._cuda import cupy
-    from mpigpu.kernels.compile import i32, i64, launch
+    from mpigpu.kernels.compile import i32, i64
 
-    cp = cupy()
-    counter = cp.empty(1, dtype=np.uint64)
-    cp.cuda.runtime.memsetAsync(int(counter.data.ptr), 0, 8, stream.handle)
     kernel = _patterns_module(gpu).kernel(f"count_wrong_{dtype.name}")
-    launch(
-        stream, kernel, count, ptr, i64(count), i64(0),
-        i32(pattern_code(pattern)), i32(op.index), i32(nranks), np.float64(dtype.eps), int(counter.data.ptr),
-    )  # fmt: skip
+    args = (ptr, i64(count), i64(0), i32(pattern_code(pattern)), i32(op.index), i32(nranks), np.float64(dtype.eps))
+    return _count_on_device(stream, kernel, count, args)
+
+
+def count_changed_device(a: int, b: int, count: int, width: int, gpu: Any, stream: Any) -> int:
+    """Elements of ``width`` bytes among ``count`` that differ between device pointers ``a`` and ``b``."""
+    from mpigpu.kernels.compile import i32, i64
+
+    kernel = _patterns_module(gpu).kernel("count_changed")
+    return _count_on_device(stream, kernel, count, (a, b, i64(count), i32(width)))
+
+
+def _count_on_device(stream: Any, kernel: Any, count: int, args: tuple[Any, ...]) -> int:
+    """Launch a counting kernel over ``count`` items with ``args`` and a zeroed uint64 counter as its last
+    argument, on ``stream`` (any stream resolve_stream takes); wait and return the count."""
+    from mpigpu.core._cuda import cupy, resolve_stream
+    from mpigpu.kernels.compile import launch
+
+    cp, ref = cupy(), resolve_stream(stream, "", None)
+    counter = cp.empty(1, dtype=np.uint64)
+    cp.cuda.runtime.memsetAsync(int(counter.data.ptr), 0, 8, ref.handle)
+    launch(ref, kernel, count, *args, int(counter.data.ptr))
     host = np.empty(1, dtype=np.uint64)
     cp.cuda.runtime.memcpyAsync(host.ctypes.data, int(counter.data.ptr), 8, cp.cuda.runtime.memcpyDeviceToHost,
-                                stream.handle)  # fmt: skip
-    cp.cuda.runtime.streamSynchronize(stream.handle)
+                                ref.handle)  # fmt: skip
+    cp.cuda.runtime.streamSynchronize(ref.handle)
     return int(host[0])

@@ -105,3 +105,16 @@ __device__ void count_wrong_impl(const T* got, i64 count, i64 offset, int patter
         count_wrong_impl<T>(got, count, offset, pattern, op, n, eps, wrong);                             \
     }
 MPIGPU_FOR_EACH_TYPE(DEFINE_PATTERN_KERNELS)
+
+// Elements of `width` bytes that differ between a and b (an out-of-place call's input against its
+// snapshot). One kernel for every type: the soak's check compiles nothing after its warm-up.
+extern "C" __global__ void count_changed(const unsigned char* a, const unsigned char* b, i64 count, int width,
+                                         u64* changed) {
+    u64 local = 0;
+    GRID_STRIDE(j, count) {
+        bool differ = false;
+        for (int k = 0; k < width; ++k) differ |= a[j * width + k] != b[j * width + k];
+        local += differ ? 1 : 0;
+    }
+    if (local) atomicAdd(changed, local);
+}

@@ -160,22 +160,26 @@ def test_broadcast_and_allgather_rows_beside_raw_nccl(comm, collective: str, fra
 
 @pytest.mark.parametrize("item", [1, 2, 4, 8])
 def test_device_wrong_counts_elements_as_numpy_does_at_every_size(comm, item: int) -> None:
-    """The collectives' device verifier (one elementwise kernel for every size, no CUB reduction
-    compiled per size) counts the elements with any wrong byte exactly as the NumPy reference."""
-    from mpigpu.bench.collectives import _device_wrong
+    """The verifiers' device check of changed elements (one mpigpu kernel for every size and dtype: no
+    CuPy reduction compiled per size, whose NVRTC memory a soak would count) counts the elements with
+    any wrong byte exactly as the NumPy reference, at any byte offset."""
+    from mpigpu.bench.workload import count_changed_device
     from mpigpu.core._cuda import cupy
 
-    cp = cupy()
+    cp, gpu = cupy(), Context.get(comm).gpu
+    stream = 0  # the legacy default stream: ordered after cp.asarray's copies
     rng = np.random.default_rng(item)
-    for count in (1, 2, 7, 2048, 16384, 262145):
-        want = rng.integers(0, 251, count * item, dtype=np.uint8)
+    for count, offset in ((1, 0), (2, 3), (7, 1), (2048, 0), (16384, 5), (262145, 0)):
+        want = rng.integers(0, 251, count * item + offset, dtype=np.uint8)
         got = want.copy()
-        hit = rng.choice(count * item, size=min(count * item, 37), replace=False)
+        hit = offset + rng.choice(count * item, size=min(count * item, 37), replace=False)
         got[hit] = 0xFF  # the poison: never a pattern byte
-        expected = int((got.reshape(count, item) != want.reshape(count, item)).any(axis=1).sum())
+        expected = int((got[offset:].reshape(count, item) != want[offset:].reshape(count, item)).any(axis=1).sum())
         assert expected > 0
-        assert _device_wrong(cp, cp.asarray(got), cp.asarray(want), item, count) == expected, count
-        assert _device_wrong(cp, cp.asarray(want), cp.asarray(want), item, count) == 0, count
+        dgot, dwant = cp.asarray(got), cp.asarray(want)
+        at = (int(dgot.data.ptr) + offset, int(dwant.data.ptr) + offset)
+        assert count_changed_device(*at, count, item, gpu, stream) == expected, count
+        assert count_changed_device(at[1], at[1], count, item, gpu, stream) == 0, count
 
 
 def test_every_collective_in_one_run_beside_torch_and_raw_nccl(comm) -> None:
