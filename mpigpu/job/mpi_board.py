@@ -29,6 +29,7 @@ import numpy as np
 
 from mpigpu.core._mpi import MPI
 from mpigpu.job.check_board import DATA_BYTES, FIELDS, SLOT_BYTES, board_for, pack, register
+from mpigpu.job.node_mpi_board import NodeMpiBoard, open_node_mpi_board
 
 __all__ = ["MAX_RANKS", "MpiBoard", "open_mpi_board"]
 
@@ -117,12 +118,18 @@ class MpiBoard:
             register(self.comm, None)
 
 
-def open_mpi_board(comm: Any) -> MpiBoard | None:
-    """The Allgather board of ``comm`` (which spans nodes: the caller found no node board), registered
-    for ``check_signature``; None past MAX_RANKS ranks, where the check goes through MPI_Allreduce.
-    Local: the decision depends on the communicator's size alone, the same on every rank."""
+def open_mpi_board(comm: Any, node_comm: Any = None) -> MpiBoard | NodeMpiBoard | None:
+    """The board of ``comm`` across nodes (the caller found no node board), registered for
+    ``check_signature``: the two-level one (mpigpu.job.node_mpi_board) where ``node_comm`` (this rank's
+    node, sharing memory) is given and a node holds two ranks or more, else the flat Allgather; None
+    past MAX_RANKS ranks, where the check goes through MPI_Allreduce. Collective over ``comm`` where
+    ``node_comm`` is given (local otherwise); the choice is the same on every rank."""
     if comm.Get_size() > MAX_RANKS:
         return None
+    if node_comm is not None:
+        two_level = open_node_mpi_board(comm, node_comm)
+        if two_level is not None:
+            return two_level
     board = MpiBoard(comm)
     register(comm, board)
     return board
