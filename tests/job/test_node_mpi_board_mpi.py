@@ -29,7 +29,7 @@ from mpigpu.job.check import Signature
 from mpigpu.job.check_board import DATA_BYTES, board_for, pack
 from mpigpu.job.node_mpi_board import NodeMpiBoard, open_node_mpi_board
 
-# node of each rank (by rank, for n ranks) in the layouts simulated on one machine
+# node of each rank (by rank, for n ranks) in the layouts simulated inside each machine (MPI node)
 _LAYOUTS = {
     "blocks": lambda r, n: r * 2 // n,
     "round-robin": lambda r, n: r % 2,
@@ -39,9 +39,15 @@ _LAYOUTS = {
 }
 
 
-def _split(comm: Any, layout: str) -> Any:
+def _split(comm: Any, layout: str) -> tuple[Any, bool]:
+    """The simulated node of this rank (ranks that share memory and the layout's node), and whether some
+    node holds two ranks or more (collective)."""
     rank, n = comm.Get_rank(), comm.Get_size()
-    return comm.Split(_LAYOUTS[layout](rank, n), rank)
+    shared = comm.Split_type(MPI().COMM_TYPE_SHARED, key=rank)
+    first = shared.allreduce(rank, op=MPI().MIN)  # the machine, named by its lowest rank
+    shared.Free()
+    node = comm.Split(_LAYOUTS[layout](rank, n) * n + first, rank)
+    return node, comm.allreduce(node.Get_size(), op=MPI().MAX) >= 2
 
 
 @pytest.mark.mpi(min_size=1)
@@ -49,11 +55,11 @@ def _split(comm: Any, layout: str) -> Any:
 def test_random_checks_give_the_mpi_paths_verdict_and_message(comm, layout: str) -> None:
     rank, n = comm.Get_rank(), comm.Get_size()
     on_board, plain = comm.Dup(), comm.Dup()
-    node = _split(on_board, layout)
+    node, pairs = _split(on_board, layout)
     rng = np.random.default_rng(7)  # the same draws on every rank
     try:
         board = open_node_mpi_board(on_board, node)
-        if max(sum(_LAYOUTS[layout](r, n) == v for r in range(n)) for v in (0, 1)) < 2:
+        if not pairs:
             assert board is None, "one rank per node: the flat Allgather"
             return
         assert isinstance(board, NodeMpiBoard) and board_for(on_board) is board and board_for(plain) is None
@@ -94,10 +100,10 @@ def test_rows_are_every_ranks_in_rank_order_and_last_until_the_check_after_next(
             dup.Barrier()
             return
         m = sub.Get_size()
-        node = _split(sub, layout)
+        node, pairs = _split(sub, layout)
         board = open_node_mpi_board(sub, node)
-        if board is None:  # one rank per node (2 ranks in two nodes)
-            assert max(sum(_LAYOUTS[layout](r, m) == v for r in range(m)) for v in (0, 1)) < 2
+        if board is None:
+            assert not pairs, "one rank per node: no two-level board"
             dup.Barrier()
             return
         count = DATA_BYTES // 8  # the whole data area
