@@ -9,7 +9,7 @@ board opens, and a check is:
 1. every rank posts its slot ``[k, 9 values, data]`` (the flat board's layout) on a node-shared segment
    (mpigpu.job.shm.SharedSegment), as on the node board: values and data, a fence where the CPU needs
    one, then ``k``;
-2. the leader waits for its node's slots of this parity (``shm.wait_at_least``: spin, yield, sleep), then
+2. the leader waits for its node's slots of this parity (``shm.wait_at_least``; below), then
    one MPI_Allgather (nodes of equal size) or MPI_Allgatherv among the leaders moves each node's block
    of slots, straight from the segment, into the segment's result area: every rank's slot, node by
    node;
@@ -24,6 +24,12 @@ Two parities of both areas keep a check's rows valid until this rank's next chec
 check ``k + 2`` only after it has read check ``k + 1``'s result, which its leader published after the
 exchange of ``k + 1``, so after the exchange of ``k`` had read every post of parity ``k % 2``; and the
 leader overwrites result ``k % 2`` only once every rank of its node has posted ``k + 2``.
+
+Every wait here (the leader's for its node, the others' for the leader) yields the CPU from its start
+instead of spinning 20 us first as the node board does: the others wait through a whole exchange
+between nodes, and on an oversubscribed machine (2x2 on 2 cores) a spinning rank holds the core its
+leader needs (72 us a check against the flat board's 41 with the spin; 26-38 against 26-43 without).
+With a core per rank ``sched_yield`` returns at once: the wait is a poll with a system call per read.
 
 Used across nodes where a node holds two ranks or more (mpi_board.open_mpi_board decides, the same on every
 rank); with one rank per node the flat Allgather is already the leaders' exchange. A rank that never
@@ -49,7 +55,6 @@ __all__ = ["NodeMpiBoard", "open_node_mpi_board"]
 
 _VALUES = 8 * FIELDS
 _DATA = 8 + _VALUES  # a slot's data: its offset in bytes
-_Q = SLOT_BYTES // 8  # int64 per slot
 
 
 class _Rows(tuple):  # type: ignore[type-arg]
