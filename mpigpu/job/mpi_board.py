@@ -4,12 +4,12 @@ MPI_Allgather.
 Where a communicator's ranks span nodes, no memory is shared among all of them, so the node-shared
 board (mpigpu.job.check_board) cannot serve. Where a node holds two ranks or more, ``open_mpi_board``
 opens the two-level board (mpigpu.job.node_mpi_board: the same slots, moved among the node leaders
-only); with one rank per node, this flat one, whose Allgather is already the leaders' exchange. It keeps
-the node board's interface and its slot layout (per rank ``[k, 9 values, data]`` on 256 bytes; ``k``
-unused here: the Allgather is the wait) and moves
-the slots with one MPI_Allgather (in place: each rank writes its own slot of the receive buffer,
-then every rank holds every rank's slot). Every rank then compares every rank's values with its
-own, as on the node board, so every rank reaches the same verdict; and a tiny host allreduce
+only); with one rank per node, this flat one, whose Allgather is already the leaders' exchange. It
+keeps the node board's interface and its slot layout (per rank ``[k, 9 values, data]`` on 256 bytes;
+``k`` unused here: the Allgather is the wait) and moves the slots with one MPI_Allgather (in place:
+each rank writes its own slot of the receive buffer, then every rank holds every rank's slot). Every
+rank then compares every rank's values with its own, as on the node board, so every rank reaches the
+same verdict; and a tiny host allreduce
 (mpigpu.backends.cpu_board) reduces every rank's posted data in rank order: the check and the data
 in one MPI round instead of MPI_Allreduce(MAX) of the signature and then MPI_Allreduce of the data.
 
