@@ -35,7 +35,10 @@ Used across nodes where a node holds two ranks or more (mpi_board.open_mpi_board
 rank); with one rank per node the flat Allgather is already the leaders' exchange. A rank that never
 posts leaves its leader, and so every rank, waiting as in an MPI collective: the watchdog
 (``MPIGPU_TIMEOUT``) ends the job with its usual error. ``reached`` is None (no rank runs ahead of the
-leaders' exchange); the stall report then reads mpigpu.job.peers.NodeProgress.
+leaders' exchange); the stall report then reads mpigpu.job.peers.NodeProgress. Each board (one per
+communicator, a duplicate or a split included) has its own segment, an MPI shared window freed by
+``close`` (collective, with the leaders' communicator) or by MPI_Finalize: it leaves no file of its own in
+/dev/shm (while a job runs, only MPICH's per-node file is there).
 """
 
 from __future__ import annotations
