@@ -112,7 +112,7 @@ class NodeMpiBoard:
         self._bytes = memoryview(segment.array)
         self._mv = self._bytes.cast("q")
         self._fence = segment.fence
-        self._weak = _FENCE  # a fence between a post's values and its k (not needed on x86)
+        self._weak = _FENCE  # fences between data and the counters: where the CPU reorders (not x86)
         self._my_values = tuple(self._values(self._post(p, local)) for p in (0, 1))
         self._my_k = tuple(self._post(p, local) // 8 for p in (0, 1))
         self._node_ks = tuple(
@@ -122,13 +122,15 @@ class NodeMpiBoard:
             tuple(self._values(self._result(p, r)) for r in range(self.size) if r != self.rank) for p in (0, 1)
         )
         sizes = [len(node) for node in nodes]
+        self._equal = len(set(sizes)) == 1
         self._exchange: Any = None
         self._specs: tuple[tuple[Any, Any], ...] = ()
         if self.leader:
             array = segment.array
             sends = tuple(array[self._post(p, 0) : self._post(p, 0) + count * SLOT_BYTES] for p in (0, 1))
-            receives = tuple(array[self._result(p, 0) : self._result(p, 0) + self.size * SLOT_BYTES] for p in (0, 1))
-            if len(set(sizes)) == 1:  # nodes of equal size: Allgather
+            area = self.size * SLOT_BYTES  # one parity's result area
+            receives = tuple(array[self._results + p * area : self._results + (p + 1) * area] for p in (0, 1))
+            if self._equal:  # nodes of equal size: Allgather
                 self._specs = tuple(([s, mpi.BYTE], [r, mpi.BYTE]) for s, r in zip(sends, receives, strict=True))
             else:
                 counts = [n * SLOT_BYTES for n in sizes]
@@ -144,8 +146,7 @@ class NodeMpiBoard:
         leaders = self.comm.Split(0 if self.leader else mpi.UNDEFINED, self.rank)
         if self.leader:
             self._leaders = leaders
-            equal = len(self._specs[0][1]) == 2
-            self._exchange = leaders.Allgather if equal else leaders.Allgatherv
+            self._exchange = leaders.Allgather if self._equal else leaders.Allgatherv
 
     def _values(self, slot: int) -> memoryview:
         """The bytes of the values of the slot at byte offset ``slot`` (a view made once: the hot path)."""
