@@ -3,8 +3,9 @@
 A host allreduce of at most ``DATA_BYTES`` (mpigpu.job.check_board) needs one exchange: each rank
 posts its data beside its signature, and once every rank's signature agrees, every rank reduces
 every rank's posted data itself, in rank order. On one node the post is a store into node-shared
-memory and no MPI call runs; across nodes it is one MPI_Allgather of the slots (mpigpu.job.mpi_board),
-in place of MPI_Allreduce(MAX) of the signature followed by MPI_Allreduce of the data. The same
+memory and no MPI call runs; across nodes it is one exchange of the slots among the node leaders
+(mpigpu.job.node_mpi_board; the flat mpigpu.job.mpi_board at one rank per node), in place of
+MPI_Allreduce(MAX) of the signature followed by MPI_Allreduce of the data. The same
 operations in the same order on every rank give the same bits on every rank by construction (NaN
 payloads and signed zeros included); a float NaN is then made the canonical NaN, as the MPI path
 makes it (mpigpu.backends.cpu), so the result does not depend on which path ran. On a mismatch no

@@ -6,8 +6,9 @@ element count in different shapes are almost certainly reducing different tensor
 
 How: when every rank of the communicator is on one node (the usual GPU box), through node-shared
 memory (mpigpu/job/check_board.py): each rank posts its 9 values and reads everyone's, no MPI call;
-across nodes, one MPI_Allgather of every rank's slot (mpigpu/job/mpi_board.py, the same interface:
-a tiny allreduce's data travels in it); past its MAX_RANKS, or on a communicator that has no board,
+across nodes, every rank's slot moved by one MPI_Allgather(v) among the node leaders between node-shared
+posts (mpigpu/job/node_mpi_board.py), or over all ranks where each node holds one (mpigpu/job/mpi_board.py;
+the same interface: a tiny allreduce's data travels in it); past its MAX_RANKS, or on a communicator that has no board,
 one MPI_Allreduce(MAX) of 18 int64 values ([v, -v]). On a difference, either way, every rank gathers
 the signatures (MPI) and raises the same message. A caller that checks the same signature on many
 calls (a call record) packs it once and posts the packed bytes (``check_packed``): the same check,

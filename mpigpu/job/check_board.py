@@ -53,8 +53,8 @@ _FENCE = platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686")
 
 
 class Board(Protocol):
-    """What the check's callers use of a board: this node-shared one, or the Allgather one across nodes
-    (mpigpu.job.mpi_board)."""
+    """What the check's callers use of a board: this node-shared one, or one across nodes (the two-level
+    mpigpu.job.node_mpi_board, the flat mpigpu.job.mpi_board)."""
 
     comm: Any
     size: int

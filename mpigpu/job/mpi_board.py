@@ -2,11 +2,14 @@
 MPI_Allgather.
 
 Where a communicator's ranks span nodes, no memory is shared among all of them, so the node-shared
-board (mpigpu.job.check_board) cannot serve. This board keeps its interface and its slot layout (per
-rank ``[k, 9 values, data]`` on 256 bytes; ``k`` unused here: the Allgather is the wait) and moves
-the slots with one MPI_Allgather (in place: each rank writes its own slot of the receive buffer,
-then every rank holds every rank's slot). Every rank then compares every rank's values with its
-own, as on the node board, so every rank reaches the same verdict; and a tiny host allreduce
+board (mpigpu.job.check_board) cannot serve. Where a node holds two ranks or more, ``open_mpi_board``
+opens the two-level board (mpigpu.job.node_mpi_board: the same slots, moved among the node leaders
+only); with one rank per node, this flat one, whose Allgather is already the leaders' exchange. It
+keeps the node board's interface and its slot layout (per rank ``[k, 9 values, data]`` on 256 bytes;
+``k`` unused here: the Allgather is the wait) and moves the slots with one MPI_Allgather (in place:
+each rank writes its own slot of the receive buffer, then every rank holds every rank's slot). Every
+rank then compares every rank's values with its own, as on the node board, so every rank reaches the
+same verdict; and a tiny host allreduce
 (mpigpu.backends.cpu_board) reduces every rank's posted data in rank order: the check and the data
 in one MPI round instead of MPI_Allreduce(MAX) of the signature and then MPI_Allreduce of the data.
 
@@ -29,6 +32,7 @@ import numpy as np
 
 from mpigpu.core._mpi import MPI
 from mpigpu.job.check_board import DATA_BYTES, FIELDS, SLOT_BYTES, board_for, pack, register
+from mpigpu.job.node_mpi_board import NodeMpiBoard, open_node_mpi_board
 
 __all__ = ["MAX_RANKS", "MpiBoard", "open_mpi_board"]
 
@@ -117,12 +121,18 @@ class MpiBoard:
             register(self.comm, None)
 
 
-def open_mpi_board(comm: Any) -> MpiBoard | None:
-    """The Allgather board of ``comm`` (which spans nodes: the caller found no node board), registered
-    for ``check_signature``; None past MAX_RANKS ranks, where the check goes through MPI_Allreduce.
-    Local: the decision depends on the communicator's size alone, the same on every rank."""
+def open_mpi_board(comm: Any, node_comm: Any = None) -> MpiBoard | NodeMpiBoard | None:
+    """The board of ``comm`` across nodes (the caller found no node board), registered for
+    ``check_signature``: the two-level one (mpigpu.job.node_mpi_board) where ``node_comm`` (this rank's
+    node, sharing memory) is given and a node holds two ranks or more, else the flat Allgather; None
+    past MAX_RANKS ranks, where the check goes through MPI_Allreduce. Collective over ``comm`` where
+    ``node_comm`` is given (local otherwise); the choice is the same on every rank."""
     if comm.Get_size() > MAX_RANKS:
         return None
+    if node_comm is not None:
+        two_level = open_node_mpi_board(comm, node_comm)
+        if two_level is not None:
+            return two_level
     board = MpiBoard(comm)
     register(comm, board)
     return board

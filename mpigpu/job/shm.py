@@ -38,14 +38,14 @@ _YIELD_S = 2e-3  # then give the CPU away (sched_yield) until this long
 _SLEEP_S = 50e-6  # then sleep in steps of this long (an oversubscribed machine, a slow rank)
 
 
-def wait_at_least(mv: memoryview, index: int, value: int) -> None:
-    """Until ``mv[index] >= value`` (a counter another rank raises): spin, then yield, then sleep. A rank
-    that never arrives leaves the caller here as in an MPI collective: the watchdog ends it."""
+def wait_at_least(mv: memoryview, index: int, value: int, spin_s: float = _SPIN_S) -> None:
+    """Until ``mv[index] >= value`` (a counter another rank raises): spin ``spin_s``, then yield, then
+    sleep. A rank that never arrives leaves the caller here as in an MPI collective: the watchdog ends it."""
     clock = time.perf_counter
     start = clock()
     while mv[index] < value:
         waited = clock() - start
-        if waited < _SPIN_S:
+        if waited < spin_s:
             continue
         if waited < _YIELD_S:
             os.sched_yield()

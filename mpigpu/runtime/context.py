@@ -107,12 +107,13 @@ class Context:
         start_timeline(comm, self.settings, self.layout.node_index)
         self.peers = node_peers(comm, self.layout.phys_comm)
         # The cross-rank check through node-shared memory when every rank is on one (unsplit) node;
-        # otherwise through one MPI_Allgather (mpi_board), or, past its size, MPI_Allreduce (None).
+        # otherwise through one exchange among node leaders or all ranks (mpi_board), or, past its size,
+        # MPI_Allreduce (None).
         # Every later check on self.comm finds it (check_board.board_for).
         if self.settings.check:  # agreed on every rank: open_board is collective
             self.check_board = open_board(comm, None if self.layout.virtual else self.layout.phys_comm)
             if self.check_board is None and self.size > 1:
-                self.check_board = open_mpi_board(comm)
+                self.check_board = open_mpi_board(comm, self.layout.node_comm)
         # the stall report's numbers, where no board holds them (the MPI board's reached() is None)
         if self.check_board is None or self.check_board.reached() is None:
             self.progress = NodeProgress(comm, self.layout.phys_comm)

@@ -4,7 +4,8 @@ data, in one MPI_Allgather.
 Under mpiexec (-n 1 to 4, any layout), on a board made over a duplicate of the world: the same
 verdict and message as the MPI_Allreduce path on every rank over many random checks, every rank's
 rows read back in rank order, and one Allgather per check. As subprocess jobs across MPI nodes (MPICH's
-fork launcher: 2x2, 2+1, 3+1, 1+1 and one node), a context that spans nodes takes this board; a tiny sum
+fork launcher: 2x2, 2+1, 3+1, 1+1 and one node), a context that spans nodes takes this board (at 1+1) or
+the two-level one (mpigpu/job/node_mpi_board.py, where a node holds two ranks); a tiny sum
 gives the bits of float32 addition in rank order on every rank; a mismatch between nodes raises the
 same MismatchError on every rank with nothing written, and the next call pairs; with MPIGPU_CHECK=0
 there is no board and the sums are still exact."""
@@ -94,13 +95,14 @@ _SCRIPT = textwrap.dedent("""
     import mpigpu
     from mpigpu.core.errors import MismatchError
     from mpigpu.job.mpi_board import MpiBoard
+    from mpigpu.job.node_mpi_board import NodeMpiBoard
     from mpigpu.runtime.context import Context
 
     ctx = Context.get()
     rank, n, check = ctx.rank, ctx.size, sys.argv[1] == "1"
     board = ctx.check_board
-    if check and ctx.layout.num_nodes > 1:
-        assert isinstance(board, MpiBoard), board
+    if check and ctx.layout.num_nodes > 1:  # two levels where a node holds two ranks, else flat
+        assert isinstance(board, NodeMpiBoard if max(ctx.layout.node_sizes) > 1 else MpiBoard), board
     if not check:
         assert board is None, board
     # float32 values whose sum depends on the order of the additions: the rank-order sum is the contract
