@@ -38,7 +38,17 @@ from mpigpu.core.errors import MpigpuError
 from mpigpu.core.typed import allreduce_int
 from mpigpu.job.shm import SharedSegment, wait_at_least
 
-__all__ = ["DATA_BYTES", "SLOT_BYTES", "Board", "CheckBoard", "board_for", "open_board", "pack", "register"]
+__all__ = [
+    "DATA_BYTES",
+    "SLOT_BYTES",
+    "WEAK_ORDER",
+    "Board",
+    "CheckBoard",
+    "board_for",
+    "open_board",
+    "pack",
+    "register",
+]
 
 FIELDS = 9  # values per signature (check._FIELDS)
 _SLOT = 32  # int64 per slot: [k, 9 values, data] = 256 bytes, four cache lines
@@ -49,7 +59,7 @@ DATA_BYTES = SLOT_BYTES - _DATA
 _PACK = struct.Struct(f"={FIELDS}q").pack  # native int64, as the "q" view reads them
 # x86 (total store order) never reorders a store with an earlier store, nor a load with an earlier load:
 # the values are visible before k without a fence. Elsewhere (Arm: Grace) the fences are needed.
-_FENCE = platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686")
+WEAK_ORDER = platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686")
 
 
 class Board(Protocol):
@@ -98,7 +108,7 @@ class CheckBoard:
         self._segment: SharedSegment | None = segment
         self._bytes: memoryview = memoryview(segment.array)
         self._mv: memoryview = self._bytes.cast("q")
-        self._fence = segment.fence if _FENCE else None
+        self._fence = segment.fence if WEAK_ORDER else None
         # slot offsets (in int64) of parity 0 and 1: this rank's, and every rank's in rank order
         self._mine = (2 * _SLOT * self.rank, 2 * _SLOT * self.rank + _SLOT)
         self._all = tuple(tuple(2 * _SLOT * r + p * _SLOT for r in range(self.size)) for p in (0, 1))

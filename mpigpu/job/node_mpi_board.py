@@ -51,7 +51,7 @@ import numpy as np
 from mpigpu.core._mpi import MPI
 from mpigpu.core.errors import MpigpuError
 from mpigpu.core.typed import allgather_ints, allreduce_int
-from mpigpu.job.check_board import _FENCE, FIELDS, SLOT_BYTES, board_for, pack, register
+from mpigpu.job.check_board import FIELDS, SLOT_BYTES, WEAK_ORDER, board_for, pack, register
 from mpigpu.job.shm import SharedSegment, wait_at_least
 
 __all__ = ["NodeMpiBoard", "open_node_mpi_board"]
@@ -112,7 +112,7 @@ class NodeMpiBoard:
         self._bytes = memoryview(segment.array)
         self._mv = self._bytes.cast("q")
         self._fence = segment.fence
-        self._weak = _FENCE  # fences between data and the counters: where the CPU reorders (not x86)
+        self._weak = WEAK_ORDER  # fences between data and the counters: where the CPU reorders (not x86)
         self._my_values = tuple(self._values(self._post(p, local)) for p in (0, 1))
         self._my_k = tuple(self._post(p, local) // 8 for p in (0, 1))
         self._node_ks = tuple(
