@@ -117,6 +117,44 @@ def check_outcome(comm: Any, sig: Any) -> str | None:
     return None
 
 
+def random_checks(board_comm: Any, plain: Any, rng: Any, checks: int) -> list[str | None]:
+    """``checks`` random signature checks on ``board_comm`` (which has a board) beside the same on ``plain``
+    (none: MPI_Allreduce), a rank differing in count, dtype, op, shape or a refusal in half of them (``rng``:
+    the same draws on every rank). Each verdict and message must be the MPI path's, name the differing
+    rank, and be the same on every rank. Returns the verdicts (collective)."""
+    from mpigpu.job.check import Signature
+
+    rank, n = plain.Get_rank(), plain.Get_size()
+    seen: list[str | None] = []
+    for i in range(checks):
+        count, dtype, op = (int(v) for v in rng.integers(0, 50, size=3))
+        shape = (count, int(rng.integers(1, 4)))
+        odd = int(rng.integers(0, 2 * n))  # a rank that differs, in half the checks
+        field = int(rng.integers(0, 5))
+        if rank == odd:
+            if field == 0:
+                count += 1
+            elif field == 1:
+                dtype += 1
+            elif field == 2:
+                op += 1
+            elif field == 3:
+                shape = (shape[1], shape[0])  # same count, another shape
+        error = "ValueError: refused" if rank == odd and field == 4 else None
+        sig = Signature(count, dtype, op, 1, 0, error=error, shape=shape)
+        verdict = check_outcome(board_comm, sig)
+        assert verdict == check_outcome(plain, sig), f"check {i}: the board and MPI differ"
+        differs = field == 4 or (n > 1 and not (field == 3 and shape[0] == shape[1]))
+        if odd < n and differs:
+            assert verdict is not None, f"check {i}: rank {odd} differs in field {field}, not caught"
+            assert f"rank {odd}" in verdict
+        else:
+            assert verdict is None, f"check {i}: every rank agrees, but the check failed: {verdict}"
+        seen.append(verdict)
+    assert plain.allgather(seen) == [seen] * n, "the same verdict and message on every rank"
+    return seen
+
+
 @contextlib.contextmanager
 def environment(values: dict[str, str]) -> Iterator[None]:
     """The variables ``values`` set inside the block; each restored (or removed) after it."""

@@ -29,7 +29,8 @@ from __future__ import annotations
 import contextlib
 import platform
 import struct
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -45,6 +46,7 @@ __all__ = [
     "Board",
     "CheckBoard",
     "board_for",
+    "made_on_every_rank",
     "open_board",
     "pack",
     "register",
@@ -79,6 +81,8 @@ class Board(Protocol):
     def reached(self) -> list[int] | None: ...
     def close(self) -> None: ...
 
+
+B = TypeVar("B", bound=Board)
 
 # id(communicator object) -> (that object, its board): check_signature looks its communicator up here
 _BOARDS: dict[int, tuple[Any, Board]] = {}
@@ -220,15 +224,22 @@ def open_board(comm: Any, shared_comm: Any | None) -> CheckBoard | None:
     usable = shared_comm is not None and shared_comm != mpi.COMM_NULL and shared_comm.Get_size() == size
     if not allreduce_int(comm, int(usable), "min"):
         return None  # spans nodes (or simulated: MPIGPU_NODE_SIZE): MPI_Allreduce
-    board: CheckBoard | None = None
+    board = made_on_every_rank(comm, lambda: CheckBoard(comm, shared_comm))
+    if board is not None:
+        register(comm, board)
+    return board
+
+
+def made_on_every_rank(comm: Any, make: Callable[[], B]) -> B | None:
+    """``make()`` (a board, collective to create and to close) where it succeeds on every rank of ``comm``,
+    else None on every rank, the boards made on some closed again (collective over ``comm``)."""
+    board: B | None = None
     try:
-        board = CheckBoard(comm, shared_comm)
-    except (MpigpuError, mpi.Exception):
+        board = make()
+    except (MpigpuError, MPI().Exception):
         board = None
     if not allreduce_int(comm, int(board is not None), "min"):
         if board is not None:
             board.close()
         return None
-    assert board is not None
-    register(comm, board)
     return board

@@ -33,6 +33,7 @@ import numpy as np
 from mpigpu.core._mpi import MPI
 from mpigpu.job.check_board import DATA_BYTES, FIELDS, SLOT_BYTES, board_for, pack, register
 from mpigpu.job.node_mpi_board import NodeMpiBoard, open_node_mpi_board
+from mpigpu.job.topology import Layout
 
 __all__ = ["MAX_RANKS", "MpiBoard", "open_mpi_board"]
 
@@ -121,16 +122,16 @@ class MpiBoard:
             register(self.comm, None)
 
 
-def open_mpi_board(comm: Any, node_comm: Any = None) -> MpiBoard | NodeMpiBoard | None:
+def open_mpi_board(comm: Any, layout: Layout | None = None) -> MpiBoard | NodeMpiBoard | None:
     """The board of ``comm`` across nodes (the caller found no node board), registered for
-    ``check_signature``: the two-level one (mpigpu.job.node_mpi_board) where ``node_comm`` (this rank's
-    node, sharing memory) is given and a node holds two ranks or more, else the flat Allgather; None
-    past MAX_RANKS ranks, where the check goes through MPI_Allreduce. Collective over ``comm`` where
-    ``node_comm`` is given (local otherwise); the choice is the same on every rank."""
+    ``check_signature``: the two-level one (mpigpu.job.node_mpi_board) where ``layout`` (``comm``'s
+    nodes) is given and a node holds two ranks or more, else the flat Allgather; None past MAX_RANKS
+    ranks, where the check goes through MPI_Allreduce. Collective over ``comm`` where ``layout`` is
+    given (local otherwise); the choice is the same on every rank."""
     if comm.Get_size() > MAX_RANKS:
         return None
-    if node_comm is not None:
-        two_level = open_node_mpi_board(comm, node_comm)
+    if layout is not None:
+        two_level = open_node_mpi_board(comm, layout.node_comm, layout.nodes)
         if two_level is not None:
             return two_level
     board = MpiBoard(comm)

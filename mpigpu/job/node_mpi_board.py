@@ -49,9 +49,7 @@ from typing import Any
 import numpy as np
 
 from mpigpu.core._mpi import MPI
-from mpigpu.core.errors import MpigpuError
-from mpigpu.core.typed import allgather_ints, allreduce_int
-from mpigpu.job.check_board import FIELDS, SLOT_BYTES, WEAK_ORDER, board_for, pack, register
+from mpigpu.job.check_board import FIELDS, SLOT_BYTES, WEAK_ORDER, board_for, made_on_every_rank, pack, register
 from mpigpu.job.shm import SharedSegment, wait_at_least
 
 __all__ = ["NodeMpiBoard", "open_node_mpi_board"]
@@ -249,41 +247,16 @@ class NodeMpiBoard:
             leaders.Free()
 
 
-def _nodes(comm: Any, node_comm: Any) -> list[list[int]] | None:
-    """The ranks of ``comm`` on each node (each ascending, nodes by their lowest rank), from every
-    rank's node leader; None where ``node_comm`` does not hold exactly this rank's node (collective)."""
-    rank = comm.Get_rank()
-    leader = allreduce_int(node_comm, rank, "min")
-    members = allreduce_int(node_comm, 1, "sum")
-    leaders = [lead for (lead,) in allgather_ints(comm, [leader])]
-    nodes: dict[int, list[int]] = {}
-    for r, lead in enumerate(leaders):
-        nodes.setdefault(lead, []).append(r)
-    fits = len(nodes[leader]) == members
-    if not allreduce_int(comm, int(fits), "min"):
+def open_node_mpi_board(comm: Any, node_comm: Any, nodes: list[list[int]]) -> NodeMpiBoard | None:
+    """The two-level board of ``comm``, whose ranks on this node ``node_comm`` holds (a split of ``comm``
+    that shares memory) and on every node ``nodes`` lists (mpigpu.job.topology.node_ranks), registered
+    for ``check_signature``; None where every node holds one rank (the flat Allgather is then the
+    leaders' exchange), or the segment cannot be made on every rank. Collective over ``comm``; the
+    decision is the same on every rank."""
+    if max(len(node) for node in nodes) < 2:
         return None
-    return [nodes[lead] for lead in sorted(nodes)]
-
-
-def open_node_mpi_board(comm: Any, node_comm: Any) -> NodeMpiBoard | None:
-    """The two-level board of ``comm``, whose ranks on this node ``node_comm`` holds (it shares memory),
-    registered for ``check_signature``; None where every node holds one rank (the flat Allgather is then
-    the leaders' exchange), ``node_comm`` does not partition ``comm``, or the segment cannot be made on
-    every rank. Collective over ``comm``; the decision is the same on every rank."""
-    mpi = MPI()
-    nodes = _nodes(comm, node_comm)
-    if nodes is None or max(len(node) for node in nodes) < 2:
-        return None
-    board: NodeMpiBoard | None = None
-    try:
-        board = NodeMpiBoard(comm, node_comm, nodes)
-    except (MpigpuError, mpi.Exception):
-        board = None
-    if not allreduce_int(comm, int(board is not None), "min"):
-        if board is not None:
-            board.close()
-        return None
-    assert board is not None
-    board.open_leaders()
-    register(comm, board)
+    board = made_on_every_rank(comm, lambda: NodeMpiBoard(comm, node_comm, nodes))
+    if board is not None:
+        board.open_leaders()
+        register(comm, board)
     return board

@@ -12,7 +12,7 @@ from typing import Any
 from mpigpu.core._mpi import MPI
 from mpigpu.core.typed import allgather_ints, allgather_text, allreduce_int
 
-__all__ = ["Layout", "build_layout"]
+__all__ = ["Layout", "build_layout", "node_ranks"]
 
 
 @dataclass
@@ -31,6 +31,7 @@ class Layout:
     node_index: int
     num_nodes: int
     node_sizes: tuple[int, ...]  # ranks per node, by node index
+    nodes: list[list[int]]  # the ranks of comm on each node, by node index (node_ranks)
     inter_comm: Any | None  # ranks with this local_rank on every node (None on a single node)
     hostnames: tuple[str, ...]  # per world rank of comm
     virtual: bool  # MPIGPU_NODE_SIZE split the physical nodes
@@ -61,14 +62,10 @@ def build_layout(comm: Any, node_size: int | None) -> Layout:
         node = phys.Dup()
         virtual = False
     local_rank, local_size = node.Get_rank(), node.Get_size()
-    # Number nodes by their lowest world rank, so every rank agrees on the order.
-    leader = allreduce_int(node, rank, "min")
-    pairs = allgather_ints(comm, [leader, local_size])
-    leaders = sorted({ld for ld, _ in pairs})
-    node_index = leaders.index(leader)
-    num_nodes = len(leaders)
-    sizes_by_leader = dict(pairs)
-    node_sizes = tuple(sizes_by_leader[ld] for ld in leaders)
+    nodes = node_ranks(comm, node)
+    node_index = next(i for i, members in enumerate(nodes) if rank in members)
+    num_nodes = len(nodes)
+    node_sizes = tuple(len(members) for members in nodes)
     hostnames = tuple(allgather_text(comm, socket.gethostname()))
     inter = comm.Split(color=local_rank, key=node_index) if num_nodes > 1 else None
     return Layout(
@@ -84,7 +81,19 @@ def build_layout(comm: Any, node_size: int | None) -> Layout:
         node_index=node_index,
         num_nodes=num_nodes,
         node_sizes=node_sizes,
+        nodes=nodes,
         inter_comm=inter,
         hostnames=hostnames,
         virtual=virtual,
     )
+
+
+def node_ranks(comm: Any, node: Any) -> list[list[int]]:
+    """The ranks of ``comm`` on each node, where ``node`` (a split of ``comm``) holds this rank's: each
+    node's ranks ascending, the nodes numbered by their lowest rank, so every rank gets the same list
+    (collective over ``node``, then ``comm``)."""
+    leader = allreduce_int(node, comm.Get_rank(), "min")
+    members: dict[int, list[int]] = {}
+    for r, (lead,) in enumerate(allgather_ints(comm, [leader])):
+        members.setdefault(lead, []).append(r)
+    return [members[lead] for lead in sorted(members)]

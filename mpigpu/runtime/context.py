@@ -113,7 +113,7 @@ class Context:
         if self.settings.check:  # agreed on every rank: open_board is collective
             self.check_board = open_board(comm, None if self.layout.virtual else self.layout.phys_comm)
             if self.check_board is None and self.size > 1:
-                self.check_board = open_mpi_board(comm, self.layout.node_comm)
+                self.check_board = open_mpi_board(comm, self.layout)
         # the stall report's numbers, where no board holds them (the MPI board's reached() is None)
         if self.check_board is None or self.check_board.reached() is None:
             self.progress = NodeProgress(comm, self.layout.phys_comm)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import check_outcome, fresh_context, run_mpi
+from conftest import fresh_context, random_checks, run_mpi
 
 import mpigpu
 from mpigpu.core.errors import InvalidArgument, MismatchError
@@ -38,41 +38,14 @@ def test_a_single_node_context_checks_through_its_board(comm) -> None:
 
 @pytest.mark.mpi(min_size=1)
 def test_a_thousand_random_checks_agree_with_the_mpi_path_on_every_rank(comm) -> None:
-    rank, n = comm.Get_rank(), comm.Get_size()
     plain = comm.Dup()  # no board: check_signature takes the MPI_Allreduce path on it
     rng = np.random.default_rng(1234)  # the same draws on every rank
     try:
         with fresh_context(comm) as ctx:
             board = ctx.check_board
             assert board is not None and board_for(plain) is None
-            seen: list[str | None] = []
-            for i in range(1000):
-                count, dtype, op = (int(v) for v in rng.integers(0, 50, size=3))
-                shape = (count, int(rng.integers(1, 4)))
-                odd = int(rng.integers(0, 2 * n))  # a rank that differs, in half the calls
-                field = int(rng.integers(0, 5))
-                if rank == odd:
-                    if field == 0:
-                        count += 1
-                    elif field == 1:
-                        dtype += 1
-                    elif field == 2:
-                        op += 1
-                    elif field == 3:
-                        shape = (shape[1], shape[0])  # same count, another shape
-                error = "ValueError: refused" if rank == odd and field == 4 else None
-                sig = Signature(count, dtype, op, 1, 0, error=error, shape=shape)
-                on_board = check_outcome(ctx.comm, sig)
-                assert on_board == check_outcome(plain, sig), f"check {i}: the board and MPI differ"
-                differs = field == 4 or (n > 1 and not (field == 3 and shape[0] == shape[1]))
-                if odd < n and differs:
-                    assert on_board is not None, f"check {i}: rank {odd} differs in field {field}, not caught"
-                    assert f"rank {odd}" in on_board
-                else:
-                    assert on_board is None, f"check {i}: every rank agrees, but the check failed: {on_board}"
-                seen.append(on_board)
+            random_checks(ctx.comm, plain, rng, 1000)
             assert board.k >= 1000, "both parities, hundreds of times over"
-            assert comm.allgather(seen) == [seen] * n, "the same verdict and message on every rank"
     finally:
         plain.Free()
 

@@ -18,40 +18,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import check_outcome, run_mpi
+from conftest import random_checks, run_mpi
 
-from mpigpu.job.check import Signature
 from mpigpu.job.check_board import DATA_BYTES, board_for, pack
 from mpigpu.job.mpi_board import MAX_RANKS, MpiBoard, open_mpi_board
 
 
 @pytest.mark.mpi(min_size=1)
 def test_random_checks_give_the_mpi_paths_verdict_and_message_on_every_rank(comm) -> None:
-    rank, n = comm.Get_rank(), comm.Get_size()
     on_board, plain = comm.Dup(), comm.Dup()
     rng = np.random.default_rng(99)  # the same draws on every rank
     try:
         board = open_mpi_board(on_board)
         assert board is not None and board_for(on_board) is board and board_for(plain) is None
-        seen = []
-        for i in range(300):
-            count = int(rng.integers(1, 40))
-            odd = int(rng.integers(0, 2 * n))  # a rank that differs, in half the checks
-            field = int(rng.integers(0, 3))
-            error = "ValueError: refused" if rank == odd and field == 2 else None
-            sig = Signature(
-                count + (rank == odd and field == 0), 1, 1 + (rank == odd and field == 1), 1, 0, error=error
-            )
-            verdict = check_outcome(on_board, sig)
-            assert verdict == check_outcome(plain, sig), f"check {i}: the Allgather board and MPI_Allreduce differ"
-            if odd < n and (n > 1 or field == 2):
-                assert verdict is not None and f"rank {odd}" in verdict, (i, verdict)
-            else:
-                assert verdict is None, (i, verdict)
-            seen.append(verdict)
+        random_checks(on_board, plain, rng, 300)
         assert board.k == 300, "one post per check"
         assert board.reached() is None, "no rank runs ahead of an Allgather: nothing to report"
-        assert comm.allgather(seen) == [seen] * n
         board.close()
         assert board_for(on_board) is None
     finally:

@@ -22,12 +22,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import check_outcome, in_use, mpich_segments, run_mpi
+from conftest import in_use, mpich_segments, random_checks, run_mpi
 
 from mpigpu.core._mpi import MPI
-from mpigpu.job.check import Signature
 from mpigpu.job.check_board import DATA_BYTES, board_for, pack
 from mpigpu.job.node_mpi_board import NodeMpiBoard, open_node_mpi_board
+from mpigpu.job.topology import node_ranks
 
 # node of each rank (by rank, for n ranks) in the layouts simulated inside each machine (MPI node)
 _LAYOUTS = {
@@ -53,30 +53,16 @@ def _split(comm: Any, layout: str) -> tuple[Any, bool]:
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("layout", list(_LAYOUTS))
 def test_random_checks_give_the_mpi_paths_verdict_and_message(comm, layout: str) -> None:
-    rank, n = comm.Get_rank(), comm.Get_size()
     on_board, plain = comm.Dup(), comm.Dup()
     node, pairs = _split(on_board, layout)
     rng = np.random.default_rng(7)  # the same draws on every rank
     try:
-        board = open_node_mpi_board(on_board, node)
+        board = open_node_mpi_board(on_board, node, node_ranks(on_board, node))
         if not pairs:
             assert board is None, "one rank per node: the flat Allgather"
             return
         assert isinstance(board, NodeMpiBoard) and board_for(on_board) is board and board_for(plain) is None
-        for i in range(200):
-            count = int(rng.integers(1, 40))
-            odd = int(rng.integers(0, 2 * n))  # a rank that differs, in half the checks
-            field = int(rng.integers(0, 3))
-            error = "ValueError: refused" if rank == odd and field == 2 else None
-            sig = Signature(
-                count + (rank == odd and field == 0), 1, 1 + (rank == odd and field == 1), 1, 0, error=error
-            )
-            verdict = check_outcome(on_board, sig)
-            assert verdict == check_outcome(plain, sig), f"check {i}: the two-level board and MPI_Allreduce differ"
-            if odd < n and (n > 1 or field == 2):
-                assert verdict is not None and f"rank {odd}" in verdict, (i, verdict)
-            else:
-                assert verdict is None, (i, verdict)
+        random_checks(on_board, plain, rng, 200)
         assert board.k == 200, "one post per check"
         assert board.reached() is None
         board.close()
@@ -101,7 +87,7 @@ def test_rows_are_every_ranks_in_rank_order_and_last_until_the_check_after_next(
             return
         m = sub.Get_size()
         node, pairs = _split(sub, layout)
-        board = open_node_mpi_board(sub, node)
+        board = open_node_mpi_board(sub, node, node_ranks(sub, node))
         if board is None:
             assert not pairs, "one rank per node: no two-level board"
             dup.Barrier()
