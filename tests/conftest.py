@@ -308,15 +308,22 @@ def in_use(paths: set[Path]) -> set[Path]:
     return {Path(name) for name in used}
 
 
-def remove_leftovers(before: set[Path], since: float) -> list[Path]:
+def remove_leftovers(before: set[Path], since: float, grace: float = 5.0) -> list[Path]:
     """Remove the MPICH files made since ``since`` (absent from ``before``) that no live process
     uses: what jobs started since then left. A running job's file (another user's test run
-    included) is mapped by its ranks, so it stays."""
+    included) is mapped by its ranks, so it stays. A killed job's ranks may still be exiting, with
+    the file mapped, when the test ends: a file in use is looked at again for up to ``grace`` seconds."""
     new = {path for path, made in mpich_segments().items() if path not in before and made >= since - 1}
-    removed = sorted(new - in_use(new)) if new else []
-    for path in removed:
+    deadline = time.monotonic() + grace
+    used = in_use(new) if new else set()
+    while used and time.monotonic() < deadline:
+        time.sleep(0.1)
+        used = in_use(used)
+    removed = []
+    for path in sorted(new - used):
         with contextlib.suppress(OSError):
             path.unlink()
+            removed.append(path)
     return removed
 
 
