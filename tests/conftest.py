@@ -238,6 +238,23 @@ def nodes_launcher(hosts: str) -> list[str]:
     return [launcher, "-launcher", "fork", "-hosts", hosts]
 
 
+# What identifies a rank of the job a test runs in, per launcher (MPICH's Hydra, PMIx, Open MPI). A site's
+# own settings (the GPU image's OMPI_MCA_*, OMPI_ALLOW_RUN_AS_ROOT) are not among them: an inner mpirun needs them.
+_RANK_VARS = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_COMM_WORLD_", "OMPI_UNIVERSE_SIZE")
+# Open MPI's contact with the outer job's daemon: a process started alone (a singleton) that inherits them
+# registers with that daemon as a rank of the outer job.
+_DAEMON_VARS = ("OMPI_MCA_orte_", "OMPI_MCA_ess_", "OMPI_MCA_pmix", "OMPI_FIRST_RANKS", "OMPI_APP_CTX_NUM_PROCS",
+                "OMPI_NUM_APP_CTX")  # fmt: skip
+
+
+def outside_job_env(singleton: bool = False) -> dict[str, str]:
+    """This process's environment without what makes a child a rank of the job this test runs in, however
+    it was launched: the child launches a job of its own (mpiexec), or with ``singleton``, runs alone as a
+    job of one process."""
+    drop = _RANK_VARS + (_DAEMON_VARS if singleton else ())
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+
+
 def run_mpi(
     n: int,
     args: list[str],
@@ -249,12 +266,7 @@ def run_mpi(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``mpiexec -n n python <args>`` as a subprocess; fails the test on timeout (a hang). ``hosts``
     (``"nodeA:2,nodeB:2"``) spreads the ranks over those MPI nodes (nodes_launcher)."""
-    full_env = dict(os.environ)
-    for var in list(full_env):  # a clean launch: no inherited rank variables from an outer mpiexec
-        # only what identifies a rank of an outer launch: a site's own OMPI_MCA_* settings (the GPU
-        # image sets some) and OMPI_ALLOW_RUN_AS_ROOT must reach the inner mpirun
-        if var.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_COMM_WORLD_", "OMPI_UNIVERSE_SIZE")):
-            del full_env[var]
+    full_env = outside_job_env()  # a clean launch: no inherited rank variables from an outer mpiexec
     full_env["PYTHONUNBUFFERED"] = "1"
     if env:
         full_env.update(env)

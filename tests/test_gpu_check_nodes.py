@@ -9,7 +9,7 @@ import os
 import subprocess
 
 import pytest
-from conftest import ROOT, mpiexec
+from conftest import ROOT, mpiexec, outside_job_env
 
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"
 
@@ -98,7 +98,7 @@ def _hydra() -> str:
 
 @pytest.mark.parametrize("visible", [None, "5,3,7"])
 def test_node_rank_gives_each_node_a_host_id_and_each_rank_a_gpu(visible: str | None) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPIR_"))}
+    env = outside_job_env()
     env.pop("CUDA_VISIBLE_DEVICES", None)
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
@@ -114,7 +114,7 @@ def test_node_rank_gives_each_node_a_host_id_and_each_rank_a_gpu(visible: str | 
 
 def test_node_rank_refuses_to_run_outside_mpich_or_past_the_visible_gpus() -> None:
     wrapper = str(ROOT / "scripts" / "node-rank.sh")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PMI_")}
+    env = outside_job_env()
     done = subprocess.run([wrapper, "true"], capture_output=True, text=True, timeout=30, env=env, check=False)
     assert done.returncode == 2 and "PMI_RANK and PMI_HOSTNAME are unset" in done.stderr
     env.update(PMI_RANK="2", PMI_HOSTNAME="nodeB", CUDA_VISIBLE_DEVICES="0,1")

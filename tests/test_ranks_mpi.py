@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import outside_job_env
 
 import mpigpu
 from mpigpu.core.errors import MismatchError
@@ -83,6 +84,6 @@ def test_a_barrier_beside_an_allreduce_raises_on_every_rank(comm) -> None:
 
 def test_import_starts_no_mpi_until_rank_is_asked() -> None:
     code = "import sys, mpigpu; assert 'mpi4py.MPI' not in sys.modules; print(mpigpu.rank(), mpigpu.size())"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPIR_"))}
+    env = outside_job_env(singleton=True)  # alone: not a rank of the job this test runs in
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0 and done.stdout.split() == ["0", "1"], done.stderr

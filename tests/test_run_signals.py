@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, mpiexec
+from conftest import ROOT, mpiexec, outside_job_env
 
 END_WITHIN_S = 10
 START_LIMIT_S = 60
@@ -45,11 +45,7 @@ print(f"rank {rank} finished", flush=True)
 
 
 def _clean_env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_COMM_WORLD_", "OMPI_UNIVERSE_SIZE"))
-    }
+    env = outside_job_env()
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env

@@ -5,13 +5,12 @@ node, within seconds, never a hang. tests/nodes/test_mislaunch_nodes.py tests th
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import ROOT, nodes_launcher
+from conftest import ROOT, nodes_launcher, outside_job_env
 
 from mpigpu.cli import launcher_rank
 
@@ -26,7 +25,7 @@ def _launch(hosts: str, parts: list[dict[str, str]], env: dict[str, str]) -> tup
     for i, part in enumerate(parts):
         command += [":"] if i else []
         command += ["-n", "1", *[a for k, v in part.items() for a in ("-env", k, v)], sys.executable, "-c", CALL]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_"))}
+    clean = outside_job_env()
     start = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env={**clean, **env},
                           check=False)  # fmt: skip

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_mpi
+from conftest import ROOT, outside_job_env, run_mpi
 
 from mpigpu.core.config import ENV_VARS, INT_RANGES, Settings
 from mpigpu.core.errors import ConfigError
@@ -413,7 +413,7 @@ def test_a_rank_gone_between_calls_is_reported_by_its_node_mates(tmp_path: Path)
 
     script = tmp_path / "gone.py"
     script.write_text(GONE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_"))}
+    env = outside_job_env()
     env.update({"MPIGPU_TIMEOUT": "30", "PYTHONUNBUFFERED": "1"})
     command = [mpiexec(), "-disable-auto-cleanup", "-n", "2", sys.executable, str(script)]
     start = time.monotonic()
