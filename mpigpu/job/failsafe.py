@@ -478,6 +478,7 @@ class Watchdog:
         self._sources: list[Callable[[], dict[int, tuple[Any, ...]]]] = []  # waits Python cannot see (add_source)
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._stopped = threading.Event()  # stop(): the communicator is freed, its thread ends
 
     def set_timeout(self, timeout: float) -> None:
         """Abort after ``timeout`` seconds in one call from now on (a torch process group's timeout)."""
@@ -531,8 +532,7 @@ class Watchdog:
 
     def _run(self) -> None:
         seen: dict[int, tuple[tuple[Any, ...], float, bool]] = {}  # thread id -> (what, first seen, reported)
-        while True:
-            time.sleep(self.period)
+        while not self._stopped.wait(self.period):
             now = time.monotonic()
             active = self.active.copy()
             for source in self._sources:
@@ -571,6 +571,12 @@ class Watchdog:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name="mpigpu-watchdog", daemon=True)
                     self._thread.start()
+
+    def stop(self) -> None:
+        """End the watchdog's thread within a period (its communicator is freed: nothing is left to watch,
+        and the thread would otherwise keep the context alive to the end of the process). Idempotent;
+        not started again."""
+        self._stopped.set()
 
     def enter(self, call: Any, phase: str) -> Any:
         """Show that this thread is in ``phase`` of ``call`` (an object with ``watch_label(phase)``, named only

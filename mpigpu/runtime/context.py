@@ -396,12 +396,15 @@ class Context:
         if self.async_worker is not None:  # queued calls finish before their backends are freed
             self.async_worker.close()
             self.async_worker = None
-        if self.comm is None or MPI().Is_finalized():
-            self._free()  # nothing collective left to order (a failed start-up, or after MPI_Finalize)
-            return
-        # watched, and in the same order on every rank as the creations (see exclusive)
-        with self.watchdog.watch("mpigpu teardown (closing a context; collective)"), exclusive(self.comm):
-            self._free()
+        try:
+            if self.comm is None or MPI().Is_finalized():
+                self._free()  # nothing collective left to order (a failed start-up, or after MPI_Finalize)
+                return
+            # watched, and in the same order on every rank as the creations (see exclusive)
+            with self.watchdog.watch("mpigpu teardown (closing a context; collective)"), exclusive(self.comm):
+                self._free()
+        finally:
+            self.watchdog.stop()
 
     def _free(self) -> None:
         getattr(self, "plan_cache", {}).clear()  # call records hold launches bound to the backends freed next

@@ -197,6 +197,23 @@ def test_free_then_a_new_communicator_gets_a_new_context(comm) -> None:
 
 
 @pytest.mark.mpi(min_size=1)
+def test_free_ends_the_contexts_watchdog_thread(comm) -> None:
+    """A freed communicator's context leaves no thread behind: its watchdog (started by its first call)
+    ends within a period, so a job that makes and frees many communicators does not gather threads."""
+    threads = []
+    for _ in range(5):
+        user = comm.Dup()
+        mpigpu.allreduce(np.ones(4), "sum", comm=user, backend="cpu")
+        watchdog = Context.get(user).watchdog
+        assert watchdog._thread is not None and watchdog._thread.is_alive(), "the first call started it"
+        threads.append(watchdog._thread)
+        user.Free()
+    for thread in threads:
+        thread.join(timeout=10 * watchdog.period + 1)
+        assert not thread.is_alive(), "the freed communicator's watchdog thread is still running"
+
+
+@pytest.mark.mpi(min_size=1)
 def test_free_runs_the_queued_calls_first(comm) -> None:
     n = comm.Get_size()
     user = comm.Dup()
