@@ -29,10 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
-import os
 import platform
-import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,6 +43,7 @@ from mpigpu.core.build_cache import cached_build
 from mpigpu.core.config import settings
 from mpigpu.core.dtypes import DType
 from mpigpu.core.errors import ConfigError
+from mpigpu.core.native import BuildFailed, compiler, compiler_identity, library_functions, load_from_memory, run
 from mpigpu.core.ops import Op
 
 __all__ = [
@@ -102,10 +100,6 @@ class Slot(ctypes.Structure):
         """What the slot holds, as a dictionary key (two calls holding the same share a slot)."""
         return tuple(tuple(v) if isinstance(v, ctypes.Array) else v
                      for v in (getattr(self, field) for field, _ in self._fields_))  # fmt: skip
-
-
-class _BuildFailed(Exception):
-    """The C++ compiler could not build the handler (its output is the message)."""
 
 
 @dataclass
@@ -186,44 +180,21 @@ def library() -> Library | str:
         if not _state:
             try:
                 _state.append(_load())
-            except (_BuildFailed, OSError, AttributeError, ImportError) as exc:
+            except (BuildFailed, OSError, AttributeError, ImportError) as exc:
                 _state.append(f"the compiled FFI handler is not available ({exc}); using the Python handler")
         return _state[0]
 
 
-def _compiler() -> list[str]:
-    named = os.environ.get("CXX", "").split()
-    if named:
-        if shutil.which(named[0]) is None:
-            raise _BuildFailed(f"CXX={named[0]!r} is not a command here")
-        return named
-    for name in ("c++", "g++", "clang++"):
-        found = shutil.which(name)
-        if found:
-            return [found]
-    raise _BuildFailed("no C++ compiler found: install one (g++) or set CXX")
-
-
-def _run(command: list[str]) -> str:
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise _BuildFailed(f"{command[0]}: {exc}") from None
-    if done.returncode != 0:
-        raise _BuildFailed(f"{' '.join(command[:2])}... exited {done.returncode}: {done.stderr.strip()[-2000:]}")
-    return done.stdout
-
-
 def _load() -> Library:
     if not sys.platform.startswith("linux"):
-        raise _BuildFailed("it is built and loaded on Linux only")
+        raise BuildFailed("it is built and loaded on Linux only")
     import jax
     import jaxlib
 
-    compiler = _compiler()
+    command = compiler("c++")
     include = jax.ffi.include_dir()
     text = resources.files("mpigpu.jax").joinpath(SOURCE).read_text()
-    version = _run([*compiler, "--version"]).splitlines()[0]
+    version = compiler_identity(command)
     inputs = "\0".join([text, version, jaxlib.__version__, " ".join(_FLAGS), platform.machine()])
     name = f"ffi-handler-{hashlib.sha256(inputs.encode()).hexdigest()[:20]}.v1.so"
 
@@ -231,24 +202,19 @@ def _load() -> Library:
         with tempfile.TemporaryDirectory(prefix="mpigpu-ffi-") as scratch:  # created 0700
             source, built = Path(scratch) / SOURCE, Path(scratch) / "handler.so"
             source.write_text(text)
-            _run([*compiler, *_FLAGS, "-isystem", include, str(source), "-o", str(built)])
+            run([*command, *_FLAGS, "-isystem", include, str(source), "-o", str(built)])
             return built.read_bytes()
 
     data, cached = cached_build(settings().cache_dir, _SUBDIR, name, _MAGIC, build, "compiled-handler cache")
     dll = _from_memory(data)
     if dll.mpigpu_native_slot_bytes() != ctypes.sizeof(Slot):
-        raise _BuildFailed("its Slot layout differs from mpigpu.jax._native.Slot")
+        raise BuildFailed("its Slot layout differs from mpigpu.jax._native.Slot")
     return Library(dll, cached, {}, {}, set())
 
 
 def _from_memory(data: bytes) -> ctypes.CDLL:
-    """Load the library from ``data`` through an anonymous memory file (what was verified is what runs)."""
-    fd = os.memfd_create("mpigpu-ffi-handler", os.MFD_CLOEXEC)
-    try:
-        os.write(fd, data)
-        dll = ctypes.CDLL(f"/proc/self/fd/{fd}")
-    finally:
-        os.close(fd)  # the mapping outlives the descriptor
+    """The library loaded from ``data`` (what was verified is what runs), its functions' types set."""
+    dll = load_from_memory(data, "mpigpu-ffi-handler")
     dll.mpigpu_native_set.restype = ctypes.c_int
     dll.mpigpu_native_set.argtypes = (ctypes.c_int64, ctypes.POINTER(Slot))
     dll.mpigpu_native_busy.restype = ctypes.c_int64
@@ -269,25 +235,6 @@ def _from_memory(data: bytes) -> ctypes.CDLL:
 
 _NCCL = {"allreduce": "ncclAllReduce", "broadcast": "ncclBroadcast", "allgather": "ncclAllGather"}
 _MPI = {"allreduce": "MPI_Allreduce", "broadcast": "MPI_Bcast", "allgather": "MPI_Allgather"}
-_functions: dict[str, dict[str, int] | str] = {}  # library prefix -> its functions' addresses, or why not
-
-
-def _functions_of(prefix: str, names: dict[str, str]) -> dict[str, int] | str:
-    """The addresses of ``names``' functions in the one library of this process named ``prefix``* (e.g.
-    "libnccl.so"), or why not: none loaded, or several (a communicator made by one must not reach another's
-    functions, and which one made it cannot be told here)."""
-    found = _functions.get(prefix)
-    if found is None:
-        with open("/proc/self/maps") as maps:
-            paths = {os.path.realpath(p) for p in (line.split()[-1] for line in maps if "/" in line)
-                     if os.path.basename(p).startswith(prefix)}  # fmt: skip
-        if len(paths) != 1:
-            found = f"{len(paths)} {prefix}* libraries are loaded in this process ({', '.join(sorted(paths))})"
-        else:
-            library_ = ctypes.CDLL(paths.pop(), mode=os.RTLD_NOLOAD)
-            found = {c: ctypes.cast(getattr(library_, name), ctypes.c_void_p).value or 0 for c, name in names.items()}
-        _functions[prefix] = found
-    return found
 
 
 def _library_functions(on_gpu: bool) -> dict[str, int] | str:
@@ -295,8 +242,8 @@ def _library_functions(on_gpu: bool) -> dict[str, int] | str:
     if on_gpu:
         from cupy.cuda import nccl  # noqa: F401  (loads the NCCL library the nccl backend uses)
 
-        return _functions_of("libnccl.so", _NCCL)
-    return _functions_of("libmpi.so", _MPI)
+        return library_functions("libnccl.so", _NCCL)
+    return library_functions("libmpi.so", _MPI)
 
 
 def _why_not(collective: str, dtype: DType, op: Op, backend: str, on_gpu: bool, nbytes: int, count: int,

@@ -23,6 +23,7 @@ jax = pytest.importorskip("jax", reason="jax is not installed (the CI test scrip
 jnp = jax.numpy
 
 from mpigpu.core.errors import ConfigError  # noqa: E402
+from mpigpu.core.native import BuildFailed, compiler  # noqa: E402
 from mpigpu.jax import _native  # noqa: E402
 
 mpi = pytest.mark.mpi(min_size=1)
@@ -32,8 +33,8 @@ pytestmark = pytest.mark.usefixtures("jax_x64", "jax_cpu_programs_tokened")
 
 def _no_compiler() -> str | None:
     try:
-        _native._compiler()
-    except _native._BuildFailed as exc:
+        compiler("c++")
+    except BuildFailed as exc:
         return str(exc)
     return None
 

@@ -1,0 +1,90 @@
+"""Host code compiled at run time: the compiler, the build, the load, and the library functions it calls.
+
+mpigpu compiles two small host libraries on first use: mpigpu.jax's FFI handler (C++) and the check
+board's exchange (C, mpigpu.job.native_board). Both are built into the private kernel cache
+(mpigpu.core.build_cache: ours, intact, or rebuilt) and loaded from the verified bytes through an
+anonymous memory file, so the library that runs is the one whose hash was checked, never a file
+someone could swap after the check. They call MPI or NCCL through the functions this process already
+loaded (``library_functions``), so they link against nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+
+__all__ = ["BuildFailed", "compiler", "compiler_identity", "library_functions", "load_from_memory", "run"]
+
+# the compilers tried per language, after the variable that names one
+_COMPILERS = {"c": ("CC", ("cc", "gcc", "clang")), "c++": ("CXX", ("c++", "g++", "clang++"))}
+
+
+class BuildFailed(Exception):
+    """A compiled helper cannot be built here (no compiler, or its output is the message)."""
+
+
+def compiler(language: str) -> list[str]:
+    """The command of the ``language`` ("c" or "c++") compiler: the one ``CC``/``CXX`` names, else the
+    first found on PATH; BuildFailed where there is none."""
+    variable, names = _COMPILERS[language]
+    named = os.environ.get(variable, "").split()
+    if named:
+        if shutil.which(named[0]) is None:
+            raise BuildFailed(f"{variable}={named[0]!r} is not a command here")
+        return named
+    for name in names:
+        found = shutil.which(name)
+        if found:
+            return [found]
+    raise BuildFailed(f"no {language.upper()} compiler found: install one ({names[1]}) or set {variable}")
+
+
+def compiler_identity(command: list[str]) -> str:
+    """What names this compiler in a cache entry's name: its first ``--version`` line."""
+    return run([*command, "--version"]).splitlines()[0]
+
+
+def run(command: list[str]) -> str:
+    """``command``'s standard output; BuildFailed with its error output where it fails."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BuildFailed(f"{command[0]}: {exc}") from None
+    if done.returncode != 0:
+        raise BuildFailed(f"{' '.join(command[:2])}... exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+    return done.stdout
+
+
+def load_from_memory(data: bytes, name: str) -> ctypes.CDLL:
+    """The shared library ``data``, loaded through an anonymous memory file called ``name``."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.write(fd, data)
+        return ctypes.CDLL(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)  # the mapping outlives the descriptor
+
+
+# (library prefix, names) -> the functions' addresses, or why not
+_functions: dict[tuple[str, tuple[tuple[str, str], ...]], dict[str, int] | str] = {}
+
+
+def library_functions(prefix: str, names: dict[str, str]) -> dict[str, int] | str:
+    """The addresses of ``names``' functions in the one library of this process named ``prefix``* (e.g.
+    "libnccl.so"), or why not: none loaded, or several (a communicator made by one must not reach another's
+    functions, and which one made it cannot be told here). ``names``: key -> symbol."""
+    key = (prefix, tuple(names.items()))
+    found = _functions.get(key)
+    if found is None:
+        with open("/proc/self/maps") as maps:
+            paths = {os.path.realpath(p) for p in (line.split()[-1] for line in maps if "/" in line)
+                     if os.path.basename(p).startswith(prefix)}  # fmt: skip
+        if len(paths) != 1:
+            found = f"{len(paths)} {prefix}* libraries are loaded in this process ({', '.join(sorted(paths))})"
+        else:
+            library_ = ctypes.CDLL(paths.pop(), mode=os.RTLD_NOLOAD)
+            found = {c: ctypes.cast(getattr(library_, name), ctypes.c_void_p).value or 0 for c, name in names.items()}
+        _functions[key] = found
+    return found

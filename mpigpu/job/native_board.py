@@ -1,0 +1,206 @@
+"""The check boards' compiled exchange (native_board.c): a check, or a tiny host allreduce, in one C call.
+
+A check on a board is a few steps (post, wait, exchange among nodes, compare) and a tiny allreduce adds
+the reduction of every rank's row; in Python those steps cost a tiny call ~3-4 us of its own, more than
+MPI_Allreduce itself at 2 ranks. native_board.c runs the same steps on the same memory in one ctypes call
+(the GIL released, so the watchdog still ends a job whose rank never arrives). Nothing about the boards
+changes: the layout, the check numbers, the results' bits (the fold adds in rank order, as
+mpigpu.backends.cpu_board does), so a rank on the compiled path and a rank on the Python path pair.
+
+Each board describes itself once, per parity, as a ``Plan``: where this rank posts, which words it
+waits on, the exchange among nodes (MPI_Allgather or MPI_Allgatherv through mpi4py's MPI library, with
+its handles) and where every rank's row lies. ``compiled(board_plans)`` gives the board its ``Native``, or
+None where the helper is not here: no C compiler, a failed build, the cache refused (then the Python path
+runs; ``why_not()`` says why), or MPIGPU_BOARD_HANDLER=python.
+
+Build: the C compiler (``CC``, else ``cc``/``gcc``/``clang``), once per machine, into the private kernel
+cache (mpigpu.core.build_cache), loaded from the verified bytes (mpigpu.core.native).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import platform
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from mpigpu.core._mpi import MPI
+from mpigpu.core.build_cache import cached_build
+from mpigpu.core.config import settings
+from mpigpu.core.native import BuildFailed, compiler, compiler_identity, library_functions, load_from_memory, run
+from mpigpu.core.ops import Op
+
+__all__ = ["FOLD_OPS", "Exchange", "Fold", "Native", "Plan", "compiled", "exchange_functions", "plan", "why_not"]
+
+SOURCE = "native_board.c"
+_MAGIC = b"mpigpu-board-so-1\n"
+_SUBDIR = "board"
+_FLAGS = ("-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")
+_NO_EXCHANGE, _ALLGATHER, _ALLGATHERV = 0, 1, 2
+_UNKNOWN_FOLD = -1000000
+# native_board.c's op codes; dtypes are mpigpu.core.dtypes' codes (float32 .. uint64)
+FOLD_OPS = {Op.SUM: 0, Op.PROD: 1, Op.MIN: 2, Op.MAX: 3, Op.AVG: 4}
+_FOLD_DTYPES = frozenset(range(3, 13))
+_P = ctypes.c_void_p
+
+
+class Plan(ctypes.Structure):
+    """One parity of one board: native_board.c's ``Plan``, field for field."""
+
+    _fields_ = [
+        ("post_k", _P), ("post", _P), ("waits", _P), ("nwaits", ctypes.c_int32), ("exchange", ctypes.c_int32),
+        ("handle_bytes", ctypes.c_int32), ("nranks", ctypes.c_int32), ("fn", _P), ("send", _P), ("recv", _P),
+        ("count", ctypes.c_int64), ("counts", _P), ("displs", _P), ("byte_type", ctypes.c_int64),
+        ("comm", ctypes.c_int64), ("publish", _P), ("rows", _P),
+    ]  # fmt: skip
+
+
+class Fold(ctypes.Structure):
+    """A fused allreduce's reduction: native_board.c's ``Fold``."""
+
+    _fields_ = [("dtype", ctypes.c_int32), ("op", ctypes.c_int32), ("count", ctypes.c_int64), ("result", _P)]
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """The exchange among nodes of one parity: MPI_Allgather (``counts`` None) or MPI_Allgatherv of
+    ``count`` bytes per member from ``send`` (an address, or MPI_IN_PLACE's value) into ``recv``."""
+
+    comm: Any
+    send: int
+    recv: int
+    count: int
+    counts: Sequence[int] | None = None
+
+
+_lock = threading.Lock()
+_state: list[Callable[..., int] | str] = []  # the loaded call, or why there is none (once per process)
+
+
+def _load() -> Callable[..., int]:
+    if not sys.platform.startswith("linux"):
+        raise BuildFailed("it is built and loaded on Linux only")
+    command = compiler("c")
+    text = resources.files("mpigpu.job").joinpath(SOURCE).read_text()
+    inputs = "\0".join([text, compiler_identity(command), " ".join(_FLAGS), platform.machine()])
+    name = f"board-{hashlib.sha256(inputs.encode()).hexdigest()[:20]}.v1.so"
+
+    def build() -> bytes:
+        with tempfile.TemporaryDirectory(prefix="mpigpu-board-") as scratch:  # created 0700
+            source, built = Path(scratch) / SOURCE, Path(scratch) / "board.so"
+            source.write_text(text)
+            run([*command, *_FLAGS, str(source), "-o", str(built)])
+            return built.read_bytes()
+
+    data, _ = cached_build(settings().cache_dir, _SUBDIR, name, _MAGIC, build, "compiled-board cache")
+    dll = load_from_memory(data, "mpigpu-board")
+    for symbol, struct in (("mpigpu_board_plan_bytes", Plan), ("mpigpu_board_fold_bytes", Fold)):
+        function = getattr(dll, symbol)
+        function.restype = ctypes.c_int64
+        if function() != ctypes.sizeof(struct):
+            raise BuildFailed(f"its {struct.__name__} layout differs from mpigpu.job.native_board.{struct.__name__}")
+    call = dll.mpigpu_board_call
+    call.restype = ctypes.c_int
+    call.argtypes = (_P, ctypes.c_int64, ctypes.c_char_p, _P)
+    return call  # type: ignore[no-any-return]
+
+
+def _function() -> Callable[..., int] | str:
+    with _lock:
+        if not _state:
+            try:
+                _state.append(_load())
+            except (BuildFailed, OSError, AttributeError) as exc:
+                _state.append(f"the compiled board is not available ({exc}); using the Python path")
+        return _state[0]
+
+
+def why_not() -> str | None:
+    """Why boards run their Python path in this process (None: they run the compiled one). Builds or
+    loads the helper on its first call."""
+    if settings().board_handler == "python":
+        return "MPIGPU_BOARD_HANDLER=python"
+    found = _function()
+    return found if isinstance(found, str) else None
+
+
+def exchange_functions() -> dict[str, int] | str:
+    """MPI_Allgather's and MPI_Allgatherv's addresses in mpi4py's MPI library, or why not."""
+    return library_functions("libmpi.so", {"allgather": "MPI_Allgather", "allgatherv": "MPI_Allgatherv"})
+
+
+def _addresses(values: Sequence[int]) -> ctypes.Array[Any]:
+    return (_P * max(1, len(values)))(*values)
+
+
+def plan(post: int, post_k: int | None, waits: Sequence[int], rows: Sequence[int],
+         exchange: Exchange | None = None, publish: int | None = None) -> tuple[Plan, list[Any]]:  # fmt: skip
+    """A parity's Plan from addresses (``post``: this rank's slot; ``post_k``: its check-number word;
+    ``waits``: words awaited before the exchange; ``rows``: every rank's slot in rank order; ``publish``:
+    where a leader publishes k), and what it points into (kept alive beside it)."""
+    wait_array, row_array = _addresses(waits), _addresses(rows)
+    keep: list[Any] = [wait_array, row_array]
+    p = Plan(post_k=post_k, post=post, waits=ctypes.addressof(wait_array), nwaits=len(waits), nranks=len(rows),
+             publish=publish, rows=ctypes.addressof(row_array))  # fmt: skip
+    if exchange is not None:
+        mpi = MPI()
+        functions = exchange_functions()
+        assert not isinstance(functions, str), "compiled() checks the MPI functions first"
+        p.exchange = _ALLGATHER if exchange.counts is None else _ALLGATHERV
+        p.handle_bytes = mpi._sizeof(mpi.Comm)
+        p.fn = functions["allgather" if exchange.counts is None else "allgatherv"]
+        p.send, p.recv, p.count = exchange.send & (2**64 - 1), exchange.recv, exchange.count
+        p.byte_type, p.comm = mpi._handleof(mpi.BYTE), mpi._handleof(exchange.comm)
+        if exchange.counts is not None:
+            n = len(exchange.counts)
+            counts = (ctypes.c_int32 * n)(*exchange.counts)
+            displs = (ctypes.c_int32 * n)(*(sum(exchange.counts[:j]) for j in range(n)))
+            p.counts, p.displs = ctypes.addressof(counts), ctypes.addressof(displs)
+            keep += [counts, displs]
+    return p, keep
+
+
+class Native:
+    """A board's compiled exchange: its two parities' plans (and what they point into)."""
+
+    def __init__(self, call: Callable[..., int], plans: Sequence[tuple[Plan, list[Any]]]) -> None:
+        self._call = call
+        self._keep = plans
+        self._plans = tuple(ctypes.addressof(p) for p, _ in plans)
+
+    def run(self, k: int, packed: bytes, fold: int | None = None) -> bool:
+        """Check ``k`` of ``packed`` (and, with ``fold``, a Fold's address, the reduction into its result):
+        True where every rank posted ``packed``. Collective, as the board's Python check."""
+        rc = self._call(self._plans[k & 1], k, packed, fold)
+        if rc >= 0:
+            return rc == 1
+        if rc == _UNKNOWN_FOLD:
+            raise ValueError("the compiled board was given a fold of a dtype it does not reduce")
+        raise MPI().Exception(-rc)
+
+    @staticmethod
+    def fold(dtype_code: int, op: Op, count: int, result: int) -> Fold:
+        """The Fold of a fused allreduce of ``count`` elements into the address ``result``."""
+        if dtype_code not in _FOLD_DTYPES or op not in FOLD_OPS:
+            raise ValueError(f"the compiled board does not reduce dtype code {dtype_code} with {op}")
+        return Fold(dtype=dtype_code, op=FOLD_OPS[op], count=count, result=result)
+
+
+def compiled(make_plans: Callable[[], Sequence[tuple[Plan, list[Any]]]], *, exchanges: bool = False) -> Native | None:
+    """A board's Native from ``make_plans`` (its two parities' plans), or None where boards run their
+    Python path here (``why_not``), or the board exchanges among nodes (``exchanges``) and MPI's
+    functions cannot be found in this process. Local: the ranks need not agree (the two paths pair)."""
+    if why_not() is not None:
+        return None
+    if exchanges and isinstance(exchange_functions(), str):
+        return None
+    call = _function()
+    assert not isinstance(call, str)
+    return Native(call, make_plans())
