@@ -9,7 +9,8 @@ size is set to N and its check board is a CheckBoard over a private buffer of N 
 ranks' rows holding 1.0. Before each check the other ranks' posts (their values and check number) are
 written as they would arrive; that writing is timed alone and subtracted. What is left is what this
 rank runs per call on the fused path (mpigpu.backends.cpu_board): the lookup of the call's record, the
-post, the comparison of every rank's signature, the reduction of every rank's row and the NaN rule.
+post, the comparison of every rank's signature, the reduction of every rank's row and the NaN rule; in
+the board's compiled helper (mpigpu.job.native_board), or in Python under MPIGPU_BOARD_HANDLER=python.
 Float32, sum, in place; each figure is the best of 7 batches of ``--calls`` calls, in microseconds.
 The synchronisation between real ranks (the wait for the last post) is not in it: scripts/call_cost.py
 measures that (its "check alone" row) under mpiexec.
@@ -50,6 +51,7 @@ class _Posed(check_board.CheckBoard):
             tuple((s, self._bytes[8 * s + 8 : 8 * s + 8 + check_board._VALUES]) for s in slots[1:])
             for slots in self._all
         )
+        self.native = check_board.compiled(self._plans)  # the compiled exchange, unless MPIGPU_BOARD_HANDLER=python
 
     def others_post(self, packed: bytes) -> None:
         """Every other rank's post of the next check: its values, then its check number."""
@@ -61,6 +63,10 @@ class _Posed(check_board.CheckBoard):
     def agree_packed(self, packed: bytes) -> bool:
         self.others_post(packed)
         return super().agree_packed(packed)
+
+    def agree_folding(self, packed: bytes, data: Any, rows: Any, fold: int) -> bool:
+        self.others_post(packed)
+        return super().agree_folding(packed, data, rows, fold)
 
 
 def _best_us(f: Any, calls: int) -> float:

@@ -366,3 +366,32 @@ def jax_cpu_programs_tokened(monkeypatch: pytest.MonkeyPatch) -> None:
     from mpigpu.jax import _primitive
 
     monkeypatch.setattr(_primitive, "_order_setting", lambda: "tokens")
+
+
+# -- the check board's two paths (mpigpu.job.native_board) ----------------------------------------
+@pytest.fixture(params=["compiled", "python"])
+def board_handler(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The test runs on the boards' compiled exchange, then on their Python path: boards made during it by
+    MPIGPU_BOARD_HANDLER, and the world context's board (made once per process) switched for its length,
+    its call records forgotten before and after (a record's launch is bound to one path). Collective: every
+    rank runs it at the same place."""
+    from mpigpu.core._mpi import world
+    from mpigpu.job import native_board
+    from mpigpu.runtime.context import Context
+
+    handler = request.param
+    if handler == "compiled" and native_board.why_not() is not None:
+        pytest.skip(f"the compiled board is not here: {native_board.why_not()}")
+    monkeypatch.setenv("MPIGPU_BOARD_HANDLER", "python" if handler == "python" else "auto")
+    ctx = Context.get(world())
+    board = ctx.check_board
+    saved = None if board is None else board.native
+    if board is not None and handler == "python":
+        board.native = None
+    ctx.plan_cache.clear()
+    try:
+        yield handler
+    finally:
+        if board is not None:
+            board.native = saved
+        ctx.plan_cache.clear()

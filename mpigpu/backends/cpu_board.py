@@ -17,6 +17,7 @@ MPI_Allreduce: a call costs the check alone.
 from __future__ import annotations
 
 import contextvars
+import ctypes
 import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ from mpigpu.backends.cpu import Reduce, has_nan, is_plain
 from mpigpu.core.ops import Op, canonicalize_nan
 from mpigpu.job.check import Signature, raise_mismatch
 from mpigpu.job.check_board import DATA_BYTES, SLOT_BYTES, Board
+from mpigpu.job.native_board import Native
 
 if TYPE_CHECKING:
     from mpigpu.core.arrays import ArrayView
@@ -90,6 +92,23 @@ def _stacks(rows: tuple[tuple[np.ndarray, ...], ...], count: int, is_float: bool
     return tuple(stacks)
 
 
+def _compiled(board: Board, comm: Any, x: ArrayView, op: Op, sig: Signature, packed: bytes,
+              shape: tuple[int, ...], rows: Any) -> Reduce:  # fmt: skip
+    """The launch on the board's compiled exchange: the post, the check and the fold in one C call
+    (mpigpu.job.native_board), into a result of the record's own, then copied to the destination."""
+    result = np.empty(shape, x.dtype.np)
+    fold = Native.fold(x.dtype.code, op, x.size, result.ctypes.data)
+    address = ctypes.addressof(fold)
+    agree = board.agree_folding
+
+    def launch(stream: Any, src: np.ndarray, dst: np.ndarray, _fold: Any = fold) -> None:  # _fold: kept alive
+        if not agree(packed, src, rows, address):
+            raise_mismatch(comm, sig, "cpu")
+        dst[...] = result
+
+    return launch
+
+
 def bind_board_allreduce(board: Board, comm: Any, x: ArrayView, op: Op, sig: Signature, packed: bytes) -> Reduce:
     """The launch ``(stream, source, destination)`` of one record: post ``packed`` (the record's
     signature) and the source on ``board``, then, where every rank agrees, the reduction of every
@@ -97,6 +116,8 @@ def bind_board_allreduce(board: Board, comm: Any, x: ArrayView, op: Op, sig: Sig
     over ``comm``, the board's communicator)."""
     shape = x.shape if x.order == "C" else tuple(reversed(x.shape))  # the host array is C-ordered (arrays.py)
     rows = board.rows(x.dtype.np, shape)
+    if board.native is not None:
+        return _compiled(board, comm, x, op, sig, packed, shape, rows)
     post, combine, n = board.agree_with, op.ufunc, board.size
 
     def agreed(src: np.ndarray) -> tuple[np.ndarray, ...]:

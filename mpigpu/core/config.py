@@ -64,6 +64,9 @@ ENV_VARS: dict[str, str] = {
     "MPIGPU_JAX_HANDLER": "auto (default), compiled or python: which FFI handler runs mpigpu.jax's collectives in "
     "compiled programs. auto: the compiled one (built with the C++ compiler at first use, cached like the kernels) "
     "where it takes the call, else the Python one; compiled: refuse a call it cannot take; python: never compile",
+    "MPIGPU_BOARD_HANDLER": "auto (default) or python: where the check board runs the cross-rank check and tiny "
+    "host allreduces. auto: in mpigpu's compiled helper (built with the C compiler at first use, cached like the "
+    "kernels) where it builds, else in Python; python: never compile. Per rank: both give the same bits",
     "MPIGPU_JAX_ORDER": "auto (default) or tokens: how mpigpu.jax's calls in compiled programs stay in order. auto: "
     "GPU programs in launch order and XLA's schedule, with no JAX effect (JAX's fast dispatch); CPU programs by a "
     "token. tokens: a token everywhere (ranks whose XLA might schedule one program differently: unlike GPUs)",
@@ -235,6 +238,7 @@ class Settings:
     timeline_events: int = 100_000
     jax_handler: str = "auto"  # MPIGPU_JAX_HANDLER (per rank: the ranks agree per call while compiling)
     jax_order: str = "auto"  # MPIGPU_JAX_ORDER
+    board_handler: str = "auto"  # MPIGPU_BOARD_HANDLER (per rank: the two paths pair, bit for bit)
 
     def agreed(self) -> tuple[tuple[str, object], ...]:
         """(variable, value) of the settings that change which collectives run, or which backend is
@@ -292,6 +296,7 @@ class Settings:
             timeline_events=events,
             jax_handler=_word("MPIGPU_JAX_HANDLER", ("auto", "compiled", "python"), "auto"),
             jax_order=_word("MPIGPU_JAX_ORDER", ("auto", "tokens"), "auto"),
+            board_handler=_word("MPIGPU_BOARD_HANDLER", ("auto", "python"), "auto"),
         )
 
 

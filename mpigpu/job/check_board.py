@@ -37,6 +37,7 @@ import numpy as np
 from mpigpu.core._mpi import MPI
 from mpigpu.core.errors import MpigpuError
 from mpigpu.core.typed import allreduce_int
+from mpigpu.job.native_board import Native, Plan, compiled, plan
 from mpigpu.job.shm import SharedSegment, wait_at_least
 
 __all__ = [
@@ -72,11 +73,13 @@ class Board(Protocol):
     size: int
     rank: int
     k: int
+    native: Native | None  # the compiled exchange (mpigpu.job.native_board), or None: the Python path
 
     def agree(self, values: list[int]) -> bool: ...
     def agree_packed(self, packed: bytes) -> bool: ...
     def rows(self, dtype: Any, shape: tuple[int, ...]) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]: ...
     def agree_with(self, packed: bytes, data: np.ndarray, rows: tuple[tuple[np.ndarray, ...], ...]) -> Any: ...
+    def agree_folding(self, packed: bytes, data: np.ndarray, rows: Any, fold: int) -> bool: ...
     def posted(self) -> list[list[int]]: ...
     def reached(self) -> list[int] | None: ...
     def close(self) -> None: ...
@@ -125,6 +128,18 @@ class CheckBoard:
             for slots in self._all
         )  # fmt: skip
         self.k = 0  # checks made on this board
+        self.native = compiled(self._plans)  # the same steps in one C call, where the helper is here
+
+    def _plans(self) -> list[tuple[Plan, list[Any]]]:
+        """Per parity, this board as the compiled exchange sees it: post, wait for every other rank, compare."""
+        assert self._segment is not None
+        base = self._segment.array.ctypes.data
+        plans = []
+        for p in (0, 1):
+            mine = base + 8 * self._mine[p]
+            others = [base + 8 * slot for r, slot in enumerate(self._all[p]) if r != self.rank]
+            plans.append(plan(mine, mine, others, [base + 8 * slot for slot in self._all[p]]))
+        return plans
 
     def agree(self, values: list[int]) -> bool:
         """Post this rank's ``values`` (FIELDS int64) as check ``k + 1`` and return True when every rank
@@ -136,6 +151,9 @@ class CheckBoard:
         posted these very bytes (collective). The hot path of every call's check."""
         k = self.k + 1
         self.k = k
+        native = self.native
+        if native is not None:
+            return native.run(k, packed)
         parity = k & 1
         mv = self._mv
         self._my_values[parity][:] = packed
@@ -173,6 +191,15 @@ class CheckBoard:
         mine[self.rank][...] = data  # before k is posted, as the values are
         return mine if self.agree_packed(packed) else None
 
+    def agree_folding(self, packed: bytes, data: np.ndarray, rows: Any, fold: int) -> bool:
+        """``agree_with`` on the compiled path (``native`` set), the rows reduced there into the result of
+        ``fold`` (a native_board.Fold's address): True where every rank posted ``packed``."""
+        assert self.native is not None
+        k = self.k + 1
+        rows[k & 1][self.rank][...] = data  # before k is posted
+        self.k = k
+        return self.native.run(k, packed, fold)
+
     def posted(self) -> list[list[int]]:
         """Every rank's values of the last check, in rank order (local). Valid until this rank's next
         check: no rank can overwrite a slot of parity k % 2 before this rank has posted k + 1."""
@@ -189,6 +216,7 @@ class CheckBoard:
         """Free the segment (collective; idempotent)."""
         if board_for(self.comm) is self:
             del _BOARDS[id(self.comm)]
+        self.native = None  # its plans point into the segment
         if self._segment is not None:
             with contextlib.suppress(BufferError):  # a view still exported: freed with the segment anyway
                 for view in (*self._my_values, *(values for slots in self._others for _, values in slots)):

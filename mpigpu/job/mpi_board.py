@@ -32,6 +32,7 @@ import numpy as np
 
 from mpigpu.core._mpi import MPI
 from mpigpu.job.check_board import DATA_BYTES, FIELDS, SLOT_BYTES, board_for, pack, register
+from mpigpu.job.native_board import Exchange, Plan, compiled, plan
 from mpigpu.job.node_mpi_board import NodeMpiBoard, open_node_mpi_board
 from mpigpu.job.topology import Layout
 
@@ -71,6 +72,18 @@ class MpiBoard:
         self._gather = comm.Allgather
         self._in_place = mpi.IN_PLACE
         self._specs = tuple([b, mpi.BYTE] for b in self._buffers)  # made once: the call's buffer argument
+        self.native = compiled(self._plans, exchanges=True)  # the same steps in one C call, where it is here
+
+    def _plans(self) -> list[tuple[Plan, list[Any]]]:
+        """Per parity, this board as the compiled exchange sees it: post, Allgather in place, compare."""
+        in_place = int(MPI().IN_PLACE)
+        plans = []
+        for buffer in self._buffers:
+            base = buffer.ctypes.data
+            rows = [base + SLOT_BYTES * r for r in range(self.size)]
+            gather = Exchange(self.comm, in_place, base, SLOT_BYTES)
+            plans.append(plan(rows[self.rank], None, [], rows, gather))
+        return plans
 
     def agree(self, values: list[int]) -> bool:
         """Post ``values`` (FIELDS int64) as check ``k + 1``; True when every rank posted the same values
@@ -82,6 +95,9 @@ class MpiBoard:
         very bytes (collective: one MPI_Allgather)."""
         k = self.k + 1
         self.k = k
+        native = self.native
+        if native is not None:
+            return native.run(k, packed)
         parity = k & 1
         self._my_values[parity][:] = packed
         self._gather(self._in_place, self._specs[parity])
@@ -106,6 +122,15 @@ class MpiBoard:
         mine[self.rank][...] = data
         return mine if self.agree_packed(packed) else None
 
+    def agree_folding(self, packed: bytes, data: np.ndarray, rows: Any, fold: int) -> bool:
+        """``agree_with`` on the compiled path (``native`` set), the rows reduced there into the result of
+        ``fold`` (a native_board.Fold's address): True where every rank posted ``packed``."""
+        assert self.native is not None
+        k = self.k + 1
+        rows[k & 1][self.rank][...] = data
+        self.k = k
+        return self.native.run(k, packed, fold)
+
     def posted(self) -> list[list[int]]:
         """Every rank's values of the last check, in rank order (local)."""
         counters = self._counters[self.k & 1]
@@ -120,6 +145,7 @@ class MpiBoard:
         """Unregister the board (local; idempotent; the buffers go with the object)."""
         if board_for(self.comm) is self:
             register(self.comm, None)
+        self.native = None
 
 
 def open_mpi_board(comm: Any, layout: Layout | None = None) -> MpiBoard | NodeMpiBoard | None:

@@ -50,6 +50,7 @@ import numpy as np
 
 from mpigpu.core._mpi import MPI
 from mpigpu.job.check_board import FIELDS, SLOT_BYTES, WEAK_ORDER, board_for, made_on_every_rank, pack, register
+from mpigpu.job.native_board import Exchange, Native, Plan, compiled, plan
 from mpigpu.job.shm import SharedSegment, wait_at_least
 
 __all__ = ["NodeMpiBoard", "open_node_mpi_board"]
@@ -123,6 +124,8 @@ class NodeMpiBoard:
         self._equal = len(set(sizes)) == 1
         self._exchange: Any = None
         self._specs: tuple[tuple[Any, Any], ...] = ()
+        self._counts: list[int] | None = None if self._equal else [n * SLOT_BYTES for n in sizes]  # Allgatherv's
+        self.native: Native | None = None  # the compiled exchange, once the leaders' communicator is made
         if self.leader:
             array = segment.array
             sends = tuple(array[self._post(p, 0) : self._post(p, 0) + count * SLOT_BYTES] for p in (0, 1))
@@ -131,7 +134,8 @@ class NodeMpiBoard:
             if self._equal:  # nodes of equal size: Allgather
                 self._specs = tuple(([s, mpi.BYTE], [r, mpi.BYTE]) for s, r in zip(sends, receives, strict=True))
             else:
-                counts = [n * SLOT_BYTES for n in sizes]
+                counts = self._counts
+                assert counts is not None
                 displacements = [sum(counts[:j]) for j in range(len(counts))]
                 self._specs = tuple(
                     ([s, mpi.BYTE], [r, (counts, displacements), mpi.BYTE])
@@ -145,6 +149,25 @@ class NodeMpiBoard:
         if self.leader:
             self._leaders = leaders
             self._exchange = leaders.Allgather if self._equal else leaders.Allgatherv
+        self.native = compiled(self._plans, exchanges=True)  # the same steps in one C call, where it is here
+
+    def _plans(self) -> list[tuple[Plan, list[Any]]]:
+        """Per parity, this board as the compiled exchange sees it: post on the node; a leader waits for its
+        node, exchanges with the leaders and publishes, the others wait for that; compare."""
+        assert self._segment is not None
+        base = self._segment.array.ctypes.data
+        plans = []
+        for p in (0, 1):
+            post = base + self._post(p, self._local)
+            rows = [base + self._result(p, r) for r in range(self.size)]
+            if not self.leader:
+                plans.append(plan(post, post, [base + self._done], rows))
+                continue
+            waits = [base + self._post(p, i) for i in range(1, self._count)]
+            gather = Exchange(self._leaders, base + self._post(p, 0), base + self._result_area(p),
+                              self._count * SLOT_BYTES, self._counts)  # fmt: skip
+            plans.append(plan(post, post, waits, rows, gather, publish=base + self._done))
+        return plans
 
     def _values(self, slot: int) -> memoryview:
         """The bytes of the values of the slot at byte offset ``slot`` (a view made once: the hot path)."""
@@ -152,6 +175,9 @@ class NodeMpiBoard:
 
     def _post(self, parity: int, local: int) -> int:
         return (parity * self._count + local) * SLOT_BYTES
+
+    def _result_area(self, parity: int) -> int:
+        return self._results + parity * self.size * SLOT_BYTES
 
     def _result(self, parity: int, rank: int) -> int:
         return self._results + (parity * self.size + self._position[rank]) * SLOT_BYTES
@@ -166,6 +192,9 @@ class NodeMpiBoard:
         very bytes (collective: the node's posts, the leaders' exchange, the leader's publication)."""
         k = self.k + 1
         self.k = k
+        native = self.native
+        if native is not None:
+            return native.run(k, packed)
         parity = k & 1
         mv = self._mv
         self._my_values[parity][:] = packed
@@ -217,6 +246,15 @@ class NodeMpiBoard:
         mine = rows[parity]
         return mine if self.agree_packed(packed) else None
 
+    def agree_folding(self, packed: bytes, data: np.ndarray, rows: Any, fold: int) -> bool:
+        """``agree_with`` on the compiled path (``native`` set), the rows reduced there into the result of
+        ``fold`` (a native_board.Fold's address): True where every rank posted ``packed``."""
+        assert self.native is not None
+        k = self.k + 1
+        rows.posts[k & 1][...] = data  # before k is posted
+        self.k = k
+        return self.native.run(k, packed, fold)
+
     def posted(self) -> list[list[int]]:
         """Every rank's values of the last check, in rank order (local; valid as its rows are)."""
         mv, parity = self._mv, self.k & 1
@@ -231,6 +269,7 @@ class NodeMpiBoard:
         """Free the segment and the leaders' communicator (collective over ``comm``; idempotent)."""
         if board_for(self.comm) is self:
             register(self.comm, None)
+        self.native = None  # its plans point into the segment
         if self._segment is None:
             return
         self._exchange = None

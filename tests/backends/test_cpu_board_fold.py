@@ -6,6 +6,7 @@ included. Integer min and max reduce by the stacked slots too."""
 
 from __future__ import annotations
 
+import ctypes
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,6 +20,28 @@ from mpigpu.core.ops import Op
 from mpigpu.job.check import Signature
 from mpigpu.job.check_board import DATA_BYTES, SLOT_BYTES, CheckBoard
 from mpigpu.job.mpi_board import MpiBoard
+from mpigpu.job.native_board import compiled, plan, why_not
+
+
+@pytest.fixture(autouse=True)
+def _boards_made_on_the_python_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The boards here are made over a communicator of the test's own (no MPI): none gets the compiled
+    exchange by itself; the tests that run it give a board one without an exchange (``_compile``)."""
+    monkeypatch.setenv("MPIGPU_BOARD_HANDLER", "python")
+
+
+def _compile(board: Any, slots: list[list[int]], packed: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Give ``board`` the compiled exchange over its own slots (per parity, every rank's address; rank 0
+    posts, nothing waits, nothing is exchanged), every slot holding ``packed`` (every rank agrees)."""
+    monkeypatch.setenv("MPIGPU_BOARD_HANDLER", "auto")
+    if why_not() is not None:
+        pytest.skip(f"the compiled board is not here: {why_not()}")
+    for parity in slots:
+        for address in parity:
+            (ctypes.c_char * len(packed)).from_address(address + 8)[:] = packed
+    board.native = compiled(lambda: [plan(parity[0], None, [], parity) for parity in slots])
+    assert board.native is not None
+    monkeypatch.setenv("MPIGPU_BOARD_HANDLER", "python")  # the next board made here: as the others
 
 
 class _Ranks:
@@ -44,6 +67,7 @@ class _NodeLayout:
     agreed at once: the test writes every other rank's row itself."""
 
     rows = CheckBoard.rows
+    native: Any = None
 
     def __init__(self, n: int) -> None:
         self.size, self.k = n, 0
@@ -56,14 +80,29 @@ class _NodeLayout:
         mine[0][...] = data
         return mine
 
+    def agree_folding(self, packed: bytes, data: np.ndarray, rows: Any, fold: int) -> bool:
+        self.k += 1
+        rows[self.k & 1][0][...] = data
+        return self.native.run(self.k, packed, fold)
+
+    def slots(self) -> list[list[int]]:
+        base = self._segment.array.ctypes.data
+        return [[base + 8 * slot for slot in parity] for parity in self._all]
+
 
 SHAPES = [(1,), (2,), (5,), (11,), (44,), (2, 3), (5, 1), (1, 5), (4, 11)]
 
 
+def _buffer_slots(board: MpiBoard) -> list[list[int]]:
+    return [[b.ctypes.data + SLOT_BYTES * r for r in range(board.size)] for b in board._buffers]
+
+
+@pytest.mark.parametrize("handler", ["python", "compiled"])
 @pytest.mark.parametrize("n", [2, 3, 4, 8, 9, 16, 17, 32])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("op", [Op.SUM, Op.PROD])
-def test_the_rows_are_combined_in_rank_order_bit_for_bit(n: int, dtype: str, op: Op) -> None:
+@pytest.mark.parametrize("op", [Op.SUM, Op.PROD, Op.AVG])
+def test_the_rows_are_combined_in_rank_order_bit_for_bit(n: int, dtype: str, op: Op, handler: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     rng = np.random.default_rng(n)
     for shape in SHAPES:
         x = np.zeros(shape, dtype)
@@ -72,9 +111,11 @@ def test_the_rows_are_combined_in_rank_order_bit_for_bit(n: int, dtype: str, op:
         board = MpiBoard(_Ranks(n))
         sig = Signature(x.size, 1, op.code, 1, 0, shape=shape)
         packed = sig.packed()
+        if handler == "compiled":
+            _compile(board, _buffer_slots(board), packed, monkeypatch)
         launch = bind_board_allreduce(board, None, as_view(x), op, sig, packed)
         for step in range(4):  # both parities, twice
-            scale = 10.0 ** rng.integers(-6, 7, size=(n, *shape)) if op is Op.SUM else 1.0
+            scale = 10.0 ** rng.integers(-6, 7, size=(n, *shape)) if op is not Op.PROD else 1.0
             values = (rng.standard_normal((n, *shape)) * scale).astype(dtype)
             values.reshape(n, -1)[:, 0] = -0.0  # signed zeros: -0.0 + -0.0 stays -0.0, -0.0 * x keeps its sign
             values.reshape(n, -1)[n // 2, -1] = 0.0
@@ -86,40 +127,56 @@ def test_the_rows_are_combined_in_rank_order_bit_for_bit(n: int, dtype: str, op:
                     buffer[256 * r + 8 : 256 * r + 80] = np.frombuffer(packed, np.uint8)
             want = values[0].copy()
             for r in range(1, n):
-                op.ufunc(want, values[r], out=want)
+                (np.multiply if op is Op.PROD else np.add)(want, values[r], out=want)
+            if op is Op.AVG:
+                np.divide(want, want.dtype.type(n), out=want)  # one IEEE division of the rank-order sum
             out = np.full(shape, np.nan, dtype)
             launch(None, values[0], out)
             assert out.tobytes() == want.tobytes(), (n, dtype, op, shape, step)
 
 
+@pytest.mark.parametrize("handler", ["python", "compiled"])
 @pytest.mark.parametrize("n", [3, 8])
 @pytest.mark.parametrize("op", [Op.SUM, Op.PROD, Op.MIN, Op.MAX])
-def test_integer_rows_reduce_exactly(n: int, op: Op) -> None:
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"])
+def test_integer_rows_reduce_exactly_and_wrap_as_numpy(n: int, op: Op, dtype: str, handler: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Every integer type: sums and products wrap modulo 2**bits, as NumPy's (and MPI's) do; min and max
+    in the type's order."""
     rng = np.random.default_rng(7)
     shape = (6,)
     board = MpiBoard(_Ranks(n))
     sig = Signature(6, 3, op.code, 1, 0, shape=shape)
     packed = sig.packed()
-    x = np.zeros(shape, np.int32)
+    x = np.zeros(shape, dtype)
+    if handler == "compiled":
+        _compile(board, _buffer_slots(board), packed, monkeypatch)
     launch = bind_board_allreduce(board, None, as_view(x), op, sig, packed)
-    values = rng.integers(-50, 50, size=(n, *shape)).astype(np.int32)
+    info = np.iinfo(dtype)
+    values = rng.integers(info.min, info.max, size=(n, *shape), dtype=dtype, endpoint=True)
     values[:, 0] = np.arange(5, 5 + n)  # all positive: min is not 0
-    for parity_rows in board.rows(np.dtype(np.int32), shape):
+    values[:, 1] = info.max  # sums and products that wrap
+    for parity_rows in board.rows(np.dtype(dtype), shape):
         for r in range(n):
             parity_rows[r][...] = values[r]
     for buffer in board._buffers:
         for r in range(n):
             buffer[256 * r + 8 : 256 * r + 80] = np.frombuffer(packed, np.uint8)
-    out = np.full(shape, -1, np.int32)
+    out = np.full(shape, 1, dtype)
     launch(None, values[0], out)
-    want = op.ufunc.reduce(values.astype(np.int64), axis=0).astype(np.int32)  # int64: no wrap for these
-    assert np.array_equal(out, want), (op, out, want)
+    want = values[0].copy()
+    with np.errstate(over="ignore"):
+        for r in range(1, n):
+            op.ufunc(want, values[r], out=want)
+    assert out.tobytes() == want.tobytes(), (op, out, want)
 
 
 @pytest.mark.filterwarnings("error")  # overflow and inf - inf: IEEE results, never a warning
+@pytest.mark.parametrize("handler", ["python", "compiled"])
 @pytest.mark.parametrize("n", [3, 8, 16])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_the_node_boards_rows_reduce_in_one_call_in_rank_order(n: int, dtype: str) -> None:
+def test_the_node_boards_rows_reduce_in_one_call_in_rank_order(n: int, dtype: str, handler: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The node board's rows, two slots apart, take the one-call reduction too (at 8 ranks it replaced
     seven ufunc calls), with the rank-order loop's bits, signed zeros, infinities and NaN included."""
     rng = np.random.default_rng(n)
@@ -129,6 +186,8 @@ def test_the_node_boards_rows_reduce_in_one_call_in_rank_order(n: int, dtype: st
         assert _stacks(rows, int(np.prod(shape)), True) is not None, "the node board's layout takes the loop"
         x = np.zeros(shape, dtype)
         sig = Signature(x.size, 1, Op.SUM.code, 1, 0, shape=shape)
+        if handler == "compiled":
+            _compile(board, board.slots(), sig.packed(), monkeypatch)
         launch = bind_board_allreduce(board, None, as_view(x), Op.SUM, sig, sig.packed())
         for step in range(4):  # both parities, twice
             values = (rng.standard_normal((n, *shape)) * 10.0 ** rng.integers(-6, 7, size=(n, *shape))).astype(dtype)

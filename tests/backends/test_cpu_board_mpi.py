@@ -23,7 +23,7 @@ from mpigpu.core.ops import canonical_nan
 from mpigpu.job.check_board import DATA_BYTES
 from mpigpu.runtime.context import Context
 
-pytestmark = pytest.mark.mpi(min_size=1)
+pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.usefixtures("board_handler")]  # both of the board's paths
 
 
 def _nan_bits(itemsize: int, rank: int) -> int:

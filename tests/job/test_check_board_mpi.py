@@ -22,6 +22,7 @@ from mpigpu.job.check import Signature, check_signature
 from mpigpu.job.check_board import board_for, open_board
 
 
+@pytest.mark.usefixtures("board_handler")
 @pytest.mark.mpi(min_size=1)
 def test_a_single_node_context_checks_through_its_board(comm) -> None:
     with fresh_context(comm) as ctx:
@@ -37,19 +38,21 @@ def test_a_single_node_context_checks_through_its_board(comm) -> None:
 
 
 @pytest.mark.mpi(min_size=1)
-def test_a_thousand_random_checks_agree_with_the_mpi_path_on_every_rank(comm) -> None:
+def test_a_thousand_random_checks_agree_with_the_mpi_path_on_every_rank(comm, board_handler: str) -> None:
     plain = comm.Dup()  # no board: check_signature takes the MPI_Allreduce path on it
     rng = np.random.default_rng(1234)  # the same draws on every rank
     try:
         with fresh_context(comm) as ctx:
             board = ctx.check_board
             assert board is not None and board_for(plain) is None
+            assert (board.native is not None) == (board_handler == "compiled"), "the path under test"
             random_checks(ctx.comm, plain, rng, 1000)
             assert board.k >= 1000, "both parities, hundreds of times over"
     finally:
         plain.Free()
 
 
+@pytest.mark.usefixtures("board_handler")
 @pytest.mark.mpi(min_size=1)
 def test_parity_wrap_around_with_mismatches_on_either_parity(comm) -> None:
     rank = comm.Get_rank()
@@ -68,6 +71,7 @@ def test_parity_wrap_around_with_mismatches_on_either_parity(comm) -> None:
             assert (board.k & 1) == parity
 
 
+@pytest.mark.usefixtures("board_handler")
 @pytest.mark.mpi(min_size=2)
 def test_ranks_that_arrive_far_apart_still_agree(comm) -> None:
     rank = comm.Get_rank()
@@ -81,6 +85,7 @@ def test_ranks_that_arrive_far_apart_still_agree(comm) -> None:
             assert np.all(x == comm.Get_size())
 
 
+@pytest.mark.usefixtures("board_handler")
 @pytest.mark.mpi(min_size=2)
 def test_a_rank_that_rejects_its_arguments_is_named_on_every_other_rank(comm) -> None:
     rank, n = comm.Get_rank(), comm.Get_size()

@@ -25,12 +25,13 @@ from mpigpu.job.mpi_board import MAX_RANKS, MpiBoard, open_mpi_board
 
 
 @pytest.mark.mpi(min_size=1)
-def test_random_checks_give_the_mpi_paths_verdict_and_message_on_every_rank(comm) -> None:
+def test_random_checks_give_the_mpi_paths_verdict_and_message_on_every_rank(comm, board_handler: str) -> None:
     on_board, plain = comm.Dup(), comm.Dup()
     rng = np.random.default_rng(99)  # the same draws on every rank
     try:
         board = open_mpi_board(on_board)
         assert board is not None and board_for(on_board) is board and board_for(plain) is None
+        assert (board.native is not None) == (board_handler == "compiled"), "the path under test"
         random_checks(on_board, plain, rng, 300)
         assert board.k == 300, "one post per check"
         assert board.reached() is None, "no rank runs ahead of an Allgather: nothing to report"
@@ -41,6 +42,7 @@ def test_random_checks_give_the_mpi_paths_verdict_and_message_on_every_rank(comm
         plain.Free()
 
 
+@pytest.mark.usefixtures("board_handler")
 @pytest.mark.mpi(min_size=1)
 def test_posted_rows_are_every_ranks_in_rank_order_on_both_parities(comm) -> None:
     rank, n = comm.Get_rank(), comm.Get_size()

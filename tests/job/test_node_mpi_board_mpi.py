@@ -52,7 +52,7 @@ def _split(comm: Any, layout: str) -> tuple[Any, bool]:
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("layout", list(_LAYOUTS))
-def test_random_checks_give_the_mpi_paths_verdict_and_message(comm, layout: str) -> None:
+def test_random_checks_give_the_mpi_paths_verdict_and_message(comm, layout: str, board_handler: str) -> None:
     on_board, plain = comm.Dup(), comm.Dup()
     node, pairs = _split(on_board, layout)
     rng = np.random.default_rng(7)  # the same draws on every rank
@@ -62,6 +62,7 @@ def test_random_checks_give_the_mpi_paths_verdict_and_message(comm, layout: str)
             assert board is None, "one rank per node: the flat Allgather"
             return
         assert isinstance(board, NodeMpiBoard) and board_for(on_board) is board and board_for(plain) is None
+        assert (board.native is not None) == (board_handler == "compiled"), "the path under test"
         random_checks(on_board, plain, rng, 200)
         assert board.k == 200, "one post per check"
         assert board.reached() is None
@@ -74,6 +75,7 @@ def test_random_checks_give_the_mpi_paths_verdict_and_message(comm, layout: str)
         plain.Free()
 
 
+@pytest.mark.usefixtures("board_handler")
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("layout", ["blocks", "round-robin", "one-first", "one-last", "one-node"])
 def test_rows_are_every_ranks_in_rank_order_and_last_until_the_check_after_next(comm, layout: str) -> None:
