@@ -5,13 +5,15 @@ mpiexec, merged into one JSON file of every layout (scripts/cpu-nodes.sh loops t
     mpiexec -launcher fork -hosts nodeA:2,nodeB:1 -n 3 python scripts/cpu_nodes.py --json out.json --backends cpu
 
 float32, sum, in place; the columns of scripts/cpu_call_vs_mpi.py (``comm.Allreduce(MPI.IN_PLACE, x)``,
-``mpigpu.allreduce(x, "sum")`` with backend auto, then backend="cpu" and "host"), each checked once on
+``mpigpu.allreduce(x, "sum")`` with backend auto, then backend="cpu" and "host"), and up to 64 KiB the
+same auto call on a communicator whose check board runs its Python path (``board_python_us``: the
+compiled exchange's gain, mpigpu.job.native_board; absent where the compiled one is not here), each checked once on
 exact inputs, then interleaved over ``--rounds`` rounds; each figure is the median of every round's
 samples on each rank, then the slowest rank, in microseconds. The file holds
 
     {"machine": ..., "mpi": ..., "versions": {...}, "date": ..., "results": [
         {"layout": "2x4", "bytes": 8, "auto_us": ..., "mpi_us": ..., "cpu_us": ..., "host_us": ...,
-         "auto": "cpu", "ranks": 8, "ok": true}, ...]}
+         "board_python_us": ..., "board": "compiled", "auto": "cpu", "ranks": 8, "ok": true}, ...]}
 
 with one row per (layout, bytes): a run replaces the rows of its own layout and sizes and keeps the
 rest. The layout is nodes x ranks per node ("2x4"), or each node's ranks ("2+1") where they differ.
@@ -39,9 +41,29 @@ from mpigpu.core._mpi import MPI, library_info, world
 from mpigpu.runtime.context import Context
 
 DEFAULT_SIZES = "8,65536,1048576,8388608"
+PYTHON_BOARD_BYTES = 65536  # the Python board's column up to this size (beyond it the check is a small part)
 BACKENDS = ("cpu", "host")
 # the row's keys for cpu_call_vs_mpi's allreduce columns
-KEYS = {"comm.Allreduce": "mpi_us", "allreduce(x)": "auto_us", 'backend="cpu"': "cpu_us", 'backend="host"': "host_us"}
+PYTHON_BOARD = "allreduce(x), Python board"
+KEYS = {"comm.Allreduce": "mpi_us", "allreduce(x)": "auto_us", 'backend="cpu"': "cpu_us", 'backend="host"': "host_us",
+        PYTHON_BOARD: "board_python_us"}  # fmt: skip
+
+
+def _python_board_comm(comm: Any) -> Any:
+    """A duplicate of ``comm`` whose mpigpu context (made now, collective) has its check board on the
+    Python path (MPIGPU_BOARD_HANDLER=python while it is made)."""
+    dup = comm.Dup()
+    before = os.environ.get("MPIGPU_BOARD_HANDLER")
+    os.environ["MPIGPU_BOARD_HANDLER"] = "python"
+    try:
+        board = Context.get(dup).check_board
+    finally:
+        if before is None:
+            del os.environ["MPIGPU_BOARD_HANDLER"]
+        else:
+            os.environ["MPIGPU_BOARD_HANDLER"] = before
+    assert board is None or board.native is None
+    return dup
 
 
 def layout_label(node_sizes: tuple[int, ...]) -> str:
@@ -92,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     comm = world()
     ctx = Context.get(comm)
     layout = layout_label(ctx.layout.node_sizes)
+    compiled = ctx.check_board is not None and ctx.check_board.native is not None
+    python_board = _python_board_comm(comm) if compiled else None
     rows = []
     for nbytes in (int(size) for size in args.sizes.split(",")):
         case = calls.Case(comm, "allreduce", nbytes, "sum")
@@ -99,9 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         for backend in BACKENDS:
             if backend not in backends:
                 del columns[f'backend="{backend}"']
+        if python_board is not None and nbytes <= PYTHON_BOARD_BYTES:
+            columns[PYTHON_BOARD] = lambda x=case.x: mpigpu.allreduce(x, "sum", comm=python_board)
         found = calls.measure_columns(comm, case, columns, args.rounds, args.scale)
         row: dict[str, Any] = {"layout": layout, "bytes": nbytes, "ranks": comm.Get_size()}
         row.update({KEYS[name]: round(us, 2) for name, us in found["us"].items()})
+        row["board"] = "compiled" if compiled else "python"
         row["auto"] = mpigpu.explain(case.x, "sum").backend
         row["ok"] = not any(found["wrong"].values())
         rows.append(row)
