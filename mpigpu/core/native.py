@@ -57,14 +57,22 @@ def run(command: list[str]) -> str:
     return done.stdout
 
 
+_loaded_fds: list[int] = []  # the memory files of the libraries loaded so far, open for the process's life
+
+
 def load_from_memory(data: bytes, name: str) -> ctypes.CDLL:
-    """The shared library ``data``, loaded through an anonymous memory file called ``name``."""
+    """The shared library ``data``, loaded through an anonymous memory file called ``name``. The file stays
+    open: the loader knows a library by its path (/proc/self/fd/N), and a descriptor number freed and given
+    to the next library would make the loader hand back the first one."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         os.write(fd, data)
-        return ctypes.CDLL(f"/proc/self/fd/{fd}")
-    finally:
-        os.close(fd)  # the mapping outlives the descriptor
+        library_ = ctypes.CDLL(f"/proc/self/fd/{fd}")
+    except BaseException:
+        os.close(fd)
+        raise
+    _loaded_fds.append(fd)
+    return library_
 
 
 # (library prefix, names) -> the functions' addresses, or why not
