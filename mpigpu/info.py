@@ -66,6 +66,23 @@ def _devices(ctx: Any) -> list[dict[str, Any]]:
     return rows
 
 
+_BOARDS = {"CheckBoard": "node board (node-shared memory)", "NodeMpiBoard": "two-level board (node-shared memory, "
+           "one MPI_Allgather among node leaders)", "MpiBoard": "flat board (one MPI_Allgather)"}  # fmt: skip
+
+
+def _check(ctx: Any) -> dict[str, Any]:
+    """How the cross-rank argument check (and a tiny host allreduce) travels, and on which ranks the board runs
+    its Python path, with why (collective)."""
+    from mpigpu.job.native_board import why_not
+
+    board = None if ctx.size == 1 else ctx.check_board
+    if board is None:
+        return {"board": "none (one rank)" if ctx.size == 1 else "MPI_Allreduce(MAX)", "python_ranks": None}
+    why = None if board.native is not None else (why_not() or "this board has no compiled plan")
+    python = [(r, reason) for r, reason in enumerate(ctx.comm.allgather(why)) if reason is not None]
+    return {"board": _BOARDS.get(type(board).__name__, type(board).__name__), "python_ranks": python}
+
+
 def gather_info() -> dict[str, Any]:
     """Everything ``info`` prints, as a dict (collective)."""
     from mpigpu.core._mpi import world
@@ -95,6 +112,7 @@ def gather_info() -> dict[str, Any]:
                        "findings": list(ctx.cuda_aware.findings)},
         "nccl": {"available": ctx.nccl.available, "version": ctx.nccl.version, "reason": ctx.nccl.reason},
         "backends": {name: {"ok": a.ok, "reason": a.reason} for name, a in ctx.availability.items()},
+        "check": _check(ctx),
         "tuning": {"file": str(ctx.settings.tune_path),
                    "applies": ctx.tuning.source if ctx.tuning else None},
         "auto": _auto_examples(ctx),
@@ -152,6 +170,12 @@ def render(info: dict[str, Any]) -> str:
     lines.append("Backends")
     for name, state in info["backends"].items():
         lines.append(f"  {name:<11}    {'available' if state['ok'] else 'unavailable'}: {state['reason']}")
+    check, where = info["check"], ""
+    python = check["python_ranks"]
+    if python is not None:  # a board: on which path
+        on = "; ".join(f"{r}: {why}" for r, why in python[:4])
+        where = f", Python path on rank(s) {on}" if python else ", compiled exchange on every rank"
+    lines.append(f"Argument check   {check['board']}{where}")
     tuning = info["tuning"]
     lines.append(
         f"Tuning table     {tuning['file']}: "
