@@ -1,5 +1,6 @@
 """``python -m mpigpu.info`` says how the argument check travels and on which path the board runs: the
-node board on one machine (two-level or flat across MPI nodes), on the compiled exchange or on the Python path with the reason, per rank."""
+node board on one machine (two-level or flat across MPI nodes), on the compiled exchange or on the
+Python path with the reason, per rank."""
 
 from __future__ import annotations
 
