@@ -42,8 +42,13 @@ def compiler(language: str) -> list[str]:
 
 
 def compiler_identity(command: list[str]) -> str:
-    """What names this compiler in a cache entry's name: its first ``--version`` line."""
-    return run([*command, "--version"]).splitlines()[0]
+    """What names this compiler in a cache entry's name: its resolved path, size and modification time (a
+    new compiler is a new entry). Read from the file, not by running it: a rank that finds its entry in the
+    cache starts no process (some MPI stacks warn at, or are harmed by, a fork in an MPI process)."""
+    path = shutil.which(command[0]) or command[0]
+    real = os.path.realpath(path)
+    info = os.stat(real)
+    return f"{real} {info.st_size} {info.st_mtime_ns} {' '.join(command[1:])}"
 
 
 def run(command: list[str]) -> str:
