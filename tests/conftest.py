@@ -382,12 +382,13 @@ def board_handler(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     handler = request.param
     if handler == "compiled" and native_board.why_not() is not None:
         pytest.skip(f"the compiled board is not here: {native_board.why_not()}")
+    ctx = Context.get(world())  # made (if not yet) before the setting changes: its board as a user's would be
     monkeypatch.setenv("MPIGPU_BOARD_HANDLER", "python" if handler == "python" else "auto")
-    ctx = Context.get(world())
     board = ctx.check_board
     saved = None if board is None else board.native
     if board is not None and handler == "python":
         board.native = None
+    assert board is None or handler == "python" or board.native is not None, "the world's board runs Python"
     ctx.plan_cache.clear()
     try:
         yield handler
