@@ -78,7 +78,8 @@ def _check(ctx: Any) -> dict[str, Any]:
     board = None if ctx.size == 1 else ctx.check_board
     if board is None:
         return {"board": "none (one rank)" if ctx.size == 1 else "MPI_Allreduce(MAX)", "python_ranks": None}
-    why = None if board.native is not None else (why_not() or "this board has no compiled plan")
+    across = type(board).__name__ != "CheckBoard"  # the two-level and flat boards call MPI among nodes
+    why = None if board.native is not None else (why_not(across) or "this board has no compiled plan")
     python = [(r, reason) for r, reason in enumerate(ctx.comm.allgather(why)) if reason is not None]
     return {"board": _BOARDS.get(type(board).__name__, type(board).__name__), "python_ranks": python}
 

@@ -15,7 +15,9 @@ import os
 import shutil
 import subprocess
 
-__all__ = ["BuildFailed", "compiler", "compiler_identity", "library_functions", "load_from_memory", "run"]
+__all__ = [
+    "BuildFailed", "compiler", "compiler_identity", "library_functions", "load_from_memory", "loaded_libraries", "run",
+]  # fmt: skip
 
 # the compilers tried per language, after the variable that names one
 _COMPILERS = {"c": ("CC", ("cc", "gcc", "clang")), "c++": ("CXX", ("c++", "g++", "clang++"))}
@@ -71,7 +73,9 @@ def load_from_memory(data: bytes, name: str) -> ctypes.CDLL:
     to the next library would make the loader hand back the first one."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
-        os.write(fd, data)
+        view = memoryview(data)
+        while view:  # a write may take less than it is given
+            view = view[os.write(fd, view) :]
         library_ = ctypes.CDLL(f"/proc/self/fd/{fd}")
     except BaseException:
         os.close(fd)
@@ -91,9 +95,7 @@ def library_functions(prefix: str, names: dict[str, str]) -> dict[str, int] | st
     key = (prefix, tuple(names.items()))
     found = _functions.get(key)
     if found is None:
-        with open("/proc/self/maps") as maps:
-            paths = {os.path.realpath(p) for p in (line.split()[-1] for line in maps if "/" in line)
-                     if os.path.basename(p).startswith(prefix)}  # fmt: skip
+        paths = loaded_libraries(prefix)
         if len(paths) != 1:
             found = f"{len(paths)} {prefix}* libraries are loaded in this process ({', '.join(sorted(paths))})"
         else:
@@ -101,3 +103,10 @@ def library_functions(prefix: str, names: dict[str, str]) -> dict[str, int] | st
             found = {c: ctypes.cast(getattr(library_, name), ctypes.c_void_p).value or 0 for c, name in names.items()}
         _functions[key] = found
     return found
+
+
+def loaded_libraries(prefix: str) -> set[str]:
+    """The real paths of the libraries mapped in this process whose file name starts with ``prefix``."""
+    with open("/proc/self/maps") as maps:
+        return {os.path.realpath(p) for p in (line.split()[-1] for line in maps if "/" in line)
+                if os.path.basename(p).startswith(prefix)}  # fmt: skip

@@ -6,8 +6,8 @@
  *   1. copy the packed signature (FIELDS int64) into this rank's slot (the caller wrote the data beside
  *      it), then publish the check number k with a release store;
  *   2. wait until each word in ``waits`` reaches k (acquire): the node's other ranks, or for a node's
- *      non-leader the leader's published k; spin ~20 us, then yield, then sleep 50 us steps (as
- *      mpigpu.job.shm.wait_at_least, so an oversubscribed machine is not burnt);
+ *      non-leader the leader's published k; spin as long as the plan says (the board's Python path's
+ *      time), then yield, then sleep 50 us steps (mpigpu.job.shm.wait_at_least's steps);
  *   3. the exchange among nodes, where the board has one: MPI_Allgather or MPI_Allgatherv of slots,
  *      through the function mpi4py's MPI library holds (the plan names it; nothing is linked);
  *   4. a leader publishes k on its node (release);
@@ -57,6 +57,7 @@ typedef struct {
   int64_t comm;        /* the exchange's communicator's handle */
   int64_t *publish;    /* a leader publishes k here after the exchange (NULL: none) */
   char **rows;         /* every rank's slot, in rank order */
+  int64_t spin_ns;     /* how long a wait spins before it yields */
 } Plan;
 
 /* A fused allreduce's reduction. Mirrored by mpigpu.job.native_board.Fold. */
@@ -84,18 +85,21 @@ static int64_t now_ns(void) {
   return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* Until *word >= k: spin 20 us, yield until 2 ms, then sleep in 50 us steps (mpigpu.job.shm's times). */
-static void wait_at_least(int64_t *word, int64_t k) {
+/* Until *word >= k: spin ``spin_ns`` (the plan's: 20 us on the node board, 0 on the two-level board, whose
+ * waits span an exchange between nodes and must not hold a core the leader needs), then yield on every read
+ * until 2 ms, then sleep in 50 us steps: mpigpu.job.shm.wait_at_least's steps, as each board's Python path. */
+static void wait_at_least(int64_t *word, int64_t k, int64_t spin_ns) {
   if (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= k) return;
   const int64_t start = now_ns();
+  int64_t waited = 0;
   for (uint32_t i = 1;; ++i) {
     if (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= k) return;
-    if (i % 64) {
+    if (waited < spin_ns) {
       relax();
+      if (i % 64 == 0) waited = now_ns() - start;
       continue;
     }
-    const int64_t waited = now_ns() - start;
-    if (waited < 20000) continue;
+    waited = now_ns() - start;
     if (waited < 2000000) {
       sched_yield();
     } else {
@@ -197,7 +201,7 @@ static int fold(char *const *rows, int32_t n, const Fold *f) {
 int mpigpu_board_call(const Plan *p, int64_t k, const char *packed, const Fold *f) {
   memcpy(p->post + 8, packed, VALUES);
   if (p->post_k) __atomic_store_n(p->post_k, k, __ATOMIC_RELEASE); /* data and values before k */
-  for (int32_t i = 0; i < p->nwaits; ++i) wait_at_least(p->waits[i], k);
+  for (int32_t i = 0; i < p->nwaits; ++i) wait_at_least(p->waits[i], k, p->spin_ns);
   if (p->exchange != NO_EXCHANGE) {
     const int rc = p->handle_bytes == 4 ? gather_int_handle(p) : gather_pointer_handle(p);
     if (rc != 0) return -rc;

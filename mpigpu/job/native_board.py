@@ -31,11 +31,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from mpigpu.core import native
 from mpigpu.core._mpi import MPI
 from mpigpu.core.build_cache import cached_build
 from mpigpu.core.config import settings
-from mpigpu.core.native import BuildFailed, compiler, compiler_identity, library_functions, load_from_memory, run
 from mpigpu.core.ops import Op
+from mpigpu.job.shm import SPIN_S
 
 __all__ = ["FOLD_OPS", "Exchange", "Fold", "Native", "Plan", "compiled", "exchange_functions", "plan", "why_not"]
 
@@ -48,6 +49,7 @@ _UNKNOWN_FOLD = -1000000
 # native_board.c's op codes; dtypes are mpigpu.core.dtypes' codes (float32 .. uint64)
 FOLD_OPS = {Op.SUM: 0, Op.PROD: 1, Op.MIN: 2, Op.MAX: 3, Op.AVG: 4}
 _FOLD_DTYPES = frozenset(range(3, 13))
+_FLOAT_DTYPES = frozenset((3, 4))  # float32, float64
 _P = ctypes.c_void_p
 
 
@@ -58,7 +60,7 @@ class Plan(ctypes.Structure):
         ("post_k", _P), ("post", _P), ("waits", _P), ("nwaits", ctypes.c_int32), ("exchange", ctypes.c_int32),
         ("handle_bytes", ctypes.c_int32), ("nranks", ctypes.c_int32), ("fn", _P), ("send", _P), ("recv", _P),
         ("count", ctypes.c_int64), ("counts", _P), ("displs", _P), ("byte_type", ctypes.c_int64),
-        ("comm", ctypes.c_int64), ("publish", _P), ("rows", _P),
+        ("comm", ctypes.c_int64), ("publish", _P), ("rows", _P), ("spin_ns", ctypes.c_int64),
     ]  # fmt: skip
 
 
@@ -86,26 +88,26 @@ _state: list[Callable[..., int] | str] = []  # the loaded call, or why there is 
 
 def _load() -> Callable[..., int]:
     if not sys.platform.startswith("linux"):
-        raise BuildFailed("it is built and loaded on Linux only")
-    command = compiler("c")
+        raise native.BuildFailed("it is built and loaded on Linux only")
+    command = native.compiler("c")
     text = resources.files("mpigpu.job").joinpath(SOURCE).read_text()
-    inputs = "\0".join([text, compiler_identity(command), " ".join(_FLAGS), platform.machine()])
+    inputs = "\0".join([text, native.compiler_identity(command), " ".join(_FLAGS), platform.machine()])
     name = f"board-{hashlib.sha256(inputs.encode()).hexdigest()[:20]}.v1.so"
 
     def build() -> bytes:
         with tempfile.TemporaryDirectory(prefix="mpigpu-board-") as scratch:  # created 0700
             source, built = Path(scratch) / SOURCE, Path(scratch) / "board.so"
             source.write_text(text)
-            run([*command, *_FLAGS, str(source), "-o", str(built)])
+            native.run([*command, *_FLAGS, str(source), "-o", str(built)])
             return built.read_bytes()
 
     data, _ = cached_build(settings().cache_dir, _SUBDIR, name, _MAGIC, build, "compiled-board cache")
-    dll = load_from_memory(data, "mpigpu-board")
+    dll = native.load_from_memory(data, "mpigpu-board")
     for symbol, struct in (("mpigpu_board_plan_bytes", Plan), ("mpigpu_board_fold_bytes", Fold)):
         function = getattr(dll, symbol)
         function.restype = ctypes.c_int64
         if function() != ctypes.sizeof(struct):
-            raise BuildFailed(f"its {struct.__name__} layout differs from mpigpu.job.native_board.{struct.__name__}")
+            raise native.BuildFailed(f"its {struct.__name__} layout differs from this module's")
     call = dll.mpigpu_board_call
     call.restype = ctypes.c_int
     call.argtypes = (_P, ctypes.c_int64, ctypes.c_char_p, _P)
@@ -117,38 +119,45 @@ def _function() -> Callable[..., int] | str:
         if not _state:
             try:
                 _state.append(_load())
-            except (BuildFailed, OSError, AttributeError) as exc:
+            except (native.BuildFailed, OSError, AttributeError) as exc:
                 _state.append(f"the compiled board is not available ({exc}); using the Python path")
         return _state[0]
 
 
-def why_not() -> str | None:
-    """Why boards run their Python path in this process (None: they run the compiled one). Builds or
-    loads the helper on its first call."""
+def why_not(exchanges: bool = False) -> str | None:
+    """Why boards (``exchanges``: those that exchange among nodes) run their Python path in this process
+    (None: they run the compiled one). Builds or loads the helper on its first call."""
     if settings().board_handler == "python":
         return "MPIGPU_BOARD_HANDLER=python"
     found = _function()
-    return found if isinstance(found, str) else None
+    if isinstance(found, str):
+        return found
+    functions = exchange_functions() if exchanges else None
+    return f"no MPI functions for the exchange among nodes: {functions}" if isinstance(functions, str) else None
 
 
 def exchange_functions() -> dict[str, int] | str:
-    """MPI_Allgather's and MPI_Allgatherv's addresses in mpi4py's MPI library, or why not."""
-    return library_functions("libmpi.so", {"allgather": "MPI_Allgather", "allgatherv": "MPI_Allgatherv"})
+    """MPI_Allgather's and MPI_Allgatherv's addresses in mpi4py's MPI library, or why not (none found, or
+    several: a libmpi.so* beside the standard-ABI libmpi_abi.so*, whose handles mpi4py may be using)."""
+    if native.loaded_libraries("libmpi_abi.so"):
+        return "MPI's standard-ABI library (libmpi_abi.so) is loaded: which MPI mpi4py calls is not told here"
+    return native.library_functions("libmpi.so", {"allgather": "MPI_Allgather", "allgatherv": "MPI_Allgatherv"})
 
 
 def _addresses(values: Sequence[int]) -> ctypes.Array[Any]:
     return (_P * max(1, len(values)))(*values)
 
 
-def plan(post: int, post_k: int | None, waits: Sequence[int], rows: Sequence[int],
-         exchange: Exchange | None = None, publish: int | None = None) -> tuple[Plan, list[Any]]:  # fmt: skip
+def plan(post: int, post_k: int | None, waits: Sequence[int], rows: Sequence[int], exchange: Exchange | None = None,
+         publish: int | None = None, spin_s: float = SPIN_S) -> tuple[Plan, list[Any]]:  # fmt: skip
     """A parity's Plan from addresses (``post``: this rank's slot; ``post_k``: its check-number word;
     ``waits``: words awaited before the exchange; ``rows``: every rank's slot in rank order; ``publish``:
-    where a leader publishes k), and what it points into (kept alive beside it)."""
+    where a leader publishes k; ``spin_s``: how long a wait spins before it yields, the board's Python
+    path's), and what it points into (kept alive beside it)."""
     wait_array, row_array = _addresses(waits), _addresses(rows)
     keep: list[Any] = [wait_array, row_array]
     p = Plan(post_k=post_k, post=post, waits=ctypes.addressof(wait_array), nwaits=len(waits), nranks=len(rows),
-             publish=publish, rows=ctypes.addressof(row_array))  # fmt: skip
+             publish=publish, rows=ctypes.addressof(row_array), spin_ns=round(spin_s * 1e9))  # fmt: skip
     if exchange is not None:
         mpi = MPI()
         functions = exchange_functions()
@@ -172,8 +181,9 @@ class Native:
 
     def __init__(self, call: Callable[..., int], plans: Sequence[tuple[Plan, list[Any]]]) -> None:
         self._call = call
-        self._keep = plans
-        self._plans = tuple(ctypes.addressof(p) for p, _ in plans)
+        self._keep = plans  # what the plans point into
+        self.plans = tuple(p for p, _ in plans)
+        self._plans = tuple(ctypes.addressof(p) for p in self.plans)
 
     def run(self, k: int, packed: bytes, fold: int | None = None) -> bool:
         """Check ``k`` of ``packed`` (and, with ``fold``, a Fold's address, the reduction into its result):
@@ -188,7 +198,9 @@ class Native:
     @staticmethod
     def fold(dtype_code: int, op: Op, count: int, result: int) -> Fold:
         """The Fold of a fused allreduce of ``count`` elements into the address ``result``."""
-        if dtype_code not in _FOLD_DTYPES or op not in FOLD_OPS:
+        is_float = dtype_code in _FLOAT_DTYPES
+        plain = op in (Op.SUM, Op.PROD, Op.AVG) if is_float else op in (Op.SUM, Op.PROD, Op.MIN, Op.MAX)
+        if dtype_code not in _FOLD_DTYPES or not plain:  # float min/max, integer avg: never on the board
             raise ValueError(f"the compiled board does not reduce dtype code {dtype_code} with {op}")
         return Fold(dtype=dtype_code, op=FOLD_OPS[op], count=count, result=result)
 
@@ -197,9 +209,7 @@ def compiled(make_plans: Callable[[], Sequence[tuple[Plan, list[Any]]]], *, exch
     """A board's Native from ``make_plans`` (its two parities' plans), or None where boards run their
     Python path here (``why_not``), or the board exchanges among nodes (``exchanges``) and MPI's
     functions cannot be found in this process. Local: the ranks need not agree (the two paths pair)."""
-    if why_not() is not None:
-        return None
-    if exchanges and isinstance(exchange_functions(), str):
+    if why_not(exchanges) is not None:
         return None
     call = _function()
     assert not isinstance(call, str)

@@ -153,7 +153,8 @@ class NodeMpiBoard:
 
     def _plans(self) -> list[tuple[Plan, list[Any]]]:
         """Per parity, this board as the compiled exchange sees it: post on the node; a leader waits for its
-        node, exchanges with the leaders and publishes, the others wait for that; compare."""
+        node, exchanges with the leaders and publishes, the others wait for that; compare. Every wait yields
+        from its start, as this board's Python path does (the module's docstring says why)."""
         assert self._segment is not None
         base = self._segment.array.ctypes.data
         plans = []
@@ -161,12 +162,12 @@ class NodeMpiBoard:
             post = base + self._post(p, self._local)
             rows = [base + self._result(p, r) for r in range(self.size)]
             if not self.leader:
-                plans.append(plan(post, post, [base + self._done], rows))
+                plans.append(plan(post, post, [base + self._done], rows, spin_s=0.0))
                 continue
             waits = [base + self._post(p, i) for i in range(1, self._count)]
             gather = Exchange(self._leaders, base + self._post(p, 0), base + self._result_area(p),
                               self._count * SLOT_BYTES, self._counts)  # fmt: skip
-            plans.append(plan(post, post, waits, rows, gather, publish=base + self._done))
+            plans.append(plan(post, post, waits, rows, gather, publish=base + self._done, spin_s=0.0))
         return plans
 
     def _values(self, slot: int) -> memoryview:

@@ -26,19 +26,19 @@ from mpigpu.core._mpi import MPI
 from mpigpu.core.errors import BackendUnavailable, MpigpuError
 from mpigpu.core.typed import allgather_ints
 
-__all__ = ["SharedSegment", "wait_at_least"]
+__all__ = ["SPIN_S", "SharedSegment", "wait_at_least"]
 
 _PAGE = mmap.PAGESIZE
 _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 _CUDA_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: kernels may read and write it
 _LINE = 128  # bytes per rank's barrier counter: its own pair of cache lines
 
-_SPIN_S = 20e-6  # wait_at_least: busy-wait this long first (the other ranks are usually microseconds away)
+SPIN_S = 20e-6  # wait_at_least: busy-wait this long first (the other ranks are usually microseconds away)
 _YIELD_S = 2e-3  # then give the CPU away (sched_yield) until this long
 _SLEEP_S = 50e-6  # then sleep in steps of this long (an oversubscribed machine, a slow rank)
 
 
-def wait_at_least(mv: memoryview, index: int, value: int, spin_s: float = _SPIN_S) -> None:
+def wait_at_least(mv: memoryview, index: int, value: int, spin_s: float = SPIN_S) -> None:
     """Until ``mv[index] >= value`` (a counter another rank raises): spin ``spin_s``, then yield, then
     sleep. A rank that never arrives leaves the caller here as in an MPI collective: the watchdog ends it."""
     clock = time.perf_counter

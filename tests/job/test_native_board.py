@@ -52,3 +52,11 @@ def test_the_setting_keeps_the_python_path(monkeypatch: pytest.MonkeyPatch) -> N
 def test_a_fold_of_an_unknown_dtype_is_refused() -> None:
     with pytest.raises(ValueError, match="does not reduce dtype code 1"):
         native_board.Native.fold(1, Op.SUM, 4, 0)  # float16: the board never takes it (is_plain)
+
+
+@pytest.mark.parametrize(("code", "op"), [(3, Op.MIN), (4, Op.MAX), (9, Op.AVG), (5, Op.AVG)])
+def test_a_fold_the_board_never_takes_is_refused(code: int, op: Op) -> None:
+    """Float min/max (ordered by keys) and integer avg (exact parts) never reach the board: the C fold would
+    sum or take the max there, so asking for one is an error, not a wrong result."""
+    with pytest.raises(ValueError, match=f"does not reduce dtype code {code}"):
+        native_board.Native.fold(code, op, 4, 0)

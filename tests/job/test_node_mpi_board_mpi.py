@@ -63,6 +63,8 @@ def test_random_checks_give_the_mpi_paths_verdict_and_message(comm, layout: str,
             return
         assert isinstance(board, NodeMpiBoard) and board_for(on_board) is board and board_for(plain) is None
         assert (board.native is not None) == (board_handler == "compiled"), "the path under test"
+        if board.native is not None:  # waits across nodes yield from the start, as the Python path's
+            assert [p.spin_ns for p in board.native.plans] == [0, 0]
         random_checks(on_board, plain, rng, 200)
         assert board.k == 200, "one post per check"
         assert board.reached() is None
