@@ -18,11 +18,14 @@
  *      ranks running either path agree bit for bit.
  *
  * Returns 1 (every rank agrees; folded), 0 (a signature differs: nothing is written to the result),
- * minus the MPI error code of the exchange, or UNKNOWN_FOLD. The calling thread has released the GIL (ctypes), so the
- * watchdog's thread can end a job whose rank never arrives.
+ * minus the MPI error code of the exchange, or UNKNOWN_FOLD. The calling thread has released the GIL
+ * (ctypes), so the watchdog's thread can end a job whose rank never arrives.
  *
- * Build: cc -O2 -shared -fPIC -ffp-contract=off (mpigpu.job.native_board, into the private cache).
+ * Build: cc -O2 -shared -fPIC -ffp-contract=off -fno-fast-math (mpigpu.job.native_board, into the
+ * private cache).
  */
+
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, nanosleep under a strict -std */
 
 #include <sched.h>
 #include <stdint.h>
