@@ -45,6 +45,7 @@ __all__ = [
     "SLOT_BYTES",
     "WEAK_ORDER",
     "Board",
+    "BoardPosts",
     "CheckBoard",
     "board_for",
     "made_on_every_rank",
@@ -97,7 +98,47 @@ def pack(values: list[int]) -> bytes:
     return _PACK(*values)
 
 
-class CheckBoard:
+class BoardPosts:
+    """What every board does around its own exchange (``agree_packed``): the check of unpacked values, and a
+    call's data posted in this rank's row of ``rows`` (``post_row``) before the check, for the Python fold
+    (``agree_with``) or the compiled one (``agree_folding``)."""
+
+    rank: int
+    k: int
+    native: Native | None
+
+    def agree_packed(self, packed: bytes) -> bool:
+        raise NotImplementedError
+
+    def post_row(self, rows: Any, parity: int) -> np.ndarray:
+        """This rank's row of ``rows`` (a board's ``rows``) for checks of ``parity``: where its data goes."""
+        return rows[parity][self.rank]  # type: ignore[no-any-return]
+
+    def agree(self, values: list[int]) -> bool:
+        """Post ``values`` (FIELDS int64) as check ``k + 1``; True when every rank posted the same values
+        with values[0] (the failed flag) 0 (collective)."""
+        return self.agree_packed(_PACK(*values)) and values[0] == 0
+
+    def agree_with(self, packed: bytes, data: np.ndarray, rows: Any) -> Any:
+        """``agree_packed`` with ``data`` posted beside the values (``rows`` from the board's ``rows``, for
+        data's dtype and shape): every rank's rows of this check when every rank posted ``packed``
+        (collective), else None. The rows hold until this rank's next check: no rank writes a slot of
+        this parity again before this rank has posted the next check."""
+        parity = (self.k + 1) & 1
+        self.post_row(rows, parity)[...] = data  # before k is posted, as the values are
+        return rows[parity] if self.agree_packed(packed) else None
+
+    def agree_folding(self, packed: bytes, data: np.ndarray, rows: Any, fold: int) -> bool:
+        """``agree_with`` on the compiled path (``native`` set), the rows reduced there into the result of
+        ``fold`` (a native_board.Fold's address): True where every rank posted ``packed``."""
+        assert self.native is not None
+        k = self.k + 1
+        self.post_row(rows, k & 1)[...] = data  # before k is posted
+        self.k = k
+        return self.native.run(k, packed, fold)
+
+
+class CheckBoard(BoardPosts):
     """Signatures of every rank of ``comm``, exchanged through a node-shared segment.
 
     Collective to create and close (over ``shared_comm``, the ranks of ``comm`` in the same order, all
@@ -141,11 +182,6 @@ class CheckBoard:
             plans.append(plan(mine, mine, others, [base + 8 * slot for slot in self._all[p]]))
         return plans
 
-    def agree(self, values: list[int]) -> bool:
-        """Post this rank's ``values`` (FIELDS int64) as check ``k + 1`` and return True when every rank
-        posted the same values with values[0] (the failed flag) 0 (collective)."""
-        return self.agree_packed(_PACK(*values)) and values[0] == 0
-
     def agree_packed(self, packed: bytes) -> bool:
         """``agree`` for values already packed (``pack``) whose failed flag is 0: True when every rank
         posted these very bytes (collective). The hot path of every call's check."""
@@ -181,24 +217,6 @@ class CheckBoard:
             tuple(np.ndarray(shape, dtype, buffer=array, offset=8 * slot + _DATA) for slot in slots)
             for slots in self._all
         )  # type: ignore[return-value]
-
-    def agree_with(self, packed: bytes, data: np.ndarray, rows: tuple[tuple[np.ndarray, ...], ...]) -> Any:
-        """``agree_packed`` with ``data`` posted beside the values, in this rank's row of ``rows``
-        (``rows`` for data's dtype and shape): every rank's rows of this check when every rank posted
-        ``packed`` (collective), else None. The rows hold until this rank's next check: no rank writes
-        a slot of this parity again before this rank has posted the next check."""
-        mine = rows[(self.k + 1) & 1]
-        mine[self.rank][...] = data  # before k is posted, as the values are
-        return mine if self.agree_packed(packed) else None
-
-    def agree_folding(self, packed: bytes, data: np.ndarray, rows: Any, fold: int) -> bool:
-        """``agree_with`` on the compiled path (``native`` set), the rows reduced there into the result of
-        ``fold`` (a native_board.Fold's address): True where every rank posted ``packed``."""
-        assert self.native is not None
-        k = self.k + 1
-        rows[k & 1][self.rank][...] = data  # before k is posted
-        self.k = k
-        return self.native.run(k, packed, fold)
 
     def posted(self) -> list[list[int]]:
         """Every rank's values of the last check, in rank order (local). Valid until this rank's next

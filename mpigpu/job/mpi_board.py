@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from mpigpu.core._mpi import MPI
-from mpigpu.job.check_board import DATA_BYTES, FIELDS, SLOT_BYTES, board_for, pack, register
+from mpigpu.job.check_board import DATA_BYTES, FIELDS, SLOT_BYTES, BoardPosts, board_for, register
 from mpigpu.job.native_board import Exchange, Plan, compiled, plan
 from mpigpu.job.node_mpi_board import NodeMpiBoard, open_node_mpi_board
 from mpigpu.job.topology import Layout
@@ -46,7 +46,7 @@ _DATA = 8 + _VALUES  # a slot's data: its offset in bytes
 assert SLOT_BYTES - _DATA == DATA_BYTES, "the same slot layout as the node board"
 
 
-class MpiBoard:
+class MpiBoard(BoardPosts):
     """Signatures (and tiny data) of every rank of ``comm``, exchanged by one MPI_Allgather per check.
 
     Used by one thread at a time, in the same order on every rank (the callers' rule), as the node
@@ -85,11 +85,6 @@ class MpiBoard:
             plans.append(plan(rows[self.rank], None, [], rows, gather))
         return plans
 
-    def agree(self, values: list[int]) -> bool:
-        """Post ``values`` (FIELDS int64) as check ``k + 1``; True when every rank posted the same values
-        with values[0] (the failed flag) 0 (collective)."""
-        return self.agree_packed(pack(values)) and values[0] == 0
-
     def agree_packed(self, packed: bytes) -> bool:
         """``agree`` for values already packed whose failed flag is 0: True when every rank posted these
         very bytes (collective: one MPI_Allgather)."""
@@ -113,23 +108,6 @@ class MpiBoard:
             tuple(np.ndarray(shape, dtype, buffer=b, offset=SLOT_BYTES * r + _DATA) for r in range(self.size))
             for b in self._buffers
         )  # type: ignore[return-value]
-
-    def agree_with(self, packed: bytes, data: np.ndarray, rows: tuple[tuple[np.ndarray, ...], ...]) -> Any:
-        """``agree_packed`` with ``data`` posted beside the values: every rank's rows of this check when
-        every rank posted ``packed`` (collective), else None. The rows hold until this rank's next
-        check but one."""
-        mine = rows[(self.k + 1) & 1]
-        mine[self.rank][...] = data
-        return mine if self.agree_packed(packed) else None
-
-    def agree_folding(self, packed: bytes, data: np.ndarray, rows: Any, fold: int) -> bool:
-        """``agree_with`` on the compiled path (``native`` set), the rows reduced there into the result of
-        ``fold`` (a native_board.Fold's address): True where every rank posted ``packed``."""
-        assert self.native is not None
-        k = self.k + 1
-        rows[k & 1][self.rank][...] = data
-        self.k = k
-        return self.native.run(k, packed, fold)
 
     def posted(self) -> list[list[int]]:
         """Every rank's values of the last check, in rank order (local)."""

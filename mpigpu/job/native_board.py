@@ -20,6 +20,7 @@ cache (mpigpu.core.build_cache), loaded from the verified bytes (mpigpu.core.nat
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import platform
 import sys
@@ -136,9 +137,11 @@ def why_not(exchanges: bool = False) -> str | None:
     return f"no MPI functions for the exchange among nodes: {functions}" if isinstance(functions, str) else None
 
 
+@functools.cache
 def exchange_functions() -> dict[str, int] | str:
     """MPI_Allgather's and MPI_Allgatherv's addresses in mpi4py's MPI library, or why not (none found, or
-    several: a libmpi.so* beside the standard-ABI libmpi_abi.so*, whose handles mpi4py may be using)."""
+    several: a libmpi.so* beside the standard-ABI libmpi_abi.so*, whose handles mpi4py may be using).
+    Found once per process, as core.native.library_functions finds its functions."""
     if native.loaded_libraries("libmpi_abi.so"):
         return "MPI's standard-ABI library (libmpi_abi.so) is loaded: which MPI mpi4py calls is not told here"
     return native.library_functions("libmpi.so", {"allgather": "MPI_Allgather", "allgatherv": "MPI_Allgatherv"})

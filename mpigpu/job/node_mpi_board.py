@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from mpigpu.core._mpi import MPI
-from mpigpu.job.check_board import FIELDS, SLOT_BYTES, WEAK_ORDER, board_for, made_on_every_rank, pack, register
+from mpigpu.job.check_board import FIELDS, SLOT_BYTES, WEAK_ORDER, BoardPosts, board_for, made_on_every_rank, register
 from mpigpu.job.native_board import Exchange, Native, Plan, compiled, plan
 from mpigpu.job.shm import SharedSegment, wait_at_least
 
@@ -66,7 +66,7 @@ class _Rows(tuple):  # type: ignore[type-arg]
     posts: tuple[np.ndarray, np.ndarray]
 
 
-class NodeMpiBoard:
+class NodeMpiBoard(BoardPosts):
     """Signatures (and tiny data) of every rank of ``comm``: node-shared slots, one exchange among the
     node leaders per check.
 
@@ -183,10 +183,9 @@ class NodeMpiBoard:
     def _result(self, parity: int, rank: int) -> int:
         return self._results + (parity * self.size + self._position[rank]) * SLOT_BYTES
 
-    def agree(self, values: list[int]) -> bool:
-        """Post ``values`` (FIELDS int64) as check ``k + 1``; True when every rank posted the same values
-        with values[0] (the failed flag) 0 (collective)."""
-        return self.agree_packed(pack(values)) and values[0] == 0
+    def post_row(self, rows: Any, parity: int) -> np.ndarray:
+        """This rank's own post for checks of ``parity`` (``rows.posts``): its leader exchanges it."""
+        return rows.posts[parity]  # type: ignore[no-any-return]
 
     def agree_packed(self, packed: bytes) -> bool:
         """``agree`` for values already packed whose failed flag is 0: True when every rank posted these
@@ -237,24 +236,6 @@ class NodeMpiBoard:
             np.ndarray(shape, dtype, buffer=array, offset=self._post(p, self._local) + _DATA) for p in (0, 1)
         )
         return rows  # type: ignore[return-value]
-
-    def agree_with(self, packed: bytes, data: np.ndarray, rows: Any) -> Any:
-        """``agree_packed`` with ``data`` posted beside the values (``rows`` from ``rows``): every rank's
-        rows of this check when every rank posted ``packed`` (collective), else None. The rows hold until
-        this rank's next check but one."""
-        parity = (self.k + 1) & 1
-        rows.posts[parity][...] = data  # before k is posted, as the values are
-        mine = rows[parity]
-        return mine if self.agree_packed(packed) else None
-
-    def agree_folding(self, packed: bytes, data: np.ndarray, rows: Any, fold: int) -> bool:
-        """``agree_with`` on the compiled path (``native`` set), the rows reduced there into the result of
-        ``fold`` (a native_board.Fold's address): True where every rank posted ``packed``."""
-        assert self.native is not None
-        k = self.k + 1
-        rows.posts[k & 1][...] = data  # before k is posted
-        self.k = k
-        return self.native.run(k, packed, fold)
 
     def posted(self) -> list[list[int]]:
         """Every rank's values of the last check, in rank order (local; valid as its rows are)."""

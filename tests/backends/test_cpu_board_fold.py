@@ -18,7 +18,7 @@ from mpigpu.backends.cpu_board import _stacks, bind_board_allreduce, quietly
 from mpigpu.core.arrays import as_view
 from mpigpu.core.ops import Op
 from mpigpu.job.check import Signature
-from mpigpu.job.check_board import DATA_BYTES, SLOT_BYTES, CheckBoard
+from mpigpu.job.check_board import DATA_BYTES, SLOT_BYTES, BoardPosts, CheckBoard
 from mpigpu.job.mpi_board import MpiBoard
 from mpigpu.job.native_board import compiled, plan, why_not
 
@@ -61,29 +61,23 @@ class _Ranks:
         return None
 
 
-class _NodeLayout:
+class _NodeLayout(BoardPosts):
     """The node board's rows (CheckBoard.rows: each rank's two parity slots side by side, so a rank's
     row of one parity is two slots after the previous rank's) seen from rank 0, whose every post is
-    agreed at once: the test writes every other rank's row itself."""
+    agreed at once: the test writes every other rank's row itself. The posting around the check is the
+    boards' own (BoardPosts)."""
 
     rows = CheckBoard.rows
     native: Any = None
 
     def __init__(self, n: int) -> None:
-        self.size, self.k = n, 0
+        self.size, self.rank, self.k = n, 0, 0
         self._segment = SimpleNamespace(array=np.zeros(2 * SLOT_BYTES * n, np.uint8))
         self._all = tuple(tuple((2 * r + p) * SLOT_BYTES // 8 for r in range(n)) for p in (0, 1))
 
-    def agree_with(self, packed: bytes, data: np.ndarray, rows: tuple[tuple[np.ndarray, ...], ...]) -> Any:
+    def agree_packed(self, packed: bytes) -> bool:
         self.k += 1
-        mine = rows[self.k & 1]
-        mine[0][...] = data
-        return mine
-
-    def agree_folding(self, packed: bytes, data: np.ndarray, rows: Any, fold: int) -> bool:
-        self.k += 1
-        rows[self.k & 1][0][...] = data
-        return self.native.run(self.k, packed, fold)
+        return True
 
     def slots(self) -> list[list[int]]:
         base = self._segment.array.ctypes.data
