@@ -36,6 +36,7 @@ from mpigpu.core import native
 from mpigpu.core._mpi import MPI
 from mpigpu.core.build_cache import cached_build
 from mpigpu.core.config import settings
+from mpigpu.core.dtypes import DTYPES
 from mpigpu.core.ops import Op
 from mpigpu.job.shm import SPIN_S
 
@@ -45,12 +46,12 @@ SOURCE = "native_board.c"
 _MAGIC = b"mpigpu-board-so-1\n"
 _SUBDIR = "board"
 _FLAGS = ("-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")
-_NO_EXCHANGE, _ALLGATHER, _ALLGATHERV = 0, 1, 2
+_ALLGATHER, _ALLGATHERV = 1, 2  # native_board.c's exchanges (0: none, a Plan's default)
 _UNKNOWN_FOLD = -1000000
-# native_board.c's op codes; dtypes are mpigpu.core.dtypes' codes (float32 .. uint64)
+# native_board.c's op codes; its dtypes are mpigpu.core.dtypes' codes: every type but the half ones
 FOLD_OPS = {Op.SUM: 0, Op.PROD: 1, Op.MIN: 2, Op.MAX: 3, Op.AVG: 4}
-_FOLD_DTYPES = frozenset(range(3, 13))
-_FLOAT_DTYPES = frozenset((3, 4))  # float32, float64
+_FOLD_DTYPES = frozenset(d.code for d in DTYPES.values() if not d.is_half)
+_FLOAT_DTYPES = frozenset(d.code for d in DTYPES.values() if d.is_float and not d.is_half)
 _P = ctypes.c_void_p
 
 
