@@ -5,9 +5,9 @@ GPU arrays:  ipc (one node, peer access) up to 4 MiB -> nccl -> cuda-aware MPI -
              (reduce_scatter: nccl first, as ipc makes it out of an allreduce).
 Host arrays: by the layout (nodes, ranks per node; ``layout_rule``) for allreduce and reduce_scatter:
              one rank per node, or a node holding one rank: cpu (the host path's node step shares
-             nothing there, it only adds copies); several nodes of at least 2 ranks: host from
-             256 KiB (its two-level path), cpu below; one node of 8 or more ranks: host from
-             1 MiB, cpu below. One node of 2 to 7 ranks, as measured there: host
+             nothing there, it only adds copies); several nodes of at least 4 ranks: host from
+             256 KiB (its two-level path), of 2 or 3: from 1 MiB, cpu below; one node of 8 or
+             more ranks: host from 256 KiB, cpu below. One node of 2 to 7 ranks, as measured there: host
              (shared-memory reduce) from 32 MiB, and from 32 KiB to 64 KiB and from 2 MiB, where
              the host backend is available; cpu (MPI_Allreduce) otherwise.
 
@@ -39,10 +39,14 @@ __all__ = ["Choice", "choose", "choose_cached", "layout_rule", "log_choice", "re
 # across nodes host's two-level path lost at 64 KiB (2x4: 174 us, MPI 116) and won from 1 MiB (2x4: 798 against
 # 1259; 4x2: 925 against 1007; 8 MiB: 4x and 3x); on one node of 8 or 16 ranks host won at 1 MiB (681 against
 # 787, 735 against 842); with one rank per node it only added copies (2x1, 8 MiB: 8446 against cpu 2446).
-# One node of 8 ranks at 64 KiB, host's latency window on fewer ranks: cpu 99 us, host 118 (2026-11-29 run).
+# Mid sizes (bench/results/cpu-nodes-2026-11-29-mid-sizes.txt, two runs): from 256 KiB host won on one node
+# of 8 (177 and 190 us against cpu 197 and 213) and across nodes of 4 ranks (2x4: 245 against 297; 4x4: 384
+# against 401), and lost across nodes of 2 ranks up to 512 KiB (4x2: 542 and 570 against cpu 522 and 540).
 ACROSS_NODES_HOST_FROM = 256 << 10
+FULL_NODE = 4  # nodes of fewer ranks share less in the node step: host from FEW_PER_NODE_HOST_FROM
+FEW_PER_NODE_HOST_FROM = 1 << 20
 MANY_RANKS = 8  # one node of this many ranks or more takes host from ONE_NODE_HOST_FROM
-ONE_NODE_HOST_FROM = 1 << 20
+ONE_NODE_HOST_FROM = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -90,9 +94,10 @@ def layout_rule(node_sizes: tuple[int, ...], nbytes: int) -> Choice | None:
     if nodes > 1 and fewest == 1:
         return Choice("cpu", f"layout {layout}: a node holds one rank, where the host path only adds copies")
     if nodes > 1:
-        if nbytes >= ACROSS_NODES_HOST_FROM:
-            return Choice("host", f"layout {layout}: host's two-level path from {size_label(ACROSS_NODES_HOST_FROM)}")
-        return Choice("cpu", f"layout {layout}: MPI_Allreduce below {size_label(ACROSS_NODES_HOST_FROM)}")
+        start = ACROSS_NODES_HOST_FROM if fewest >= FULL_NODE else FEW_PER_NODE_HOST_FROM
+        if nbytes >= start:
+            return Choice("host", f"layout {layout}: host's two-level path from {size_label(start)}")
+        return Choice("cpu", f"layout {layout}: MPI_Allreduce below {size_label(start)}")
     if nbytes >= ONE_NODE_HOST_FROM:
         return Choice("host", f"layout {layout}: host's shared-memory reduce from {size_label(ONE_NODE_HOST_FROM)}")
     return Choice("cpu", f"layout {layout}: MPI_Allreduce below {size_label(ONE_NODE_HOST_FROM)}")
