@@ -5,8 +5,8 @@ GPU arrays:  ipc (one node, peer access) up to 4 MiB -> nccl -> cuda-aware MPI -
              (reduce_scatter: nccl first, as ipc makes it out of an allreduce).
 Host arrays: by the layout (nodes, ranks per node; ``layout_rule``) for allreduce and reduce_scatter:
              one rank per node, or a node holding one rank: cpu (the host path's node step shares
-             nothing there, it only adds copies); several nodes of at least 4 ranks: host from
-             256 KiB (its two-level path), of 2 or 3: from 1 MiB, cpu below; one node of 8 or
+             nothing there, it only adds copies); several nodes of at least 3 ranks: host from
+             256 KiB (its two-level path), of 2: from 1 MiB, cpu below; one node of 8 or
              more ranks: host from 256 KiB, cpu below. One node of 2 to 7 ranks, as measured there: host
              (shared-memory reduce) from 32 MiB, and from 32 KiB to 64 KiB and from 2 MiB, where
              the host backend is available; cpu (MPI_Allreduce) otherwise.
@@ -41,9 +41,10 @@ __all__ = ["Choice", "choose", "choose_cached", "layout_rule", "log_choice", "re
 # 787, 735 against 842); with one rank per node it only added copies (2x1, 8 MiB: 8446 against cpu 2446).
 # Mid sizes (bench/results/cpu-nodes-2026-11-29-mid-sizes.txt, two runs): from 256 KiB host won on one node
 # of 8 (177 and 190 us against cpu 197 and 213) and across nodes of 4 ranks (2x4: 245 against 297; 4x4: 384
-# against 401), and lost across nodes of 2 ranks up to 512 KiB (4x2: 542 and 570 against cpu 522 and 540).
+# against 401; 3x3: 357 against 530), and lost across nodes of 2 ranks at 256 KiB (4x2: 316 and 380 against
+# cpu 287 and 311; 2x2: 288 against 243; at 512 KiB 4x2 542 and 570 against 522 and 540, 2x2 451 against 485).
 ACROSS_NODES_HOST_FROM = 256 << 10
-FULL_NODE = 4  # nodes of fewer ranks share less in the node step: host from FEW_PER_NODE_HOST_FROM
+FULL_NODE = 3  # nodes of fewer ranks share less in the node step: host from FEW_PER_NODE_HOST_FROM
 FEW_PER_NODE_HOST_FROM = 1 << 20
 MANY_RANKS = 8  # one node of this many ranks or more takes host from ONE_NODE_HOST_FROM
 ONE_NODE_HOST_FROM = 256 << 10

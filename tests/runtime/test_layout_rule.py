@@ -24,9 +24,10 @@ KiB, MiB = 1 << 10, 1 << 20
         ((2, 1), 8 * MiB, "cpu"), ((3, 1), 8 * MiB, "cpu"),  # a node of one rank
         ((4, 4), 8, "cpu"), ((4, 4), 64 * KiB, "cpu"), ((4, 4), ACROSS_NODES_HOST_FROM - 1, "cpu"),
         ((4, 4), ACROSS_NODES_HOST_FROM, "host"), ((2, 2, 2, 2), 8 * MiB, "host"), ((3, 2), 1 * MiB, "host"),
-        ((4, 4, 4, 4), 256 * KiB, "host"), ((5, 4), 256 * KiB, "host"),  # nodes of 4 ranks or more: from 256 KiB
-        ((4, 2), 256 * KiB, "cpu"), ((2, 2, 2, 2), 512 * KiB, "cpu"), ((3, 3), FEW_PER_NODE_HOST_FROM - 1, "cpu"),
-        ((4, 2), FEW_PER_NODE_HOST_FROM, "host"), ((2, 2), FEW_PER_NODE_HOST_FROM, "host"),  # 2 or 3: from 1 MiB
+        ((4, 4, 4, 4), 256 * KiB, "host"), ((5, 3), 256 * KiB, "host"), ((3, 3), 256 * KiB, "host"),  # 3 or more
+        ((3, 3), 128 * KiB, "cpu"), ((4, 2), 256 * KiB, "cpu"), ((2, 2, 2, 2), 512 * KiB, "cpu"),
+        ((3, 2), FEW_PER_NODE_HOST_FROM - 1, "cpu"), ((4, 2), FEW_PER_NODE_HOST_FROM, "host"),  # 2: from 1 MiB
+        ((2, 2), FEW_PER_NODE_HOST_FROM, "host"),
         ((8,), 8, "cpu"), ((8,), 48 * KiB, "cpu"), ((8,), 64 * KiB, "cpu"), ((16,), 32 * KiB, "cpu"),
         ((8,), 128 * KiB, "cpu"), ((8,), ONE_NODE_HOST_FROM - 1, "cpu"), ((8,), ONE_NODE_HOST_FROM, "host"),
         ((16,), ONE_NODE_HOST_FROM, "host"), ((8,), 8 * MiB, "host"),
