@@ -52,7 +52,7 @@ _SCRIPT = textwrap.dedent("""
     from mpigpu.runtime.context import Context
     from mpigpu.runtime.tuning import machine_signature
     ctx = Context.get()
-    picks = [mpigpu.explain(np.zeros(b // 4, np.float32), "sum") for b in (8, 65536, 1 << 20, 8 << 20)]
+    picks = [mpigpu.explain(np.zeros(b // 4, np.float32), "sum") for b in (8, 65536, 256 << 10, 1 << 20, 8 << 20)]
     mine = [[c.backend, c.reason] for c in picks]
     everyone = ctx.comm.gather([mine, machine_signature(ctx)], root=0)
     if ctx.rank == 0:
@@ -63,13 +63,14 @@ _SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize(
     ("hosts", "n", "want"),
     [
-        ("nodeA:2,nodeB:2", 4, ["cpu", "cpu", "host", "host"]),
-        ("nodeA:2,nodeB:1", 3, ["cpu"] * 4),
-        ("nodeA:3,nodeB:1", 4, ["cpu"] * 4),
-        ("nodeA:1,nodeB:1", 2, ["cpu"] * 4),
-        ("nodeA:3", 3, ["cpu", "host", "cpu", "host"]),  # one node of 3: the host backend's own windows
+        ("nodeA:2,nodeB:2", 4, ["cpu", "cpu", "cpu", "host", "host"]),  # nodes of 2: host from 1 MiB
+        ("nodeA:3,nodeB:3", 6, ["cpu", "cpu", "host", "host", "host"]),  # nodes of 3: from 256 KiB
+        ("nodeA:2,nodeB:1", 3, ["cpu"] * 5),
+        ("nodeA:3,nodeB:1", 4, ["cpu"] * 5),
+        ("nodeA:1,nodeB:1", 2, ["cpu"] * 5),
+        ("nodeA:3", 3, ["cpu", "host", "cpu", "cpu", "host"]),  # one node of 3: the host backend's own windows
     ],
-    ids=["2x2", "2+1", "3+1", "1+1", "1x3"],
+    ids=["2x2", "3x3", "2+1", "3+1", "1+1", "1x3"],
 )
 def test_explain_gives_the_layouts_choice_on_every_rank(tmp_path: Path, hosts: str, n: int, want: list[str]) -> None:
     script = tmp_path / "explain.py"
