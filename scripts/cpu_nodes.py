@@ -11,12 +11,13 @@ compiled exchange's gain, mpigpu.job.native_board; absent where the compiled one
 exact inputs, then interleaved over ``--rounds`` rounds; each figure is the median of every round's
 samples on each rank, then the slowest rank, in microseconds. The file holds
 
-    {"machine": ..., "mpi": ..., "versions": {...}, "date": ..., "results": [
+    {"machine": ..., "mpi": ..., "source": ..., "versions": {...}, "date": ..., "results": [
         {"layout": "2x4", "bytes": 8, "auto_us": ..., "mpi_us": ..., "cpu_us": ..., "host_us": ...,
          "board_python_us": ..., "board": "compiled", "auto": "cpu", "ranks": 8, "ok": true}, ...]}
 
 with one row per (layout, bytes): a run replaces the rows of its own layout and sizes and keeps the
-rest. The layout is nodes x ranks per node ("2x4"), or each node's ranks ("2+1") where they differ.
+rest. "source" names the code that ran (scripts/source_digest.py: ``--find`` gives its commits). The
+layout is nodes x ranks per node ("2x4"), or each node's ranks ("2+1") where they differ.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, when imported by a test
 
 import cpu_call_vs_mpi as calls
+import source_digest
 
 import mpigpu
 from mpigpu.core._mpi import MPI, library_info, world
@@ -135,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if comm.Get_rank() == 0:
         mpi_version = MPI().Get_library_version().splitlines()[0].strip()
         header = {"machine": args.machine, "cores": os.cpu_count(), "mpi": library_info().name,
+                  "source": source_digest.tree_digest(),
                   "mpi_version": mpi_version, "versions": versions(),
                   "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                   "method": f"float32 sum in place, {args.rounds} rounds interleaved, median per rank, slowest rank",

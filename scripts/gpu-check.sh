@@ -470,7 +470,7 @@ done
 RESULT="$OUT/gpu-check-${GPU_TAG}x$NGPU-$(date -u +%F).txt"
 {
   echo "# gpu-check on $NGPU x $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1), $(date -u +%FT%TZ)"
-  echo "# stages: ${stages[*]}; tree: $(git rev-parse --short HEAD 2>/dev/null || echo 'not a git checkout')"
+  echo "# stages: ${stages[*]}; tree: $(git rev-parse --short HEAD 2>/dev/null || echo 'not a git checkout'); source: $($PY scripts/source_digest.py 2>/dev/null || echo unknown) (scripts/source_digest.py --find gives its commits)"
   echo "# $(mpirun --version 2>/dev/null | head -n 1); $($PY - 2>/dev/null <<'PY'
 from importlib import metadata
 

@@ -23,7 +23,8 @@ def test_a_run_across_two_nodes_writes_checked_rows_and_a_second_layout_is_merge
     path = tmp_path / "cpu-nodes.json"
     _run(path, "nodeA:1,nodeB:1", 2, "8,4096")
     document = json.loads(path.read_text())
-    assert {"machine", "mpi", "versions", "date", "results"} <= set(document)
+    assert {"machine", "mpi", "source", "versions", "date", "results"} <= set(document)
+    assert document["source"] == load_script(ROOT / "scripts" / "source_digest.py").tree_digest(), "the code that ran"
     assert document["mpi"].startswith("MPICH"), document["mpi"]
     assert {"python", "mpigpu", "numpy", "mpi4py"} <= set(document["versions"])
     rows = document["results"]
