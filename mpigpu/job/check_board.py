@@ -99,8 +99,9 @@ def pack(values: list[int]) -> bytes:
 
 
 class BoardPosts:
-    """What every board does around its own exchange (``agree_packed``): the check of unpacked values, and a
-    call's data posted in this rank's row of ``rows`` (``post_row``) before the check, for the Python fold
+    """What every board does around its own exchange: the check's count and its path (``agree_packed``: the
+    compiled exchange, else the board's ``_agree_in_python``), the check of unpacked values, and a call's
+    data posted in this rank's row of ``rows`` (``post_row``) before the check, for the Python fold
     (``agree_with``) or the compiled one (``agree_folding``)."""
 
     rank: int
@@ -108,6 +109,18 @@ class BoardPosts:
     native: Native | None
 
     def agree_packed(self, packed: bytes) -> bool:
+        """``agree`` for values already packed (``pack``) whose failed flag is 0: True when every rank posted
+        these very bytes (collective), as check ``k + 1``: in the compiled exchange where the board has one,
+        else on the board's Python path (``_agree_in_python``). The hot path of every call's check."""
+        k = self.k + 1
+        self.k = k
+        native = self.native
+        if native is not None:
+            return native.run(k, packed)
+        return self._agree_in_python(k, packed)
+
+    def _agree_in_python(self, k: int, packed: bytes) -> bool:
+        """Check ``k`` of ``packed`` on this board's Python path (``k`` already counted)."""
         raise NotImplementedError
 
     def post_row(self, rows: Any, parity: int) -> np.ndarray:
@@ -182,14 +195,8 @@ class CheckBoard(BoardPosts):
             plans.append(plan(mine, mine, others, [base + 8 * slot for slot in self._all[p]]))
         return plans
 
-    def agree_packed(self, packed: bytes) -> bool:
-        """``agree`` for values already packed (``pack``) whose failed flag is 0: True when every rank
-        posted these very bytes (collective). The hot path of every call's check."""
-        k = self.k + 1
-        self.k = k
-        native = self.native
-        if native is not None:
-            return native.run(k, packed)
+    def _agree_in_python(self, k: int, packed: bytes) -> bool:
+        """Post on the node-shared segment, wait for every other rank's post of ``k``, compare."""
         parity = k & 1
         mv = self._mv
         self._my_values[parity][:] = packed

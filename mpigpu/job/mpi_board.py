@@ -85,14 +85,8 @@ class MpiBoard(BoardPosts):
             plans.append(plan(rows[self.rank], None, [], rows, gather))
         return plans
 
-    def agree_packed(self, packed: bytes) -> bool:
-        """``agree`` for values already packed whose failed flag is 0: True when every rank posted these
-        very bytes (collective: one MPI_Allgather)."""
-        k = self.k + 1
-        self.k = k
-        native = self.native
-        if native is not None:
-            return native.run(k, packed)
+    def _agree_in_python(self, k: int, packed: bytes) -> bool:
+        """Post, one MPI_Allgather of every rank's slot, compare."""
         parity = k & 1
         self._my_values[parity][:] = packed
         self._gather(self._in_place, self._specs[parity])

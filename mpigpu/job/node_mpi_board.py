@@ -187,14 +187,8 @@ class NodeMpiBoard(BoardPosts):
         """This rank's own post for checks of ``parity`` (``rows.posts``): its leader exchanges it."""
         return rows.posts[parity]  # type: ignore[no-any-return]
 
-    def agree_packed(self, packed: bytes) -> bool:
-        """``agree`` for values already packed whose failed flag is 0: True when every rank posted these
-        very bytes (collective: the node's posts, the leaders' exchange, the leader's publication)."""
-        k = self.k + 1
-        self.k = k
-        native = self.native
-        if native is not None:
-            return native.run(k, packed)
+    def _agree_in_python(self, k: int, packed: bytes) -> bool:
+        """The node's posts, the leaders' exchange, the leader's publication, then compare."""
         parity = k & 1
         mv = self._mv
         self._my_values[parity][:] = packed
