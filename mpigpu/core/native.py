@@ -11,12 +11,23 @@ loaded (``library_functions``), so they link against nothing.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
+import platform
 import shutil
 import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+from mpigpu.core.build_cache import cached_build
+from mpigpu.core.config import settings
 
 __all__ = [
-    "BuildFailed", "compiler", "compiler_identity", "library_functions", "load_from_memory", "loaded_libraries", "run",
+    "BuildFailed", "build_library", "compiler", "compiler_identity", "library_functions", "load_from_memory",
+    "loaded_libraries", "run",
 ]  # fmt: skip
 
 # the compilers tried per language, after the variable that names one
@@ -62,6 +73,31 @@ def run(command: list[str]) -> str:
     if done.returncode != 0:
         raise BuildFailed(f"{' '.join(command[:2])}... exited {done.returncode}: {done.stderr.strip()[-2000:]}")
     return done.stdout
+
+
+def build_library(language: str, package: str, source_name: str, flags: Sequence[str], *, stem: str, subdir: str,
+                  magic: bytes, what: str, versions: Sequence[str] = (),
+                  extra: Sequence[str] = ()) -> tuple[bytes, bool]:  # fmt: skip
+    """(the shared library built from ``package``'s ``source_name`` with the ``language`` compiler and
+    ``flags`` (then ``extra``), whether it came from the cache): one entry of the private kernel cache's
+    ``subdir`` per source, compiler, ``versions`` (of what the source is built against), flags and machine,
+    named ``stem``-<hash>.v1.so; built in a private temporary directory where the entry is missing or not
+    ours. ``what`` names the cache in messages. BuildFailed off Linux, without a compiler, or where it fails."""
+    if not sys.platform.startswith("linux"):
+        raise BuildFailed("it is built and loaded on Linux only")
+    command = compiler(language)
+    text = resources.files(package).joinpath(source_name).read_text()
+    inputs = "\0".join([text, compiler_identity(command), *versions, " ".join(flags), platform.machine()])
+    name = f"{stem}-{hashlib.sha256(inputs.encode()).hexdigest()[:20]}.v1.so"
+
+    def build() -> bytes:
+        with tempfile.TemporaryDirectory(prefix=f"mpigpu-{stem}-") as scratch:  # created 0700
+            source, built = Path(scratch) / source_name, Path(scratch) / "library.so"
+            source.write_text(text)
+            run([*command, *flags, *extra, str(source), "-o", str(built)])
+            return built.read_bytes()
+
+    return cached_build(settings().cache_dir, subdir, name, magic, build, what)
 
 
 _loaded_fds: list[int] = []  # the memory files of the libraries loaded so far, open for the process's life

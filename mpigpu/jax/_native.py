@@ -28,22 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
-import platform
-import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
-from mpigpu.core.build_cache import cached_build
-from mpigpu.core.config import settings
 from mpigpu.core.dtypes import DType
 from mpigpu.core.errors import ConfigError
-from mpigpu.core.native import BuildFailed, compiler, compiler_identity, library_functions, load_from_memory, run
+from mpigpu.core.native import BuildFailed, build_library, library_functions, load_from_memory
 from mpigpu.core.ops import Op
 
 __all__ = [
@@ -186,26 +178,12 @@ def library() -> Library | str:
 
 
 def _load() -> Library:
-    if not sys.platform.startswith("linux"):
-        raise BuildFailed("it is built and loaded on Linux only")
     import jax
     import jaxlib
 
-    command = compiler("c++")
-    include = jax.ffi.include_dir()
-    text = resources.files("mpigpu.jax").joinpath(SOURCE).read_text()
-    version = compiler_identity(command)
-    inputs = "\0".join([text, version, jaxlib.__version__, " ".join(_FLAGS), platform.machine()])
-    name = f"ffi-handler-{hashlib.sha256(inputs.encode()).hexdigest()[:20]}.v1.so"
-
-    def build() -> bytes:
-        with tempfile.TemporaryDirectory(prefix="mpigpu-ffi-") as scratch:  # created 0700
-            source, built = Path(scratch) / SOURCE, Path(scratch) / "handler.so"
-            source.write_text(text)
-            run([*command, *_FLAGS, "-isystem", include, str(source), "-o", str(built)])
-            return built.read_bytes()
-
-    data, cached = cached_build(settings().cache_dir, _SUBDIR, name, _MAGIC, build, "compiled-handler cache")
+    data, cached = build_library("c++", "mpigpu.jax", SOURCE, _FLAGS, stem="ffi-handler", subdir=_SUBDIR,
+                                 magic=_MAGIC, what="compiled-handler cache", versions=(jaxlib.__version__,),
+                                 extra=("-isystem", jax.ffi.include_dir()))  # fmt: skip
     dll = _from_memory(data)
     if dll.mpigpu_native_slot_bytes() != ctypes.sizeof(Slot):
         raise BuildFailed("its Slot layout differs from mpigpu.jax._native.Slot")

@@ -21,20 +21,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import platform
-import sys
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from mpigpu.core import native
 from mpigpu.core._mpi import MPI
-from mpigpu.core.build_cache import cached_build
 from mpigpu.core.config import settings
 from mpigpu.core.dtypes import DTYPES
 from mpigpu.core.ops import Op
@@ -89,21 +82,8 @@ _state: list[Callable[..., int] | str] = []  # the loaded call, or why there is 
 
 
 def _load() -> Callable[..., int]:
-    if not sys.platform.startswith("linux"):
-        raise native.BuildFailed("it is built and loaded on Linux only")
-    command = native.compiler("c")
-    text = resources.files("mpigpu.job").joinpath(SOURCE).read_text()
-    inputs = "\0".join([text, native.compiler_identity(command), " ".join(_FLAGS), platform.machine()])
-    name = f"board-{hashlib.sha256(inputs.encode()).hexdigest()[:20]}.v1.so"
-
-    def build() -> bytes:
-        with tempfile.TemporaryDirectory(prefix="mpigpu-board-") as scratch:  # created 0700
-            source, built = Path(scratch) / SOURCE, Path(scratch) / "board.so"
-            source.write_text(text)
-            native.run([*command, *_FLAGS, str(source), "-o", str(built)])
-            return built.read_bytes()
-
-    data, _ = cached_build(settings().cache_dir, _SUBDIR, name, _MAGIC, build, "compiled-board cache")
+    data, _ = native.build_library("c", "mpigpu.job", SOURCE, _FLAGS, stem="board", subdir=_SUBDIR, magic=_MAGIC,
+                                   what="compiled-board cache")  # fmt: skip
     dll = native.load_from_memory(data, "mpigpu-board")
     for symbol, struct in (("mpigpu_board_plan_bytes", Plan), ("mpigpu_board_fold_bytes", Fold)):
         function = getattr(dll, symbol)
