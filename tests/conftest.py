@@ -201,6 +201,18 @@ def mpi_nodes(comm: Any) -> list[list[int]]:
     return [list(ranks) for ranks in sorted({tuple(ranks) for ranks in comm.allgather(mine)}, key=min)]
 
 
+def missing_compiler(language: str) -> str | None:
+    """Why mpigpu's compiled helpers cannot be built here for ``language`` ("c" or "c++"), or None: the
+    reason a test that needs one skips with."""
+    from mpigpu.core.native import BuildFailed, compiler
+
+    try:
+        compiler(language)
+    except BuildFailed as exc:
+        return str(exc)
+    return None
+
+
 def load_script(path: Path | str, name: str | None = None) -> Any:
     """A script or sample (not a package module) imported as a module, to call its functions."""
     import importlib.util

@@ -7,19 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import missing_compiler
 
 from mpigpu.core.native import BuildFailed, compiler, load_from_memory, run
 
 
-def _no_c_compiler() -> str | None:
-    try:
-        compiler("c")
-    except BuildFailed as exc:
-        return str(exc)
-    return None
-
-
-@pytest.mark.skipif(_no_c_compiler() is not None, reason=f"no C compiler here: {_no_c_compiler()}")
+@pytest.mark.skipif(missing_compiler("c") is not None, reason=f"no C compiler here: {missing_compiler('c')}")
 def test_two_libraries_loaded_from_memory_stay_two(tmp_path: Path) -> None:
     loaded = []
     for value in (11, 22):

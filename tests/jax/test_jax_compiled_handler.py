@@ -17,13 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_mpi
+from conftest import missing_compiler, run_mpi
 
 jax = pytest.importorskip("jax", reason="jax is not installed (the CI test script installs it)")
 jnp = jax.numpy
 
 from mpigpu.core.errors import ConfigError  # noqa: E402
-from mpigpu.core.native import BuildFailed, compiler  # noqa: E402
 from mpigpu.jax import _native  # noqa: E402
 
 mpi = pytest.mark.mpi(min_size=1)
@@ -31,15 +30,9 @@ mpi = pytest.mark.mpi(min_size=1)
 pytestmark = pytest.mark.usefixtures("jax_x64", "jax_cpu_programs_tokened")
 
 
-def _no_compiler() -> str | None:
-    try:
-        compiler("c++")
-    except BuildFailed as exc:
-        return str(exc)
-    return None
-
-
-needs_compiler = pytest.mark.skipif(_no_compiler() is not None, reason=f"the compiled handler: {_no_compiler()}")
+needs_compiler = pytest.mark.skipif(
+    missing_compiler("c++") is not None, reason=f"the compiled handler: {missing_compiler('c++')}"
+)
 
 
 def _mj():
