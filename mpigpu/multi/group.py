@@ -368,6 +368,8 @@ def fail_participant(k: int, error: BaseException | None, ctx: Context, token: i
             early[k] = Failure(error, 0, siblings)  # no call yet on that communicator: its first fails
         groups = list(_groups)
     for group in groups:
+        if k >= group.count:  # another communicator's group, of fewer devices: k takes no part there
+            continue
         if error is None:
             group.revive(k)
         else:

@@ -590,11 +590,23 @@ def _one_gives_up(lay: Layout, results: dict[int, list[Any]], *, warm: bool, cal
     return threads
 
 
+@pytest.mark.parametrize("beside", [None, "a one-device group"])
 @pytest.mark.parametrize("when", ["after a first call", "before any call on the communicator"])
-def test_a_device_thread_that_raises_in_its_block_fails_the_calls_of_the_others(when: str) -> None:
+def test_a_device_thread_that_raises_in_its_block_fails_the_calls_of_the_others(when: str, beside: str | None) -> None:
     """Rank 0's device 1 leaves its on_device block by an exception without making the call: rank 0's
-    device 0 raises (no hang), and so do every device of the other ranks, at this call and the next."""
+    device 0 raises (no hang), and so do every device of the other ranks, at this call and the next.
+    ``beside``: another communicator's group of one device per process is alive meanwhile (device 1 takes
+    no part there: its failure is not its)."""
     warm = when == "after a first call"
+    with contextlib.ExitStack() as stack:
+        if beside is not None:
+            one = stack.enter_context(devices_comm(1))
+            alone = rows(one.participant(0), np.float64)
+            assert same(mpigpu.allreduce([alone], "sum", comm=one.comm)[0], exact_sum(one, np.float64))
+        _one_gives_up_everywhere(when, warm)
+
+
+def _one_gives_up_everywhere(when: str, warm: bool) -> None:
     with devices_comm(2) as lay:
         results: dict[int, list[Any]] = {k: [] for k in range(lay.n)}
         calls = 2
