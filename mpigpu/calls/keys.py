@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Launch", "array_key", "call_key", "family_key"]
+__all__ = ["Launch", "array_key", "call_key", "family_key", "in_place_key"]
 
 # (stream, x's host array, out's host array): the backend's bound call; the arrays are None for
 # device arrays and for views that hold their own (a persistent request's)
@@ -45,6 +45,12 @@ _NUMPY_FLAGS = 0x1 | 0x2 | 0x100 | 0x400 | 0x2000
 
 def _numpy(x: np.ndarray) -> tuple[Any, ...]:
     return (x.shape, x.dtype, x.flags.num & _NUMPY_FLAGS)
+
+
+def in_place_key(x: np.ndarray, op: Any, backend: Any) -> tuple[Any, ...]:
+    """``call_key`` of a NumPy array reduced in place (``out`` None), the usual call: one flat tuple (no
+    other key starts with a shape)."""
+    return (x.shape, x.dtype, x.flags.num & _NUMPY_FLAGS, op, backend)
 
 
 def _torch(x: Any) -> tuple[Any, ...] | None:
@@ -109,8 +115,8 @@ def call_key(x: Any, op: Any, out: Any, backend: Any) -> tuple[Any, ...] | None:
     (an array type without a cheap key, or two NumPy arrays that may share memory). It may hold an
     unhashable ``op`` or ``backend``: the lookup's TypeError sends the call down the full path."""
     if type(x) is np.ndarray:
-        if out is None:  # NumPy in place, the usual call: one flat tuple (no other key starts with a shape)
-            return (x.shape, x.dtype, x.flags.num & _NUMPY_FLAGS, op, backend)
+        if out is None:
+            return in_place_key(x, op, backend)
         xk: tuple[Any, ...] | None = _numpy(x)
     else:
         xk = _read(x)

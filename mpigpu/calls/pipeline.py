@@ -51,6 +51,7 @@ __all__ = [
     "Record",
     "call",
     "call_async",
+    "call_fused_in_place",
     "check_root",
     "copy_bytes",
     "detach",
@@ -265,6 +266,45 @@ def _recorded_go(ctx: Context, record: Record, args: tuple[Any, ...], stream: St
     if ctx.settings.log:
         family.log(ctx, record)
     return result
+
+
+def call_fused_in_place(name: str, comm: Any, x: np.ndarray, key: tuple[Any, ...]) -> bool:
+    """One call of family ``name`` on NumPy array ``x`` in place whose remembered record (``key``) has a
+    fused launch (a tiny host allreduce: the check and the data in one post on the board): what ``call``,
+    ``find``, ``go`` and the family's ``execute`` do for such a record, with nothing between them. On the
+    GPU machine's cores the road's layers cost a tiny call 1.5-2.6 us of its 8-15 (bench/results/README.md).
+    False, having done nothing, wherever the road has more to do: a thread bound to a device, the
+    timeline or the choice log on, calls queued by the async forms, no such record (then ``call``)."""
+    if thread_binding.__dict__.get("index") is not None or timeline.on:
+        return False
+    ctx = Context.get(comm)
+    try:
+        record = ctx.plan_cache.get(key)
+    except TypeError:  # an unhashable op or backend: the road refuses it on every rank
+        return False
+    if record is None or record.fused is None or record.x.order != "C" or ctx.async_worker is not None \
+            or ctx.settings.log:  # fmt: skip
+        return False
+    ctx.enter(name)
+    try:
+        watchdog = ctx.watchdog
+        if not watchdog.on:
+            record.fused(None, x, x)
+            return True
+        active = watchdog.active
+        ident = get_ident()
+        previous = active.get(ident)
+        active[ident] = (record, "check")  # a fused launch waits in its check (as ``go`` says)
+        try:
+            record.fused(None, x, x)
+        finally:
+            if previous is None:
+                active.pop(ident, None)
+            else:
+                active[ident] = previous
+        return True
+    finally:
+        ctx.leave()
 
 
 def call(family: Family, comm: Any, stream: Any, args: tuple[Any, ...]) -> Any:
