@@ -100,9 +100,10 @@ def _compiled(board: Board, comm: Any, x: ArrayView, op: Op, sig: Signature, pac
     fold = Native.fold(x.dtype.code, op, x.size, result.ctypes.data)
     address = ctypes.addressof(fold)
     agree = board.agree_folding
+    posts = (board.post_row(rows, 0), board.post_row(rows, 1))
 
     def launch(stream: Any, src: np.ndarray, dst: np.ndarray, _fold: Any = fold) -> None:  # _fold: kept alive
-        if not agree(packed, src, rows, address):
+        if not agree(packed, src, posts, address):
             raise_mismatch(comm, sig, "cpu")
         dst[...] = result
 

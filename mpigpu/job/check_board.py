@@ -66,6 +66,9 @@ _PACK = struct.Struct(f"={FIELDS}q").pack  # native int64, as the "q" view reads
 WEAK_ORDER = platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686")
 
 
+Posts = tuple[np.ndarray, np.ndarray]  # this rank's row of a board's ``rows``, per parity (``post_row``)
+
+
 class Board(Protocol):
     """What the check's callers use of a board: this node-shared one, or one across nodes (the two-level
     mpigpu.job.node_mpi_board, the flat mpigpu.job.mpi_board)."""
@@ -80,7 +83,8 @@ class Board(Protocol):
     def agree_packed(self, packed: bytes) -> bool: ...
     def rows(self, dtype: Any, shape: tuple[int, ...]) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]: ...
     def agree_with(self, packed: bytes, data: np.ndarray, rows: tuple[tuple[np.ndarray, ...], ...]) -> Any: ...
-    def agree_folding(self, packed: bytes, data: np.ndarray, rows: Any, fold: int) -> bool: ...
+    def post_row(self, rows: Any, parity: int) -> np.ndarray: ...
+    def agree_folding(self, packed: bytes, data: np.ndarray, posts: Posts, fold: int) -> bool: ...
     def posted(self) -> list[list[int]]: ...
     def reached(self) -> list[int] | None: ...
     def close(self) -> None: ...
@@ -141,14 +145,18 @@ class BoardPosts:
         self.post_row(rows, parity)[...] = data  # before k is posted, as the values are
         return rows[parity] if self.agree_packed(packed) else None
 
-    def agree_folding(self, packed: bytes, data: np.ndarray, rows: Any, fold: int) -> bool:
+    def agree_folding(self, packed: bytes, data: np.ndarray, posts: Posts, fold: int) -> bool:
         """``agree_with`` on the compiled path (``native`` set), the rows reduced there into the result of
-        ``fold`` (a native_board.Fold's address): True where every rank posted ``packed``."""
-        assert self.native is not None
+        ``fold`` (a native_board.Fold's address): True where every rank posted ``packed``. ``posts``: this
+        rank's row per parity (``post_row`` of the board's ``rows``, found once by the caller). A tiny
+        call's hot path: one C call, no other call of Python's."""
+        native = self.native
+        assert native is not None
         k = self.k + 1
-        self.post_row(rows, k & 1)[...] = data  # before k is posted
+        posts[k & 1][...] = data  # before k is posted
         self.k = k
-        return self.native.run(k, packed, fold)
+        rc = native.call(native.addresses[k & 1], k, packed, fold)
+        return rc == 1 or native.verdict(rc)
 
 
 class CheckBoard(BoardPosts):

@@ -164,15 +164,20 @@ class Native:
     """A board's compiled exchange: its two parities' plans (and what they point into)."""
 
     def __init__(self, call: Callable[..., int], plans: Sequence[tuple[Plan, list[Any]]]) -> None:
-        self._call = call
+        self.call = call  # call(addresses[k & 1], k, packed, fold): native_board.c's answer (``verdict``)
         self._keep = plans  # what the plans point into
         self.plans = tuple(p for p, _ in plans)
-        self._plans = tuple(ctypes.addressof(p) for p in self.plans)
+        self.addresses = tuple(ctypes.addressof(p) for p in self.plans)
 
     def run(self, k: int, packed: bytes, fold: int | None = None) -> bool:
         """Check ``k`` of ``packed`` (and, with ``fold``, a Fold's address, the reduction into its result):
         True where every rank posted ``packed``. Collective, as the board's Python check."""
-        rc = self._call(self._plans[k & 1], k, packed, fold)
+        return self.verdict(self.call(self.addresses[k & 1], k, packed, fold))
+
+    @staticmethod
+    def verdict(rc: int) -> bool:
+        """native_board.c's answer: True (1) where every rank posted the same values, False (0) where not;
+        an MPI error code (negated) or an unknown fold raises."""
         if rc >= 0:
             return rc == 1
         if rc == _UNKNOWN_FOLD:
