@@ -51,7 +51,7 @@ __all__ = [
     "Record",
     "call",
     "call_async",
-    "call_fused_in_place",
+    "call_remembered_in_place",
     "check_root",
     "copy_bytes",
     "detach",
@@ -268,13 +268,15 @@ def _recorded_go(ctx: Context, record: Record, args: tuple[Any, ...], stream: St
     return result
 
 
-def call_fused_in_place(name: str, comm: Any, x: np.ndarray, key: tuple[Any, ...]) -> bool:
-    """One call of family ``name`` on NumPy array ``x`` in place whose remembered record (``key``) has a
-    fused launch (a tiny host allreduce: the check and the data in one post on the board): what ``call``,
-    ``find``, ``go`` and the family's ``execute`` do for such a record, with nothing between them. On the
-    GPU machine's cores the road's layers cost a tiny call 1.5-2.6 us of its 8-15 (bench/results/README.md).
-    False, having done nothing, wherever the road has more to do: a thread bound to a device, the
-    timeline or the choice log on, calls queued by the async forms, no such record (then ``call``)."""
+def call_remembered_in_place(name: str, comm: Any, x: np.ndarray, key: tuple[Any, ...]) -> bool:
+    """One call of family ``name`` on NumPy array ``x`` in place whose remembered record (``key``) has its
+    launch bound (every call after the first): what ``call``, ``find``, ``go`` and the family's ``execute``
+    do for such a record, with nothing between them: the check (none where the launch is fused: a tiny
+    host allreduce's check and data in one post on the board), then the launch, both watched as ``go``
+    watches them. On the GPU machine's cores the road's layers cost a call 2-2.5 us more
+    (bench/results/README.md). False, having done nothing, wherever the road has more to do: a thread
+    bound to a device, the timeline or the choice log on, calls queued by the async forms, no such
+    record (then ``call``)."""
     if thread_binding.__dict__.get("index") is not None or timeline.on:
         return False
     ctx = Context.get(comm)
@@ -282,21 +284,30 @@ def call_fused_in_place(name: str, comm: Any, x: np.ndarray, key: tuple[Any, ...
         record = ctx.plan_cache.get(key)
     except TypeError:  # an unhashable op or backend: the road refuses it on every rank
         return False
-    if record is None or record.fused is None or record.x.order != "C" or ctx.async_worker is not None \
-            or ctx.settings.log:  # fmt: skip
+    if record is None or record.x.order != "C" or ctx.async_worker is not None or ctx.settings.log:
         return False
+    fused = record.fused
+    launch = fused or record.launch
+    if launch is None:  # bound on the road, at the record's first launch (collective)
+        return False
+    checked = fused is None and ctx.size > 1 and ctx.settings.check
     ctx.enter(name)
     try:
         watchdog = ctx.watchdog
         if not watchdog.on:
-            record.fused(None, x, x)
+            if checked:
+                check(ctx, record)
+            launch(None, x, x)
             return True
         active = watchdog.active
         ident = get_ident()
         previous = active.get(ident)
-        active[ident] = (record, "check")  # a fused launch waits in its check (as ``go`` says)
         try:
-            record.fused(None, x, x)
+            if checked:
+                active[ident] = (record, "check")
+                check(ctx, record)
+            active[ident] = (record, "data" if fused is None else "check")  # a fused launch waits in its check
+            launch(None, x, x)
         finally:
             if previous is None:
                 active.pop(ident, None)

@@ -28,7 +28,7 @@ from mpigpu.calls.pipeline import (
     Record,
     call,
     call_async,
-    call_fused_in_place,
+    call_remembered_in_place,
     check,
     copy_bytes,
     detach,
@@ -213,8 +213,8 @@ def allreduce(
     way every device of every rank is a participant, and avg divides by their number.
     """
     in_place = type(x) is np.ndarray and out is None
-    if in_place and call_fused_in_place("allreduce", comm, x, in_place_key(x, op, backend)):
-        return x  # a tiny call made before: the hot path of small calls, the road's steps in one function
+    if in_place and call_remembered_in_place("allreduce", comm, x, in_place_key(x, op, backend)):
+        return x  # a call made before: the road's steps for its record in one function
     if over_devices(x):
         from mpigpu.calls.devices import allreduce_devices
 

@@ -1,8 +1,9 @@
-"""The lane of remembered tiny calls (mpigpu.calls.pipeline.call_fused_in_place), under mpiexec -n 2 to 4:
-a NumPy array reduced in place whose record has a fused launch (the check and the data in one post on
-the board) skips the road's layers, and does what the road does for it: the same record, exact results,
-the watchdog's mark while it runs (and the caller's mark back after it), a mismatch raised on every rank
-with the next call paired; where the road has more to do (the choice log, a new call) the road runs."""
+"""The lane of remembered calls (mpigpu.calls.pipeline.call_remembered_in_place), under mpiexec -n 2 to 4:
+a NumPy array reduced in place whose record is remembered and bound skips the road's layers, and does
+what the road does for it, tiny (a fused launch: the check and the data in one post on the board) or
+not (the check, then the launch): the same record, exact results, the watchdog's marks while it runs
+(and the caller's mark back after it), a mismatch raised on every rank with nothing written and the
+next call paired; where the road has more to do (the choice log, a new call, out) the road runs."""
 
 from __future__ import annotations
 
@@ -42,37 +43,41 @@ def test_the_lane_key_is_the_roads_key() -> None:
     assert in_place_key(x.T, "sum", "cpu") == call_key(x.T, "sum", None, "cpu")
 
 
-def test_a_remembered_tiny_call_skips_the_road_and_stays_exact(comm, monkeypatch) -> None:
+@pytest.mark.parametrize("count", [3, 4096])
+def test_a_remembered_call_skips_the_road_and_stays_exact(comm, monkeypatch, count: int) -> None:
     n, rank = comm.Get_size(), comm.Get_rank()
     with fresh_context(comm) as ctx:
-        if ctx.check_board is None:
+        if ctx.check_board is None and count == 3:
             pytest.skip("no check board on this communicator: no fused launch (MPIGPU_CHECK=0?)")
         seen = _counting_go(monkeypatch)
-        x = np.full(3, np.nan, np.float32)  # poison: the first call writes every element
+        x = np.full(count, np.nan, np.float32)  # poison: the first call writes every element
         for step in range(5):
-            x[:] = np.arange(3) + rank + step
+            x[:] = np.arange(count) + rank + step
             assert mpigpu.allreduce(x, "sum", comm=ctx.comm) is x
-            assert np.array_equal(x, n * (np.arange(3) + step) + n * (n - 1) / 2)
+            assert np.array_equal(x, n * (np.arange(count) + step) + n * (n - 1) / 2)
         record = ctx.plan_cache.get(in_place_key(x, "sum", "auto"))
-        assert record is not None and record.fused is not None, "a tiny host allreduce takes the board"
+        assert record is not None and (record.fused is not None) == (count == 3), "a tiny host allreduce is fused"
         assert seen == [record], "the first call took the road (validated, remembered); the four after it did not"
 
 
-def test_the_lane_marks_the_call_for_the_watchdog_and_gives_back_the_callers_mark(comm) -> None:
+@pytest.mark.parametrize("count", [2, 4096])
+def test_the_lane_marks_the_call_for_the_watchdog_and_gives_back_the_callers_mark(comm, count: int) -> None:
+    """A fused launch waits in its check; otherwise the launch is the call's data phase (as ``go`` marks them)."""
     with fresh_context(comm) as ctx:
         if ctx.check_board is None or not ctx.watchdog.on:
             pytest.skip("needs the check board and the watchdog (MPIGPU_CHECK=0 or MPIGPU_TIMEOUT=0?)")
-        x = np.ones(2, np.float64)
+        x = np.ones(count, np.float64)
         mpigpu.allreduce(x, "sum", comm=ctx.comm)
         record = ctx.plan_cache.get(in_place_key(x, "sum", "auto"))
-        fused, active, ident = record.fused, ctx.watchdog.active, get_ident()
+        attribute = "fused" if record.fused is not None else "launch"
+        launch, active, ident = getattr(record, attribute), ctx.watchdog.active, get_ident()
         marks: list[Any] = []
 
         def watched(*args: Any) -> None:
             marks.append(active.get(ident))
-            fused(*args)
+            launch(*args)
 
-        record.fused = watched
+        setattr(record, attribute, watched)
         try:
             mpigpu.allreduce(x, "sum", comm=ctx.comm)
             assert ident not in active, "no mark is left behind"
@@ -81,14 +86,16 @@ def test_the_lane_marks_the_call_for_the_watchdog_and_gives_back_the_callers_mar
             mpigpu.allreduce(x, "sum", comm=ctx.comm)
             assert active.pop(ident) is caller, "the caller's mark is back after the call"
         finally:
-            record.fused = fused
-        assert len(marks) == 2 and all(m == (record, "check") for m in marks), marks
+            setattr(record, attribute, launch)
+        phase = "check" if attribute == "fused" else "data"
+        assert len(marks) == 2 and all(m == (record, phase) for m in marks), marks
 
 
-def test_a_mismatch_on_the_lane_raises_on_every_rank_and_the_next_call_pairs(comm) -> None:
+@pytest.mark.parametrize("count", [4, 4096])
+def test_a_mismatch_on_the_lane_raises_on_every_rank_and_the_next_call_pairs(comm, count: int) -> None:
     n, rank = comm.Get_size(), comm.Get_rank()
     with fresh_context(comm) as ctx:
-        x = np.ones(4, np.float32)
+        x = np.ones(count, np.float32)
         for op in ("sum", "max"):  # both records remembered on every rank
             mpigpu.allreduce(x, op, comm=ctx.comm)
         x[:] = 7.0
