@@ -273,10 +273,10 @@ def call_remembered_in_place(name: str, comm: Any, x: np.ndarray, key: tuple[Any
     launch bound (every call after the first): what ``call``, ``find``, ``go`` and the family's ``execute``
     do for such a record, with nothing between them: the check (none where the launch is fused: a tiny
     host allreduce's check and data in one post on the board), then the launch, both watched as ``go``
-    watches them. On the GPU machine's cores the road's layers cost a call 2-2.5 us more
-    (bench/results/README.md). False, having done nothing, wherever the road has more to do: a thread
-    bound to a device, the timeline or the choice log on, calls queued by the async forms, no such
-    record (then ``call``)."""
+    watches them. On the GPU machine's cores this takes 1-2.5 us off a tiny call of 7-15
+    (bench/results/cpu-nodes-2026-11-29-lane-probes.txt). False, having done nothing, wherever the road
+    has more to do: a thread bound to a device, the timeline or the choice log on, calls queued by the
+    async forms, no such record (then ``call``)."""
     if thread_binding.__dict__.get("index") is not None or timeline.on:
         return False
     ctx = Context.get(comm)
