@@ -3,7 +3,8 @@
 #   serial tests, then the MPI tests under mpiexec with 1, 2, 3 and 4 ranks (3: an odd count, where
 #   MPI takes its non-power-of-two algorithms and averages do not divide evenly), then across MPI's own
 #   nodes (MPICH's fork launcher with named hosts, docs/nodes.md): the whole MPI suite on 2 nodes of 2
-#   ranks, and the reductions' files on uneven nodes of 2 and 1.
+#   ranks and on 3 nodes of 1 (the flat board: one rank per node), and the reductions' files on uneven
+#   nodes of 2 and 1.
 # Needs only Python 3.10+ and pip; MPI comes from the mpich wheel (the `mpi` extra).
 # Usage: scripts/test.sh [extra pytest arguments]      (VENV=path to choose the environment)
 set -euo pipefail
@@ -48,6 +49,7 @@ done
 uneven=(tests/backends tests/test_allreduce_mpi.py tests/test_exchange_mpi.py tests/test_persistent_mpi.py)
 if mpiexec --version 2>&1 | grep -q HYDRA; then
   run "mpi-2x2" mpiexec -launcher fork -hosts nodeA:2,nodeB:2 -n 4 python -m pytest -q --with-mpi --only-mpi "$@"
+  run "mpi-1+1+1" mpiexec -launcher fork -hosts nodeA:1,nodeB:1,nodeC:1 -n 3 python -m pytest -q --with-mpi --only-mpi "$@"
   run "mpi-2+1" mpiexec -launcher fork -hosts nodeA:2,nodeB:1 -n 3 python -m pytest -q --with-mpi --only-mpi \
     "${uneven[@]}" "$@"
 else

@@ -2,7 +2,7 @@
 
 Layout: tests without an ``mpi`` marker run serially (``python -m pytest``); tests marked
 ``@pytest.mark.mpi`` run under ``mpiexec -n N python -m pytest --with-mpi --only-mpi`` (scripts/test.sh
-runs the serial tests, then N = 1, 2, 3 and 4, then across MPI nodes: 2x2 and 2+1, see ``mpi_nodes``).
+runs the serial tests, then N = 1, 2, 3 and 4, then across MPI nodes: 2x2, 1+1+1 and 2+1, see ``mpi_nodes``).
 Tests marked ``gpu`` are skipped, with the reason, where no GPU is visible; MPIGPU_REQUIRE_GPU=1 (set by
 scripts/gpu-check.sh) turns that skip into a failure.
 """

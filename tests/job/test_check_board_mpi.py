@@ -20,6 +20,7 @@ import mpigpu
 from mpigpu.core.errors import InvalidArgument, MismatchError
 from mpigpu.job.check import Signature, check_signature
 from mpigpu.job.check_board import CheckBoard, board_for, open_board
+from mpigpu.job.mpi_board import MpiBoard
 from mpigpu.job.shm import SPIN_S
 
 
@@ -47,7 +48,9 @@ def test_a_thousand_random_checks_agree_with_the_mpi_path_on_every_rank(comm, bo
             board = ctx.check_board
             assert board is not None and board_for(plain) is None
             assert (board.native is not None) == (board_handler == "compiled"), "the path under test"
-            if board.native is not None:  # the node board's waits spin first, the two-level one's yield at once
+            if isinstance(board, MpiBoard) and board.native is not None:  # one rank per node: the flat board
+                assert [p.nwaits for p in board.native.plans] == [0, 0], "MPI_Allgather is all it waits in"
+            elif board.native is not None:  # the node board's waits spin first, the two-level one's yield at once
                 spin = round(SPIN_S * 1e9) if isinstance(board, CheckBoard) else 0
                 assert [p.spin_ns for p in board.native.plans] == [spin] * 2
             random_checks(ctx.comm, plain, rng, 1000)
