@@ -3,7 +3,8 @@ a NumPy array reduced in place whose record is remembered and bound skips the ro
 what the road does for it, tiny (a fused launch: the check and the data in one post on the board) or
 not (the check, then the launch): the same record, exact results, the watchdog's marks while it runs
 (and the caller's mark back after it), a mismatch raised on every rank with nothing written and the
-next call paired; where the road has more to do (the choice log, a new call, out) the road runs."""
+next call paired, the calls queued by the async forms first; where the road has more to do (the choice
+log, a new call, out) the road runs."""
 
 from __future__ import annotations
 
@@ -122,3 +123,25 @@ def test_the_road_runs_where_the_lane_does_not_apply(comm, monkeypatch) -> None:
         mpigpu.allreduce(y, "sum", out=out, comm=ctx.comm)  # not in place: the road
         assert np.all(out == n) and np.all(y == 1.0)
         assert len(seen) == 3, "the first call, the logged one and the one into out all took the road"
+
+
+def test_the_lane_runs_after_the_calls_queued_by_the_async_forms(comm, monkeypatch) -> None:
+    """A blocking call after allreduce_async waits for the queued call, as ``call`` does, on the lane."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    with fresh_context(comm) as ctx:
+        x = np.ones(4, np.float32)
+        mpigpu.allreduce(x, "sum", comm=ctx.comm)  # remembered
+        record = ctx.plan_cache.get(in_place_key(x, "sum", "auto"))
+        seen = _counting_go(monkeypatch)
+        for step in range(3):
+            y = np.full(4096, rank + step, np.float32)
+            handle = mpigpu.allreduce_async(y, "sum", comm=ctx.comm)
+            if ctx.async_worker is None:
+                handle.wait()
+                pytest.skip("MPI below THREAD_MULTIPLE: allreduce_async runs inline, no queue to wait for")
+            x[:] = rank + 1
+            assert mpigpu.allreduce(x, "sum", comm=ctx.comm) is x
+            handle.wait()
+            assert np.all(x == n * (n + 1) / 2)
+            assert np.all(y == n * step + n * (n - 1) / 2)
+        assert record not in seen, "the blocking calls took the lane (the queued ones run go on the worker)"

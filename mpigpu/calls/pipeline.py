@@ -29,6 +29,7 @@ import numpy as np
 
 from mpigpu.backends import backend_code
 from mpigpu.calls.handles import Handle, reject, start
+from mpigpu.calls.keys import in_place_key
 from mpigpu.core import timeline
 from mpigpu.core._cuda import StreamRef, resolve_stream
 from mpigpu.core.arrays import ArrayView, as_view, torch_cpu_array
@@ -268,23 +269,28 @@ def _recorded_go(ctx: Context, record: Record, args: tuple[Any, ...], stream: St
     return result
 
 
-def call_remembered_in_place(name: str, comm: Any, x: np.ndarray, key: tuple[Any, ...]) -> bool:
-    """One call of family ``name`` on NumPy array ``x`` in place whose remembered record (``key``) has its
-    launch bound (every call after the first): what ``call``, ``find``, ``go`` and the family's ``execute``
-    do for such a record, with nothing between them: the check (none where the launch is fused: a tiny
-    host allreduce's check and data in one post on the board), then the launch, both watched as ``go``
-    watches them. On the GPU machine's cores this takes 1-2.5 us off a tiny call of 7-15
-    (bench/results/cpu-nodes-2026-11-29-lane-probes.txt). False, having done nothing, wherever the road
-    has more to do: a thread bound to a device, the timeline or the choice log on, calls queued by the
-    async forms, no such record (then ``call``)."""
+def call_remembered_in_place(name: str, comm: Any, x: np.ndarray, op: Any, backend: Any) -> bool:
+    """One call of family ``name`` on NumPy array ``x`` in place whose remembered record (``in_place_key``)
+    has its launch bound (every call after the first): what ``call``, ``find``, ``go`` and the family's
+    ``execute`` do for such a record, with nothing between them: the calls queued by the async forms
+    first, then the check (none where the launch is fused: a tiny host allreduce's check and data in one
+    post on the board), then the launch, both watched as ``go`` watches them. On the GPU machine's cores
+    this takes 1-2.5 us off a tiny call of 7-15 (bench/results/cpu-nodes-2026-11-29-lane-probes.txt).
+    False, having done nothing, wherever the road has more to do: a thread bound to a device, the
+    timeline or the choice log on (tested before the key is read), no such record (then ``call``).
+
+    The watched check and launch are ``go``'s, written out here rather than shared: a shared helper would
+    put back a call layer on this path; tests/test_remembered_lane_mpi.py holds the two to the same marks."""
     if thread_binding.__dict__.get("index") is not None or timeline.on:
         return False
     ctx = Context.get(comm)
+    if ctx.settings.log:
+        return False
     try:
-        record = ctx.plan_cache.get(key)
+        record = ctx.plan_cache.get(in_place_key(x, op, backend))
     except TypeError:  # an unhashable op or backend: the road refuses it on every rank
         return False
-    if record is None or record.x.order != "C" or ctx.async_worker is not None or ctx.settings.log:
+    if record is None or record.x.order != "C":
         return False
     fused = record.fused
     launch = fused or record.launch
@@ -293,6 +299,9 @@ def call_remembered_in_place(name: str, comm: Any, x: np.ndarray, key: tuple[Any
     checked = fused is None and ctx.size > 1 and ctx.settings.check
     ctx.enter(name)
     try:
+        worker = ctx.async_worker
+        if worker is not None:
+            worker.drain()  # calls queued by the *_async forms on this communicator reach MPI first (``call``)
         watchdog = ctx.watchdog
         if not watchdog.on:
             if checked:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from mpigpu.calls.handles import Handle
-from mpigpu.calls.keys import call_key, family_key, in_place_key
+from mpigpu.calls.keys import call_key, family_key
 from mpigpu.calls.pipeline import (
     Family,
     Record,
@@ -213,7 +213,7 @@ def allreduce(
     way every device of every rank is a participant, and avg divides by their number.
     """
     in_place = type(x) is np.ndarray and out is None
-    if in_place and call_remembered_in_place("allreduce", comm, x, in_place_key(x, op, backend)):
+    if in_place and call_remembered_in_place("allreduce", comm, x, op, backend):
         return x  # a call made before: the road's steps for its record in one function
     if over_devices(x):
         from mpigpu.calls.devices import allreduce_devices
