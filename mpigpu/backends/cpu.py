@@ -52,6 +52,11 @@ WIDE_AVG_BLOCK = 1 << 22
 # division just wrote while it is in cache (256 KiB of float32).
 _AVG_BLOCK = 1 << 16
 _SMALL = 16  # up to this many elements, the NaN search is a Python sum (a ufunc's call costs more)
+# From this many bytes, across nodes that each hold 2 ranks or more, a plain reduction goes as
+# MPI_Reduce_scatter, this rank's block finished (avg's division, the NaN rule), then MPI_Allgatherv: on
+# MPICH 5.0.2 across fork-launched nodes 0.51-0.94x MPI_Allreduce with the NaN read at 64 KiB-8 MiB
+# (2x4, 3x3, 4x2), where one node or one rank per node gave 1.12-1.65x (bench/results/README.md).
+SPLIT_FROM = 64 << 10
 
 # (stream, source, destination): one allreduce, all else fixed; the shape of a bound launch, so that a
 # call record's launch is the reduction itself (the stream is unused: host memory)
@@ -123,6 +128,13 @@ def is_plain(dtype: DType, op: Op) -> bool:
     return op is not Op.AVG
 
 
+def splits(node_sizes: tuple[int, ...], nbytes: int) -> bool:
+    """Whether a plain reduction of ``nbytes`` goes as reduce-scatter and allgather (``SPLIT_FROM``): on
+    several nodes that each hold 2 ranks or more. ``node_sizes`` is the same on every rank, and so is
+    the answer (the check has made ``nbytes`` the same): every rank makes the same MPI calls."""
+    return nbytes >= SPLIT_FROM and len(node_sizes) > 1 and min(node_sizes) >= 2
+
+
 class CpuBackend(Backend):
     """MPI_Allreduce on host memory; float16/bfloat16 go through a reused float32 buffer."""
 
@@ -139,7 +151,8 @@ class CpuBackend(Backend):
         self._acc = np.empty(0, np.float32)
         self._full = np.empty(0, np.uint8)  # reduce_scatter's whole result
         self._blocks = np.empty(0, np.uint8)  # an integer average's widened block and a part's quotient
-        self._reducers: dict[tuple[str, Op, bool], Reduce] = {}
+        self._split_block = np.empty(0, np.uint8)  # this rank's block of a split reduction (``splits``)
+        self._reducers: dict[tuple[str, Op, bool, bool], Reduce] = {}
 
     @classmethod
     def probe(cls, ctx: CommContext) -> Availability:
@@ -161,13 +174,13 @@ class CpuBackend(Backend):
 
     def allreduce(self, x: ArrayView, out: ArrayView, op: Op, stream: StreamRef | None) -> None:
         assert x.host is not None and out.host is not None
-        self._reducer(x.dtype, op, x.same_memory(out))(stream, x.host, out.host)
+        self._reducer(x.dtype, op, x.same_memory(out), x.nbytes)(stream, x.host, out.host)
 
     def bind_allreduce(self, x: ArrayView, out: ArrayView, op: Op) -> Callable[..., None]:
         """The reduction for x's dtype, the op and in-place-or-not chosen once: a call is MPI_Allreduce
         (and, for floats, the NaN search) on the arrays it is lent, or on the views' own. A call
         record's views hold no array (every call lends its own): its launch is the reduction itself."""
-        reduce = self._reducer(x.dtype, op, x.same_memory(out))
+        reduce = self._reducer(x.dtype, op, x.same_memory(out), x.nbytes)
         own_x, own_out = x.host, out.host
         if own_x is None:
             return reduce
@@ -180,15 +193,19 @@ class CpuBackend(Backend):
 
         return call
 
-    def _reducer(self, dtype: DType, op: Op, in_place: bool) -> Reduce:
-        """The allreduce of (source, destination) arrays of ``dtype`` with ``op`` (made once each)."""
-        key = (dtype.name, op, in_place)
+    def _reducer(self, dtype: DType, op: Op, in_place: bool, nbytes: int) -> Reduce:
+        """The allreduce of (source, destination) arrays of ``dtype`` with ``op`` and ``nbytes`` (made
+        once per case: the size only picks ``splits``' route or not)."""
+        split = is_plain(dtype, op) and splits(self.ctx.layout.node_sizes, nbytes)
+        key = (dtype.name, op, in_place, split)
         found = self._reducers.get(key)
         if found is None:
-            found = self._reducers[key] = self._make(dtype, op, in_place)
+            found = self._reducers[key] = self._make(dtype, op, in_place, split)
         return found
 
-    def _make(self, dtype: DType, op: Op, in_place: bool) -> Reduce:
+    def _make(self, dtype: DType, op: Op, in_place: bool, split: bool) -> Reduce:
+        if split:
+            return self._split(dtype, op)
         if is_plain(dtype, op):
             return self._plain(self.ctx.comm, dtype, op, in_place)
         comm, nranks, mpi = self.ctx.comm, self.ctx.size, MPI()
@@ -247,6 +264,40 @@ class CpuBackend(Backend):
 
             return in_float32
         raise AssertionError(f"no reduction for {dtype.name} {op.value}")
+
+    def _split(self, dtype: DType, op: Op) -> Reduce:
+        """A plain reduction as ``splits`` routes it: MPI_Reduce_scatter of the source into this rank's
+        block, the block finished (avg's division; for floats the NaN rule, over 1/N of the elements),
+        then MPI_Allgatherv of the blocks into the destination. Each element is reduced on one rank and
+        copied to the others, so the bits are the same on every rank. In place or not alike: MPI reads
+        the whole source before the destination is written."""
+        comm, kind, mpi_op, rank, nranks = self.ctx.comm, dtype.mpi, op.mpi, self.ctx.rank, self.ctx.size
+        is_float, is_avg = dtype.is_float, op is Op.AVG  # integer avg is never plain
+        counts_of: dict[int, tuple[list[int], list[int]]] = {}  # elements -> every rank's block and offset
+
+        def split(stream: Any, src: np.ndarray, dst: np.ndarray) -> None:
+            size = src.size
+            found = counts_of.get(size)
+            if found is None:
+                if len(counts_of) >= 64:
+                    counts_of.clear()
+                base, extra = divmod(size, nranks)
+                counts = [base + (r < extra) for r in range(nranks)]
+                found = counts_of[size] = (counts, [base * r + min(r, extra) for r in range(nranks)])
+            counts, offsets = found
+            nbytes = counts[rank] * dtype.itemsize
+            if self._split_block.size < nbytes:
+                self._split_block = np.empty(nbytes, np.uint8)
+            block = self._split_block[:nbytes].view(dtype.np)
+            comm.Reduce_scatter([src.reshape(-1), kind], [block, kind], counts, mpi_op)
+            if is_avg:
+                if _divide_has_nan(block, nranks):
+                    canonicalize_nan(block)
+            elif is_float and has_nan(block):
+                canonicalize_nan(block)
+            comm.Allgatherv([block, kind], [dst.reshape(-1), (counts, offsets), kind])
+
+        return split
 
     @staticmethod
     def _plain(comm: Any, dtype: DType, op: Op, in_place: bool) -> Reduce:
@@ -313,7 +364,7 @@ class CpuBackend(Backend):
     def bind_reduce_scatter(self, x: ArrayView, op: Op, rows: list[int]) -> Callable[..., None]:
         """``reduce_scatter`` with the reduction and this rank's elements chosen once: a call is the
         allreduce into the private buffer and one copy of this rank's slice."""
-        reduce, nbytes, kind = self._reducer(x.dtype, op, False), x.nbytes, x.dtype.np
+        reduce, nbytes, kind = self._reducer(x.dtype, op, False, x.nbytes), x.nbytes, x.dtype.np
         per_row = row_bytes(x.shape, x.dtype.itemsize) // x.dtype.itemsize
         start = sum(rows[: self.ctx.rank]) * per_row
         stop = start + rows[self.ctx.rank] * per_row
