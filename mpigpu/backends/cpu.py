@@ -19,6 +19,11 @@ rank reduces every rank's posted data in rank order, then the same NaN rule). No
 pass: IEEE addition and multiplication are commutative, and MPICH's algorithms either compute an
 element on one rank and copy it or have two ranks combine the same two partial results, so only a
 NaN's payload (x86 keeps the first operand's) can differ between ranks.
+
+Across nodes that each hold 2 ranks or more, from SPLIT_FROM bytes (``splits``), a plain reduction is
+MPI_Reduce_scatter, then this rank's block finished (avg's division, the NaN rule: 1/N of the read),
+then MPI_Allgatherv: MPICH's allreduce across such nodes is slower than the two (measured in
+bench/results/README.md), and each element is reduced on one rank, so the bits match everywhere.
 """
 
 from __future__ import annotations

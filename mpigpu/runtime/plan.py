@@ -98,7 +98,7 @@ def layout_rule(node_sizes: tuple[int, ...], nbytes: int) -> Choice | None:
         start = ACROSS_NODES_HOST_FROM if fewest >= FULL_NODE else FEW_PER_NODE_HOST_FROM
         if nbytes >= start:
             return Choice("host", f"layout {layout}: host's two-level path from {size_label(start)}")
-        return Choice("cpu", f"layout {layout}: MPI_Allreduce below {size_label(start)}")
+        return Choice("cpu", f"layout {layout}: MPI's own collectives below {size_label(start)}")
     if nbytes >= ONE_NODE_HOST_FROM:
         return Choice("host", f"layout {layout}: host's shared-memory reduce from {size_label(ONE_NODE_HOST_FROM)}")
     return Choice("cpu", f"layout {layout}: MPI_Allreduce below {size_label(ONE_NODE_HOST_FROM)}")
